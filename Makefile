@@ -1,0 +1,40 @@
+# One task runner: setup, demo, test, lint, bench. Every target sets itself up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup demo test test-fast test-browser lint format bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU build on this machine's disk; then the project with its groups.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U "pip>=25.1"
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e . --group dev --group notebook --group bench
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m enginekit.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check sdk tests benchmarks
+	$(VENV)/bin/ruff format --check sdk tests benchmarks
+
+format: setup
+	$(VENV)/bin/ruff check --fix sdk tests benchmarks
+	$(VENV)/bin/ruff format sdk tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/run.py --output docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info sdk/*.egg-info

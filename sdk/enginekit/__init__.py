@@ -1,0 +1,34 @@
+"""enginekit: run a real LLM engine from notebooks, scripts and unit tests.
+
+>>> from enginekit import Engine, SamplingParams
+>>> with Engine(mode="inproc") as engine:
+...     print(engine.generate("Hello", SamplingParams(max_tokens=8)).text)
+"""
+
+from enginekit.config import EngineConfig, EngineMode
+from enginekit.engine import Engine
+from enginekit.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineShutdownError,
+    EngineStartupError,
+    UtilityCallError,
+)
+from enginekit.outputs import CompletionOutput, RequestOutput
+from enginekit.sampling_params import SamplingParams
+
+__all__ = [
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineError",
+    "EngineMode",
+    "EngineShutdownError",
+    "EngineStartupError",
+    "RequestOutput",
+    "SamplingParams",
+    "UtilityCallError",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,147 @@
+"""EngineConfig: every engine option in one frozen, validated struct that crosses to the engine process."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any, Literal, get_args
+
+import msgspec
+
+__all__ = ["EngineConfig", "EngineMode"]
+
+EngineMode = Literal["inproc", "mp", "async"]
+DEFAULT_MODE: EngineMode = "mp"
+MODE_ENV_VAR = "ENGINEKIT_MODE"
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """All options of an engine, validated once.
+
+    Parameters
+    ----------
+    model
+        A local Hugging Face folder (``config.json``, ``*.safetensors``, ``tokenizer.json``), or ``None`` for
+        the built-in tiny model (seeded random weights, byte-level tokenizer; no files needed).
+    device
+        ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``None`` (CUDA when available, else CPU).
+    dtype
+        ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``None`` (float32 on CPU, bfloat16 on CUDA).
+    max_model_len
+        Longest prompt plus output in tokens; ``None`` takes the checkpoint's limit (capped by the KV cache).
+    block_size
+        Tokens per KV-cache block.
+    num_kv_blocks
+        KV-cache blocks to allocate; ``None`` sizes the cache from ``kv_cache_memory_bytes``.
+    kv_cache_memory_bytes
+        Memory budget of the KV cache when ``num_kv_blocks`` is ``None``.
+    max_num_seqs
+        Most requests in one step.
+    max_num_batched_tokens
+        Most tokens in one step; longer prompts are prefilled in chunks of at most this many.
+    enable_prefix_caching
+        Reuse KV blocks of identical full-block prompt prefixes.
+    seed
+        Seed of the built-in model's weights and of requests sampled without their own seed.
+    num_threads
+        torch intra-op threads in the process that runs the engine core; ``None`` chooses per mode.
+    startup_timeout
+        Seconds to wait for the engine process to report READY.
+    shutdown_timeout
+        Seconds a shutdown waits for running requests to finish; ``0`` aborts them at once.
+    address
+        ``None`` for private IPC sockets, or ``"tcp://HOST:PORT"`` (port ``0`` picks free ports).
+    log_level
+        Engine log level: ``"warning"`` (quiet), ``"info"`` or ``"debug"``.
+    fail_at_step
+        Test hook: the model runner raises at this step number, as a failing executor would.
+    max_pending_outputs
+        Back-pressure bound: output batches the engine process may hold unsent before it stops stepping.
+    """
+
+    model: str | None = None
+    device: str | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+    startup_timeout: float = 120.0
+    shutdown_timeout: float = 0.0
+    address: str | None = None
+    log_level: Literal["warning", "info", "debug"] = "warning"
+    fail_at_step: int | None = None
+    max_pending_outputs: int = 64
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            f"block_size must be a positive power of two, got {self.block_size}",
+        )
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+            f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}",
+        )
+        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be positive")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"max_model_len must be at least 2, got {self.max_model_len}",
+        )
+        _require(
+            self.num_threads is None or self.num_threads >= 1,
+            f"num_threads must be at least 1, got {self.num_threads}",
+        )
+        _require(self.startup_timeout > 0, "startup_timeout must be positive")
+        _require(self.shutdown_timeout >= 0, "shutdown_timeout must be zero or positive")
+        _require(self.max_pending_outputs >= 1, "max_pending_outputs must be at least 1")
+        if self.address is not None and not self.address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"address must start with tcp:// or ipc://, got {self.address!r}")
+        if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    @classmethod
+    def from_options(cls, model: str | os.PathLike[str] | None = None, **options: Any) -> EngineConfig:
+        """Build a config from keyword options; an unknown option raises ``TypeError`` naming the closest."""
+        valid = cls.__struct_fields__
+        for name in options:
+            if name not in valid:
+                close = difflib.get_close_matches(name, valid, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"unknown engine option {name!r}{hint}")
+        model_path = os.fspath(model) if model is not None else None
+        try:
+            return msgspec.convert({"model": model_path, **options}, cls)
+        except msgspec.ValidationError as error:
+            raise ValueError(f"invalid engine option: {error}") from None
+
+    def replace(self, **options: Any) -> EngineConfig:
+        """Return a copy with some options changed (validated like ``from_options``)."""
+        current = msgspec.structs.asdict(self)
+        current.update(options)
+        model = current.pop("model")
+        return EngineConfig.from_options(model, **current)
+
+
+def resolve_mode(mode: str | None) -> EngineMode:
+    """The mode argument, else ``ENGINEKIT_MODE``, else the default ``"mp"``; validated."""
+    chosen = mode if mode is not None else os.environ.get(MODE_ENV_VAR) or DEFAULT_MODE
+    valid = get_args(EngineMode)
+    if chosen not in valid:
+        source = "mode" if mode is not None else MODE_ENV_VAR
+        raise ValueError(f"{source} must be one of {', '.join(map(repr, valid))}, got {chosen!r}")
+    return chosen  # type: ignore[return-value]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

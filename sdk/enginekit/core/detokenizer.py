@@ -1,0 +1,76 @@
+"""Incremental detokenization with stop strings.
+
+Text is released only when it is final: never half a UTF-8 character (the decoder's replacement character
+at the end means "wait for more tokens"), and never characters that could still turn out to be the start of
+a stop string.
+"""
+
+from __future__ import annotations
+
+from enginekit.model.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5  # leading context so that the first token decodes with its correct spacing
+
+
+class IncrementalDetokenizer:
+    __slots__ = (
+        "_emitted",
+        "_ids",
+        "_prefix_offset",
+        "_read_offset",
+        "_stop",
+        "_stop_holdback",
+        "_tokenizer",
+        "text",
+    )
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop = stop
+        self._stop_holdback = max((len(s) for s in stop), default=1) - 1
+        self._emitted = 0
+        self.text = ""  # all decoded output text so far, including what is held back
+
+    def update(self, token_id: int, *, finishing: bool = False) -> str | None:
+        """Add one token; return the stop string if the text now contains one (text is cut before it)."""
+        self._ids.append(token_id)
+        ids = self._ids
+        prefix_text = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset])
+        full_text = self._tokenizer.decode(ids[self._prefix_offset :])
+        if len(full_text) > len(prefix_text) and (finishing or not full_text.endswith(REPLACEMENT)):
+            start = len(self.text)
+            self.text += full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(ids)
+            for stop in self._stop:
+                found = self.text.find(stop, max(0, start - len(stop) + 1))
+                if found >= 0:
+                    self.text = self.text[:found]
+                    return stop
+        return None
+
+    def flush(self) -> str:
+        """Text not yet released, up to what may still be the start of a stop string."""
+        end = max(self._emitted, len(self.text) - self._stop_holdback)
+        return self._release(end)
+
+    def flush_final(self) -> str:
+        """Everything not yet released (the request has finished), including an unfinished character."""
+        pending = self._ids[self._read_offset :]
+        if pending:
+            prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+            full_text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+            self.text += full_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset = len(self._ids)
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,76 @@
+"""Request: the engine core's state of one request (tokens, progress through the KV cache, status)."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from enginekit.core.messages import EngineCoreRequest, FinishReason
+from enginekit.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "detokenizer",
+        "finish_reason",
+        "generator",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "prompt_embeds",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(self, message: EngineCoreRequest, *, detokenizer) -> None:
+        self.request_id = message.request_id
+        self.sampling_params: SamplingParams = message.sampling_params
+        self.arrival_time = message.arrival_time
+        self.prompt_embeds: torch.Tensor | None = message.prompt_embeds
+        self.all_token_ids: list[int] = list(message.prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.detokenizer = detokenizer
+        seed = self.sampling_params.seed
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_cacheable(self) -> bool:
+        # Embedding prompts have no token ids to hash: their KV blocks are never shared.
+        return self.prompt_embeds is None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

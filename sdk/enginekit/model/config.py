@@ -1,0 +1,102 @@
+"""ModelConfig: the architecture numbers of a Llama-family checkpoint, read from its ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+from enginekit.errors import EngineStartupError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ModelConfig:
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise EngineStartupError(
+                f"model folder {folder} has no config.json; expected a Hugging Face checkpoint folder",
+                phase="model load",
+            )
+        raw = json.loads(config_path.read_text())
+        architectures = raw.get("architectures") or []
+        arch = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES),
+            None,
+        )
+        if arch is None:
+            raise EngineStartupError(
+                f"unsupported architecture {architectures or raw.get('model_type')!r} in {config_path}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
+                phase="model load",
+            )
+        rope_theta, rope_type = _rope(raw)
+        if rope_type not in (None, "default"):
+            raise EngineStartupError(
+                f"unsupported rope scaling {rope_type!r} in {config_path}; only default rotary embeddings",
+                phase="model load",
+            )
+        num_heads = raw["num_attention_heads"]
+        max_positions = raw.get("max_position_embeddings", 2048)
+        sliding_window = raw.get("sliding_window")
+        if sliding_window and (arch == "mistral" or raw.get("use_sliding_window")):
+            # NOTE: no sliding-window attention kernel: cap the context where full attention is exact.
+            max_positions = min(max_positions, sliding_window)
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            eos_token_ids=_eos_ids(folder, raw),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+
+def _rope(raw: dict) -> tuple[float, str | None]:
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    return float(theta), rope_type
+
+
+def _eos_ids(folder: Path, raw: dict) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    generation_config = folder / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)

@@ -1,0 +1,66 @@
+"""Tokenizers: the built-in byte-level one and Hugging Face ``tokenizer.json`` through ``tokenizers``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from enginekit.errors import EngineStartupError
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Every UTF-8 byte is one token, after three special tokens: pad 0, bos 1, eos 2."""
+
+    NUM_SPECIAL = 3
+    vocab_size = 256 + NUM_SPECIAL
+    bos_token_id = 1
+    eos_token_id = 2
+
+    def encode(self, text: str) -> list[int]:
+        return [1, *(b + self.NUM_SPECIAL for b in text.encode("utf-8"))]
+
+    def decode(self, token_ids: list[int]) -> str:
+        data = bytes(t - self.NUM_SPECIAL for t in token_ids if t >= self.NUM_SPECIAL and t < 259)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` loaded with the ``tokenizers`` library."""
+
+    def __init__(self, path: Path, *, bos_token_id: int | None, eos_token_id: int | None) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self._tokenizer = RustTokenizer.from_file(str(path))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def load_tokenizer(
+    folder: Path | None, *, bos_token_id: int | None = None, eos_token_id: int | None = None
+) -> Tokenizer:
+    if folder is None:
+        return ByteTokenizer()
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise EngineStartupError(f"model folder {folder} has no tokenizer.json", phase="model load")
+    try:
+        return HFTokenizer(path, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    except Exception as error:
+        raise EngineStartupError(f"cannot read {path}: {error}", phase="model load") from error
