@@ -72,7 +72,9 @@ class ModelRunner:
             if start + num_new == request.num_tokens:
                 logits_rows.append(row + num_new - 1)
                 sampling.append(request)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=self.device))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
+        )
         if decodes:
             self._decode_metadata(meta, decodes, block_tables)
         row = len(decodes)
@@ -81,11 +83,11 @@ class ModelRunner:
             row += num_new
         with torch.inference_mode():
             logits = self.model(
-                torch.tensor(token_ids, device=self.device),
-                torch.tensor(positions, device=self.device),
+                torch.tensor(token_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
                 self.kv_caches,
                 meta,
-                torch.tensor(logits_rows, device=self.device),
+                torch.tensor(logits_rows, dtype=torch.long, device=self.device),
                 [(r, e.to(self.device)) for r, e in embeds],
             )
             output = self.sampler(
