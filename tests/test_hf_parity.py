@@ -82,19 +82,19 @@ def test_text_prompts_use_the_checkpoint_tokenizer(tmp_path):
 
 
 def test_missing_model_folder(tmp_path):
-    with pytest.raises(EngineStartupError, match="model folder .*nowhere' does not exist"):
+    with pytest.raises(EngineStartupError, match=r"model folder .*nowhere' does not exist"):
         Engine(str(tmp_path / "nowhere"), mode="inproc")
 
 
 def test_missing_config_json(tmp_path):
-    with pytest.raises(EngineStartupError, match="has no config.json"):
+    with pytest.raises(EngineStartupError, match=r"has no config\.json"):
         Engine(str(tmp_path), mode="inproc")
 
 
 def test_missing_tokenizer(tmp_path):
     path = build_checkpoint(tmp_path / "llama")
     (path / "tokenizer.json").unlink()
-    with pytest.raises(EngineStartupError, match="has no tokenizer.json"):
+    with pytest.raises(EngineStartupError, match=r"has no tokenizer\.json"):
         Engine(str(path), mode="inproc")
 
 
@@ -110,7 +110,7 @@ def test_unsupported_architecture(tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EngineStartupError, match="unsupported architecture.*GPT2LMHeadModel"):
+    with pytest.raises(EngineStartupError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         Engine(str(path), mode="inproc")
 
 
