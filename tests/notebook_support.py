@@ -45,8 +45,9 @@ CHROMIUM_ARGS = (
     "--disable-component-update",
     "--disable-sync",
     "--disable-dev-shm-usage",
-    # No host name resolves (IP literals such as 127.0.0.1 need none): the page cannot reach out.
-    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost",
+    # Nothing but loopback resolves, so the page cannot reach out. The rules apply to IP
+    # literals too: 127.0.0.1 must be excluded explicitly.
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost",
 )
 # Rendered ipywidgets views: the widget manager mounts each view (class "jupyter-widgets") in an
 # output area. A notebook whose widget manager failed shows only the text/plain fallback
