@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
+import time
 from typing import Any
 
 from enginekit.client.base import EngineCoreClient
@@ -23,6 +25,7 @@ class InprocClient(EngineCoreClient):
     def __init__(self, config: EngineConfig) -> None:
         self._core: EngineCore | None = EngineCore(config)
         self._dead: BaseException | None = None
+        self._undelivered: list = []  # outputs of steps run for a utility call, for the next get_output
         self.max_model_len = self._core.max_model_len
         self.num_kv_blocks = self._core.num_kv_blocks
         import os
@@ -48,6 +51,15 @@ class InprocClient(EngineCoreClient):
         self.core.handle_request(RequestType.ABORT, request_ids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        outputs = self._step()
+        if outputs:
+            self._undelivered.extend(outputs)
+        if not self._undelivered:
+            return None
+        batch, self._undelivered = self._undelivered, []
+        return EngineCoreOutputs(batch)
+
+    def _step(self) -> list:
         core = self.core
         try:
             outputs, _ = core.step()
@@ -55,7 +67,7 @@ class InprocClient(EngineCoreClient):
             self._dead = error
             core.shutdown()
             raise EngineDeadError(f"the in-process engine failed in a step: {error}") from error
-        return EngineCoreOutputs(outputs) if outputs else None
+        return outputs
 
     async def get_output_async(self) -> EngineCoreOutputs:
         import asyncio
@@ -69,11 +81,20 @@ class InprocClient(EngineCoreClient):
     def call_utility(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
         request = UtilityRequest(0, 0, method_name, list(args))
         try:
-            return self.core.handle_request(RequestType.UTILITY, request)
+            result = self.core.handle_request(RequestType.UTILITY, request)
         except (EngineDeadError, EngineShutdownError):
             raise
         except Exception as error:
-            raise UtilityCallError(f"utility {method_name!r} failed: {error}") from error
+            raise UtilityCallError(f"{type(error).__name__}: {error}") from error
+        if isinstance(result, concurrent.futures.Future):
+            # The background process answers when the Future completes; here, steps run until it does.
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not result.done():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s")
+                self._step()
+            return result.result()
+        return result
 
     def shutdown(self, timeout: float | None = None) -> None:
         core, self._core = self._core, None

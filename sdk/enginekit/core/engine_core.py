@@ -6,6 +6,7 @@ one dispatch point; ``step`` schedules, runs the model once, and returns the out
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 import time
@@ -70,6 +71,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self._pending_outputs: list[EngineCoreOutput] = []
+        self._idle_waiters: list[concurrent.futures.Future[dict[str, Any]]] = []
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.start_time = time.monotonic()
@@ -132,7 +134,15 @@ class EngineCore:
             self.kv_cache.cache_full_blocks(request)
         for row, request in enumerate(sampled_requests):
             self._append_token(request, sampled.token_ids[row], row, sampled, outputs)
+        if self._idle_waiters and not self.scheduler.has_unfinished_requests():
+            self._wake_idle_waiters()
         return outputs, True
+
+    def _wake_idle_waiters(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        stats = self.utility_get_stats()
+        for future in waiters:
+            future.set_result(stats)
 
     def _append_token(self, request: Request, token_id: int, row: int, sampled, outputs) -> None:
         request.all_token_ids.append(token_id)
@@ -203,6 +213,14 @@ class EngineCore:
             "uptime_s": time.monotonic() - self.start_time,
         }
 
+    def utility_wait_idle(self) -> concurrent.futures.Future[dict[str, Any]]:
+        """A Future that completes (with the stats) once no request is running or waiting."""
+        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self._idle_waiters.append(future)
+        if not self.scheduler.has_unfinished_requests():
+            self._wake_idle_waiters()
+        return future
+
     def utility_reset_prefix_cache(self) -> bool:
         return self.kv_cache.pool.reset_prefix_cache()
 
@@ -219,6 +237,9 @@ class EngineCore:
         """Release the model, the KV cache and the scheduler's requests, and return device memory."""
         self.abort_all()
         self._pending_outputs.clear()
+        for future in self._idle_waiters:
+            future.cancel()
+        self._idle_waiters.clear()
         self.runner.release()
         gc.collect()
         if self.device.type == "cuda":

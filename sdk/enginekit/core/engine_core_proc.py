@@ -41,6 +41,7 @@ from enginekit.core.messages import (
     UtilityRequest,
 )
 from enginekit.core.serial import MsgpackDecoder, MsgpackEncoder
+from enginekit.model.runner import ExecutorError
 
 logger = logging.getLogger("enginekit.engine_process")
 
@@ -129,7 +130,12 @@ class EngineCoreProc(EngineCore):
             time.sleep(GIL_YIELD_S)
             if self.shutdown_state is not ShutdownState.RUNNING or not self.output_thread.is_alive():
                 break
-        outputs, ran_forward = self.step()
+        try:
+            outputs, ran_forward = self.step()
+        except ExecutorError as error:
+            # The executor's failure callback: the loop raises "Executor failed." when it reads this.
+            self.input_queue.put_nowait((RequestType.EXECUTOR_FAILED, str(error)))
+            return
         if outputs:
             self.output_queue.put_nowait(EngineCoreOutputs(outputs, timestamp=time.monotonic()))
         if not ran_forward and self.scheduler.has_unfinished_requests():
@@ -289,7 +295,10 @@ class EngineCoreProc(EngineCore):
         except ValueError:
             logger.warning("dropped a message with unknown request type %r", frames[0].bytes[:16])
             return None
-        if request_type in (RequestType.WAKEUP, RequestType.EXECUTOR_FAILED):
+        if request_type is RequestType.EXECUTOR_FAILED:
+            logger.warning("dropped an EXECUTOR_FAILED message from the socket (it is internal only)")
+            return None
+        if request_type is RequestType.WAKEUP:
             return (request_type, None) if len(frames) == 1 else None
         if len(frames) < 2:
             logger.warning("dropped a %s message without a body", request_type.name)

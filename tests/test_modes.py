@@ -1,0 +1,220 @@
+"""The three modes give the same results; the background process handles every request type."""
+
+import asyncio
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from enginekit import Engine, EngineDeadError, EngineShutdownError, SamplingParams, UtilityCallError
+from enginekit.client.sync_mp import SyncMPClient
+from enginekit.config import EngineConfig
+from enginekit.core.messages import EngineCoreRequest, RequestType, ShutdownRequest
+
+MODES = ["inproc", "mp", "async"]
+PROMPTS = ["Parity across modes", "second prompt", "3", "The fourth one is a little longer than the rest"]
+
+
+def run_workload(engine):
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    seeded = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=i) for i in range(4)]
+    logprobs = SamplingParams(max_tokens=4, temperature=0, logprobs=2)
+    results = {
+        "greedy": engine.generate(PROMPTS, greedy),
+        "seeded": engine.generate(PROMPTS, seeded),
+        "logprobs": engine.generate(PROMPTS[:1], logprobs),
+        # Chunk boundaries of a stream depend on timing; the final output does not.
+        "stream": list(engine.stream(PROMPTS[0], greedy))[-1:],
+        "async": asyncio.run(engine.agenerate(PROMPTS[1:3], greedy)),
+    }
+    return {
+        key: [
+            (o.outputs[0].token_ids, o.text, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outs
+        ]
+        for key, outs in results.items()
+    }
+
+
+def test_same_tokens_and_text_in_every_mode():
+    results = {}
+    for mode in MODES:
+        with Engine(mode=mode) as engine:
+            results[mode] = run_workload(engine)
+    assert results["mp"] == results["inproc"]
+    assert results["async"] == results["inproc"]
+    # The logprobs tensors crossed the process boundary intact.
+    logprobs = results["mp"]["logprobs"][0][3]
+    assert len(logprobs) == 4 and all(len(entry) >= 2 for entry in logprobs)
+
+
+@pytest.fixture(scope="module", params=["mp", "async"])
+def engine(request):
+    with Engine(mode=request.param) as engine:
+        yield engine
+
+
+def test_abort_mid_stream(engine):
+    stream = engine.stream("Abort this one", SamplingParams(max_tokens=500, temperature=0))
+    first = next(stream)
+    engine.abort(first.request_id)
+    last = list(stream)[-1]
+    assert last.outputs[0].finish_reason == "abort"
+    stats = engine.call_utility("wait_idle")
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_utility_calls(engine):
+    assert engine.ping()
+    stats = engine.get_stats()
+    assert stats["engine_pid"] != os.getpid() and stats["mode"] == engine.mode
+    assert {"num_running_requests", "kv_cache_usage", "prefix_cache_hit_rate"} <= set(stats)
+    assert engine.reset_prefix_cache() is True
+    assert engine.call_utility("sleep", 0.01) == 0.01
+
+
+def test_unknown_utility_fails_clearly_and_engine_lives(engine):
+    with pytest.raises(UtilityCallError, match="unknown utility method 'frobnicate'"):
+        engine.call_utility("frobnicate", 1)
+    with pytest.raises(UtilityCallError, match="TypeError"):
+        engine.call_utility("sleep")  # missing argument
+    assert engine.ping()
+
+
+def test_utility_returning_a_future_answers_when_done(engine):
+    done = threading.Event()
+
+    def generate():
+        engine.generate("Keep busy", SamplingParams(max_tokens=40, temperature=0))
+        done.set()
+
+    if engine.mode == "async":
+        stats = asyncio.run(_busy_then_wait_idle(engine))
+    else:
+        worker = threading.Thread(target=generate)
+        worker.start()
+        stats = engine.call_utility("wait_idle", timeout=60)
+        worker.join()
+    assert stats["num_running_requests"] == 0 and stats["num_generated_tokens"] >= 40
+
+
+async def _busy_then_wait_idle(engine):
+    task = asyncio.create_task(engine.agenerate("Keep busy", SamplingParams(max_tokens=40, temperature=0)))
+    await asyncio.sleep(0.05)
+    stats = await engine.acall_utility("wait_idle", timeout=60)
+    await task
+    return stats
+
+
+def test_utility_timeout(engine):
+    with pytest.raises(TimeoutError, match=r"did not answer within 0\.05s"):
+        engine.call_utility("sleep", 1.0, timeout=0.05)
+    assert engine.ping()
+
+
+def test_prompt_embeds_cross_the_process_boundary(engine):
+    with Engine(mode="inproc") as local:
+        ids = local.tokenizer.encode("Embeddings travel as tensor frames")
+        weight = local.client.core.runner.model.embed_tokens.weight
+        embeds = weight[torch.tensor(ids)].clone()
+        expected = local.generate(ids, SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].token_ids
+    out = engine.generate({"prompt_embeds": embeds}, SamplingParams(max_tokens=6, temperature=0))
+    assert out[0].outputs[0].token_ids == expected
+
+
+def test_wakeup_does_nothing(engine):
+    engine.client._send(RequestType.WAKEUP)
+    assert engine.ping()
+
+
+def test_ipc_sockets_in_a_private_directory_removed_on_shutdown():
+    engine = Engine(mode="mp")
+    run_dir = engine.client.process.run_dir
+    assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+    assert sorted(os.listdir(run_dir)) == ["input.sock", "output.sock"]
+    other = Engine(mode="mp")
+    assert other.client.process.run_dir != run_dir
+    other.shutdown()
+    engine.shutdown()
+    assert not os.path.exists(run_dir)
+
+
+def test_calls_after_shutdown_raise_shutdown_error():
+    engine = Engine(mode="mp")
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    with pytest.raises(EngineShutdownError, match=r"call engine.restart\(\)"):
+        engine.generate("x")
+    engine.restart(mode="inproc")
+    assert engine.generate("x", SamplingParams(max_tokens=2))[0].finished
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["mp", "async"])
+def test_injected_executor_failure_is_an_engine_death(mode):
+    engine = Engine(mode=mode, fail_at_step=3)
+    try:
+        with pytest.raises(EngineDeadError, match=r"fatal error.*exited with code 1") as info:
+            engine.generate("die", SamplingParams(max_tokens=20))
+        assert "injected executor failure at step 3" in str(info.value)
+        assert "Executor failed" in str(info.value)
+        with pytest.raises(EngineDeadError):
+            engine.ping()
+        engine.restart(fail_at_step=None)
+        assert engine.ping()
+    finally:
+        engine.shutdown()
+
+
+# ---- the engine process's shutdown protocol, at the client level ----------------------------------------
+
+
+def collect_until_finished(client, request_ids):
+    finished = {}
+    while len(finished) < len(request_ids):
+        batch = client.get_output(timeout=30)
+        assert batch is not None, "no output within 30 s"
+        for out in batch.outputs:
+            if out.finish_reason is not None:
+                finished[out.request_id] = out
+    return finished
+
+
+def add(client, request_id, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    client.add_request(EngineCoreRequest(request_id, [1, 70, 71, 72], params))
+
+
+def test_shutdown_with_timeout_zero_aborts_every_request():
+    client = SyncMPClient(EngineConfig())
+    try:
+        for i in range(3):
+            add(client, f"r{i}", 10_000)
+        client.get_output(timeout=30)  # they are running
+        client._send(RequestType.SHUTDOWN, ShutdownRequest(0.0))
+        finished = collect_until_finished(client, ["r0", "r1", "r2"])
+        assert {out.finish_reason.value for out in finished.values()} == {"abort"}
+        assert client.process.wait_dead(10) and client.process.poll() == 0
+    finally:
+        client.shutdown()
+
+
+def test_shutdown_with_timeout_drains_and_rejects_new_work():
+    client = SyncMPClient(EngineConfig())
+    try:
+        add(client, "running", 30)
+        client.get_output(timeout=30)
+        client._send(RequestType.SHUTDOWN, ShutdownRequest(60.0))
+        add(client, "late", 5)
+        with pytest.raises(UtilityCallError, match="Server shutting down"):
+            client.call_utility("ping", timeout=30)
+        finished = collect_until_finished(client, ["running", "late"])
+        assert finished["running"].finish_reason.value == "length"
+        assert (finished["late"].finish_reason.value, finished["late"].stop_reason) == (
+            "abort",
+            "engine shutting down",
+        )
+        assert client.process.wait_dead(10) and client.process.poll() == 0
+    finally:
+        client.shutdown()
