@@ -55,6 +55,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         Engine log level: ``"warning"`` (quiet), ``"info"`` or ``"debug"``.
     fail_at_step
         Test hook: the model runner raises at this step number, as a failing executor would.
+    debug_load_delay_s
+        Test hook: the engine sleeps this long while loading the model (startup deadlines, orphans mid-load).
     max_pending_outputs
         Back-pressure bound: output batches the engine process may hold unsent before it stops stepping.
     """
@@ -76,6 +78,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     address: str | None = None
     log_level: Literal["warning", "info", "debug"] = "warning"
     fail_at_step: int | None = None
+    debug_load_delay_s: float = 0.0
     max_pending_outputs: int = 64
 
     def __post_init__(self) -> None:

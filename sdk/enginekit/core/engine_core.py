@@ -39,6 +39,8 @@ class EngineCore:
         self.device, self.dtype = resolve_device(config)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if config.debug_load_delay_s:
+            time.sleep(config.debug_load_delay_s)
         self.model_config = load_model_config(config.model)
         self.tokenizer = load_tokenizer(
             _folder(config.model),
