@@ -126,7 +126,8 @@ class EngineProcess:
         if proc is not None:
             deadline = time.monotonic() + timeout
             if not self.wait_dead(max(0.0, deadline - time.monotonic())):
-                logger.warning("engine process %d did not exit in %.1fs; terminating", proc.pid, timeout)
+                log = logger.warning if timeout > 0 else logger.debug
+                log("engine process %d did not exit in %.1fs; terminating", proc.pid, timeout)
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
                 if not self.wait_dead(5.0):

@@ -427,7 +427,10 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.config.num_threads)
-    code = run_engine_core(args)
+    try:
+        code = run_engine_core(args)
+    except SystemExit as exit_request:  # a signal during startup
+        code = exit_request.code if isinstance(exit_request.code, int) else 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # NOTE: daemon IO threads may sit in blocking socket calls; do not wait for them
