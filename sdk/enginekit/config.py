@@ -51,6 +51,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         Seconds a shutdown waits for running requests to finish; ``0`` aborts them at once.
     address
         ``None`` for private IPC sockets, or ``"tcp://HOST:PORT"`` (port ``0`` picks free ports).
+    start_method
+        How the engine process starts: ``"launcher"`` forks it from a launcher process that imported torch
+        once (fast restarts; Linux), ``"spawn"`` starts a fresh interpreter every time.
     log_level
         Engine log level: ``"warning"`` (quiet), ``"info"`` or ``"debug"``.
     fail_at_step
@@ -76,6 +79,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     startup_timeout: float = 120.0
     shutdown_timeout: float = 0.0
     address: str | None = None
+    start_method: Literal["launcher", "spawn"] = "launcher"
     log_level: Literal["warning", "info", "debug"] = "warning"
     fail_at_step: int | None = None
     debug_load_delay_s: float = 0.0

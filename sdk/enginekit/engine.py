@@ -19,7 +19,9 @@ from enginekit.core.messages import EngineCoreRequest
 from enginekit.errors import EngineDeadError, EngineShutdownError
 from enginekit.model.loader import load_model_config
 from enginekit.model.tokenizer import load_tokenizer
+from enginekit.notebook.background import GenerationHandle
 from enginekit.notebook.loop import run_sync
+from enginekit.notebook.viewer import Viewer, check_viewer_argument
 from enginekit.output_processor import OutputProcessor, RequestState
 from enginekit.outputs import RequestOutput
 from enginekit.prompts import Prompt, normalize_params, normalize_prompts, prepare_prompt
@@ -186,6 +188,7 @@ class Engine:
 
         Raises ``KeyboardInterrupt`` after aborting this call's requests when interrupted.
         """
+        check_viewer_argument(viewer)
         prepared = self._prepare(prompts, params)
         if self.mode == "async":
             return run_sync(
@@ -272,6 +275,7 @@ class Engine:
         _prepared: list | None = None,
     ) -> list[RequestOutput]:
         """Async ``generate``: awaits all outputs without blocking the loop (any mode)."""
+        check_viewer_argument(viewer)
         prepared = _prepared if _prepared is not None else self._prepare(prompts, params)
         states = await self._asubmit(prepared)
         watcher = _make_watcher(self, states, progress, viewer)
@@ -309,6 +313,54 @@ class Engine:
         finally:
             if not state.finished:
                 await self._aabort_unfinished([state])
+
+    def generate_background(
+        self,
+        prompts: Any,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        progress: bool | None = None,
+        viewer: Any = None,
+    ) -> GenerationHandle:
+        """Start generating on this thread's running asyncio loop and return a handle at once.
+
+        Only in ``"async"`` mode. In a notebook the cell returns immediately; the kernel's loop runs the
+        generation between and during later cells, and a viewer keeps updating. ``await handle`` (or
+        ``handle.result()``) gives one finished ``RequestOutput`` per prompt; ``handle.cancel()`` aborts.
+
+        Parameters
+        ----------
+        prompts, params, progress, viewer
+            As for ``generate``. A viewer is displayed in the calling cell before this returns.
+
+        Raises
+        ------
+        RuntimeError
+            In another mode, or with no asyncio loop running in this thread (a plain script).
+        """
+        if self.mode != "async":
+            raise RuntimeError(
+                f"generate_background needs mode='async', this engine runs in mode={self.mode!r}: "
+                "call engine.restart(mode='async') first, or use engine.generate"
+            )
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "generate_background needs a running asyncio loop in this thread: call it from a notebook "
+                "cell or a coroutine (in a script, inside asyncio.run(...)), or use engine.generate"
+            ) from None
+        check_viewer_argument(viewer)
+        _ = self.client  # raises EngineShutdownError here rather than inside the task
+        prepared = self._prepare(prompts, params)
+        if viewer is True:
+            viewer = Viewer()
+        if isinstance(viewer, Viewer):
+            viewer.show()
+        else:
+            viewer = None
+        coro = self.agenerate(prompts, params, progress=progress, viewer=viewer, _prepared=prepared)
+        return GenerationHandle(coro, num_prompts=len(prepared), viewer=viewer)
 
     async def _asubmit(self, prepared: list[tuple[Prompt, SamplingParams]]) -> list[RequestState]:
         client = self.client

@@ -56,7 +56,7 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count(1)
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
-        self.process = EngineProcess()
+        self.process = EngineProcess(config.start_method)
         self._context = zmq.Context(io_threads=1)
         try:
             self._open_sockets()
@@ -222,7 +222,7 @@ class MPClient(EngineCoreClient):
             f"{reason}; {status}. Call engine.restart() to start a new engine."
             + (f"\nLast engine output:\n{tail}" if tail else "")
         )
-        logger.error("%s", self._dead_error)
+        logger.info("%s", self._dead_error)
         self._fail_waiters(self._dead_error)
 
     def _deliver(self, outputs: EngineCoreOutputs) -> None:

@@ -62,8 +62,6 @@ def load_model(
     module.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         module.lm_head.weight = module.embed_tokens.weight
-    # Buffers are not in the checkpoint: rebuild the rotary tables on the real device.
-    module.rotary = type(module.rotary)(config.head_dim, config.max_position_embeddings, config.rope_theta)
     return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

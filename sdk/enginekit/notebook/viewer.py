@@ -1,0 +1,380 @@
+"""Viewer: watch requests live — an ipywidgets panel in Jupyter, throttled plain text elsewhere.
+
+``engine.generate(..., viewer=True)`` (or ``viewer=Viewer(...)``) attaches the requests of that call to a
+viewer. The generate loop calls ``update()`` after every routed batch; the viewer renders at most once per
+``min_interval_s`` whatever the token rate, and only the rows whose request changed since the last render.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, TextIO
+
+from enginekit.notebook.text_view import TextView
+from enginekit.notebook.widget_view import WidgetView
+
+if TYPE_CHECKING:
+    from enginekit.engine import Engine
+    from enginekit.output_processor import RequestState
+
+__all__ = ["Viewer", "ViewerKind", "attach_viewer", "in_jupyter"]
+
+ViewerKind = Literal["auto", "widget", "text"]
+
+
+def in_jupyter() -> bool:
+    """Whether this code runs in a Jupyter (IPython) kernel, where widgets can be shown."""
+    ipython = sys.modules.get("IPython")  # a kernel has imported it already; never import it here
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _why_no_widgets() -> str | None:
+    """``None`` when the widget view can be shown here, else the reason it cannot."""
+    if not in_jupyter():
+        return "not running in a Jupyter kernel"
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return "ipywidgets is not installed (pip install ipywidgets)"
+    return None
+
+
+class RequestRow:
+    """What the viewer knows about one request; read by the views."""
+
+    __slots__ = ("engine_ref", "finished_at", "rendered_version", "started_at", "state")
+
+    def __init__(self, state: RequestState, engine: Engine, now: float) -> None:
+        self.state = state
+        self.engine_ref = weakref.ref(engine)
+        self.started_at = now
+        self.finished_at: float | None = None
+        self.rendered_version = -1
+
+    @property
+    def request_id(self) -> str:
+        return self.state.output.request_id
+
+    @property
+    def prompt(self) -> str | None:
+        return self.state.output.prompt
+
+    @property
+    def text(self) -> str:
+        return self.state.completion.text
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.state.completion.token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.state.completion.finish_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    def tokens_per_s(self, now: float) -> float:
+        elapsed = (self.finished_at if self.finished_at is not None else now) - self.started_at
+        return self.num_tokens / elapsed if elapsed > 0 else 0.0
+
+    def observe(self, now: float) -> bool:
+        """Note the request's progress; True when it changed since the last render."""
+        if self.state.finished and self.finished_at is None:
+            self.finished_at = now
+        if self.state.version == self.rendered_version:
+            return False
+        self.rendered_version = self.state.version
+        return True
+
+
+class Viewer:
+    """Live view of generation: one row per request and an engine panel.
+
+    In a Jupyter kernel with ipywidgets each row shows the text as it streams in, the token count, tokens/s,
+    the finish reason and an *Abort* button; a *Stop all* button aborts every running request of the viewer,
+    and the panel shows the engine's mode, process id, running and waiting requests, KV-cache usage and
+    prefix-cache hit rate. Elsewhere (a script, a terminal, no ipywidgets) it prints a one-time note saying
+    why, then a plain-text progress line every ``text_interval_s`` seconds and a summary at the end.
+
+    Parameters
+    ----------
+    kind
+        ``"auto"`` (widgets in Jupyter when ipywidgets is installed, else text), ``"widget"`` (build the
+        widgets anyway; they are displayed only in a Jupyter kernel) or ``"text"``.
+    max_chars
+        Each row shows the last ``max_chars`` characters of its text.
+    min_interval_s
+        Least time between two renders: no widget is updated more often than ``1 / min_interval_s`` times a
+        second, however fast tokens arrive.
+    stats_interval_s
+        Least time between two engine-statistics requests for the panel.
+    text_interval_s
+        Least time between two plain-text progress lines.
+    stream
+        Where the plain-text view writes (default: ``sys.stderr`` at the time of writing).
+
+    Examples
+    --------
+    >>> viewer = Viewer()
+    >>> outputs = engine.generate(prompts, params, viewer=viewer)  # or simply viewer=True
+
+    Notes
+    -----
+    The buttons act while the kernel reads widget messages: during ``await engine.agenerate(...)``, any
+    ``"async"``-mode call and ``engine.generate_background(...)``. A blocking ``generate`` in ``"mp"`` or
+    ``"inproc"`` mode holds the kernel until it returns; interrupt the kernel to stop it.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: ViewerKind = "auto",
+        max_chars: int = 400,
+        min_interval_s: float = 0.1,
+        stats_interval_s: float = 0.5,
+        text_interval_s: float = 2.0,
+        stream: TextIO | None = None,
+    ) -> None:
+        if kind not in ("auto", "widget", "text"):
+            raise ValueError(f"kind must be 'auto', 'widget' or 'text', got {kind!r}")
+        if max_chars < 1:
+            raise ValueError(f"max_chars must be at least 1, got {max_chars}")
+        for name, value in (
+            ("min_interval_s", min_interval_s),
+            ("stats_interval_s", stats_interval_s),
+            ("text_interval_s", text_interval_s),
+        ):
+            if not value >= 0:
+                raise ValueError(f"{name} must be zero or positive, got {value}")
+        self.max_chars = max_chars
+        self.min_interval_s = min_interval_s
+        self.stats_interval_s = stats_interval_s
+        self.rows: list[RequestRow] = []
+        self._clock: Callable[[], float] = time.monotonic
+        self._last_render = -math.inf
+        self._started_at: float | None = None
+        self._engine_ref: weakref.ref[Engine] | None = None
+        self._stats: dict[str, Any] | None = None
+        self._stats_error: str | None = None
+        self._stats_at = -math.inf
+        self._stats_task: asyncio.Task[Any] | None = None
+        self._num_attached = 0
+        self._ticker: asyncio.TimerHandle | None = None
+        self._shown = False
+        reason = _why_no_widgets() if kind == "auto" else ("" if kind == "text" else None)
+        self._view: WidgetView | TextView
+        if reason is None:
+            self._view = WidgetView(self, on_abort=self._abort_rows)
+        else:
+            self._view = TextView(self, reason=reason, interval_s=text_interval_s, stream=stream)
+        self.kind: Literal["widget", "text"] = "widget" if isinstance(self._view, WidgetView) else "text"
+
+    # ---- public -------------------------------------------------------------------------------------
+    @property
+    def widget(self) -> Any:
+        """The root ipywidgets container (``None`` for the text view)."""
+        return self._view.root if isinstance(self._view, WidgetView) else None
+
+    def show(self) -> None:
+        """Display the viewer in the current cell (once; later calls do nothing)."""
+        if self._shown:
+            return
+        self._shown = True
+        self._view.show()
+
+    def refresh(self, *, force: bool = False) -> None:
+        """Render what changed since the last render; throttled to one render per ``min_interval_s``."""
+        now = self._clock()
+        if not force and now - self._last_render < self.min_interval_s:
+            return
+        self._last_render = now
+        self._maybe_refresh_stats(now)
+        changed = [row for row in self.rows if row.observe(now)]
+        self._view.render(changed, now, final=self._num_attached == 0)
+
+    def abort_all(self) -> None:
+        """Abort every request of this viewer that is still running."""
+        self._abort_rows([row for row in self.rows if not row.finished])
+
+    def clear(self) -> None:
+        """Forget the finished rows (running ones stay)."""
+        self.rows = [row for row in self.rows if not row.finished]
+        self._view.set_rows(self.rows)
+
+    def summary(self) -> dict[str, Any]:
+        """The numbers the panel shows: requests, tokens, throughput and the latest engine statistics."""
+        now = self._clock()
+        engine = self._engine_ref() if self._engine_ref is not None else None
+        num_tokens = sum(row.num_tokens for row in self.rows)
+        ends = [row.finished_at for row in self.rows if row.finished_at is not None]
+        end = max(ends) if self._num_attached == 0 and ends else now
+        elapsed = end - self._started_at if self._started_at is not None else 0.0
+        reasons: dict[str, int] = {}
+        for row in self.rows:
+            if row.finish_reason is not None:
+                reasons[row.finish_reason] = reasons.get(row.finish_reason, 0) + 1
+        return {
+            "mode": engine.mode if engine is not None else None,
+            "engine_pid": engine.engine_pid if engine is not None else None,
+            "num_requests": len(self.rows),
+            "num_finished": sum(1 for row in self.rows if row.finished),
+            "finish_reasons": reasons,
+            "num_tokens": num_tokens,
+            "elapsed_s": elapsed,
+            "tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
+            "active": self._num_attached > 0,
+            "stats": self._stats,
+            "stats_error": self._stats_error,
+        }
+
+    def _ipython_display_(self) -> None:
+        self.show()
+
+    def __repr__(self) -> str:
+        done = sum(1 for row in self.rows if row.finished)
+        return f"Viewer(kind={self.kind!r}, {done}/{len(self.rows)} requests finished)"
+
+    # ---- the generate loop's side -------------------------------------------------------------------
+    def attach(self, engine: Engine, states: list[RequestState]) -> ViewerWatch:
+        """Add rows for ``states`` and start watching them; ``close()`` the returned watch when done."""
+        now = self._clock()
+        new_rows = [RequestRow(state, engine, now) for state in states]
+        self.rows.extend(new_rows)
+        self._engine_ref = weakref.ref(engine)
+        if self._num_attached == 0:
+            self._started_at = now
+            self._stats_at = -math.inf
+        self._num_attached += 1
+        self._view.add_rows(new_rows)
+        self.show()
+        self.refresh(force=True)
+        self._start_ticker()
+        return ViewerWatch(self)
+
+    def _detach(self) -> None:
+        self._num_attached -= 1
+        if self._num_attached > 0:
+            return
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+        self._stats_at = -math.inf
+        self.refresh(force=True)
+
+    def _start_ticker(self) -> None:
+        # Renders while the loop runs even when no batch concerns the request the generate loop awaits. A
+        # blocking generate never lets the loop run, and cancels the timer in close() before it fires.
+        if self._ticker is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._ticker = loop.call_later(max(self.min_interval_s, 0.02), self._tick)
+
+    def _tick(self) -> None:
+        self._ticker = None
+        if self._num_attached > 0:
+            self.refresh()
+            self._start_ticker()
+
+    # ---- engine statistics --------------------------------------------------------------------------
+    def _maybe_refresh_stats(self, now: float) -> None:
+        if now - self._stats_at < self.stats_interval_s:
+            return
+        engine = self._engine_ref() if self._engine_ref is not None else None
+        if engine is None or not engine.is_running:
+            return
+        self._stats_at = now
+        if engine.mode == "async":
+            # NOTE: a sync utility call here would re-enter the loop that runs this very generate loop.
+            self._refresh_stats_in_task(engine)
+            return
+        try:
+            self._stats = engine.call_utility("get_stats", timeout=5.0)
+            self._stats_error = None
+        except Exception as error:
+            self._stats_error = f"{type(error).__name__}: {error}"
+
+    def _refresh_stats_in_task(self, engine: Engine) -> None:
+        if self._stats_task is not None and not self._stats_task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._stats_task = loop.create_task(
+            engine.acall_utility("get_stats", timeout=5.0), name="enginekit-viewer-stats"
+        )
+        self._stats_task.add_done_callback(self._on_stats)
+
+    def _on_stats(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            self._stats_error = f"{type(error).__name__}: {error}"
+        else:
+            self._stats, self._stats_error = task.result(), None
+        if self._num_attached == 0:
+            self._view.render([], self._clock(), final=True)
+
+    # ---- buttons ------------------------------------------------------------------------------------
+    def _abort_rows(self, rows: list[RequestRow]) -> None:
+        by_engine: dict[int, tuple[Engine, list[str]]] = {}
+        for row in rows:
+            engine = row.engine_ref()
+            if engine is not None and not row.finished:
+                by_engine.setdefault(id(engine), (engine, []))[1].append(row.request_id)
+        for engine, request_ids in by_engine.values():
+            try:
+                engine.abort(request_ids)
+            except Exception as error:  # a button callback must not raise into the kernel log
+                self._stats_error = f"abort failed: {type(error).__name__}: {error}"
+        self.refresh(force=True)
+
+
+class ViewerWatch:
+    """One ``generate`` call's hold on a viewer: ``update()`` after each batch, ``close()`` at the end."""
+
+    __slots__ = ("_closed", "viewer")
+
+    def __init__(self, viewer: Viewer) -> None:
+        self.viewer = viewer
+        self._closed = False
+
+    def update(self) -> None:
+        self.viewer.refresh()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.viewer._detach()
+
+
+def attach_viewer(viewer: Any, engine: Engine, states: list[RequestState]) -> ViewerWatch:
+    """What ``generate(..., viewer=...)`` calls: ``True`` builds a new ``Viewer``; a ``Viewer`` is reused."""
+    if viewer is True:
+        viewer = Viewer()
+    check_viewer_argument(viewer)
+    return viewer.attach(engine, states)
+
+
+def check_viewer_argument(viewer: Any) -> None:
+    """Raise ``TypeError`` unless ``viewer`` is ``None``, a bool or a ``Viewer``."""
+    if viewer is None or isinstance(viewer, (bool, Viewer)):
+        return
+    raise TypeError(
+        f"viewer must be True, False, None or an enginekit Viewer, got {type(viewer).__name__}; "
+        "build one with enginekit.notebook.Viewer(...)"
+    )
