@@ -44,7 +44,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     seed
         Seed of the built-in model's weights and of requests sampled without their own seed.
     num_threads
-        torch intra-op threads in the process that runs the engine core; ``None`` chooses per mode.
+        torch intra-op threads of the engine core. ``None``: in a background process, all usable cores but
+        one (left to the front end and the IO threads); in-process, the process's current torch setting.
+        In-process, an explicit value is applied while the engine runs and restored at shutdown.
     startup_timeout
         Seconds to wait for the engine process to report READY.
     shutdown_timeout

@@ -37,6 +37,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device, self.dtype = resolve_device(config)
+        self._previous_num_threads = torch.get_num_threads()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if config.debug_load_delay_s:
@@ -243,6 +244,8 @@ class EngineCore:
             future.cancel()
         self._idle_waiters.clear()
         self.runner.release()
+        # In-process, the thread count is the user's process-wide torch setting: give it back.
+        torch.set_num_threads(self._previous_num_threads)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from enginekit.config import EngineConfig
@@ -412,6 +413,11 @@ def _watch_parent(stdin: Any) -> None:
     os._exit(3)
 
 
+def default_num_threads() -> int:
+    """torch threads of an engine process: every core this process may use but one."""
+    return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
+
+
 def main() -> None:
     report_phase("startup")
     stdin = sys.stdin.buffer
@@ -423,10 +429,9 @@ def main() -> None:
         format="%(asctime)s engine[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
     threading.Thread(target=_watch_parent, args=(stdin,), name="enginekit-parent-watch", daemon=True).start()
-    if args.config.num_threads is not None:
-        import torch
-
-        torch.set_num_threads(args.config.num_threads)
+    # NOTE: the front end and our IO threads need a core too: by default torch takes the others. On a
+    # loaded machine, more OpenMP threads than free cores makes every matmul wait at a barrier.
+    torch.set_num_threads(args.config.num_threads or default_num_threads())
     try:
         code = run_engine_core(args)
     except SystemExit as exit_request:  # a signal during startup
