@@ -37,8 +37,10 @@ def main() -> None:
             for out in outputs:
                 print(f"  {out.prompt!r} -> {out.text!r}")
             print("  streaming:", end=" ", flush=True)
+            shown = 0
             for chunk in engine.stream(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0)):
-                print(chunk.outputs[0].text[-1:] if chunk.outputs[0].text else "", end="", flush=True)
+                print(chunk.text[shown:], end="", flush=True)
+                shown = len(chunk.text)
             print()
         texts = [o.text for o in outputs]
         if reference is None:
