@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-pytest_plugins = ["enginekit.testing"]
+pytest_plugins = ["enginekit.testing", "pytester"]
 
 # Engine processes log into the front end's logger; keep test output readable.
 os.environ.setdefault("ENGINEKIT_TEST", "1")
