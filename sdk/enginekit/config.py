@@ -52,7 +52,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     shutdown_timeout
         Seconds a shutdown waits for running requests to finish; ``0`` aborts them at once.
     address
-        ``None`` for private IPC sockets, or ``"tcp://HOST:PORT"`` (port ``0`` picks free ports).
+        ``None`` for private IPC sockets (a 0700 directory, removed at shutdown), or ``"tcp://HOST:PORT"``
+        (``tcp://:PORT`` binds loopback; port ``0`` picks free ports). TCP sockets are protected by a
+        per-engine CURVE key pair that only the engine process receives.
     start_method
         How the engine process starts: ``"launcher"`` forks it from a launcher process that imported torch
         once (fast restarts; Linux), ``"spawn"`` starts a fresh interpreter every time.

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -45,6 +46,7 @@ class EngineProcess:
         self.pidfd: int | None = None
         self.phase = "spawn"  # the child reports each startup phase on its output
         self.forward_level = logging.DEBUG
+        self.forward_own_levels = False
         self._popen: subprocess.Popen[bytes] | None = None
         self._launcher = None
         self._stdin: int | None = None  # write end of the child's stdin: the parent-death pipe
@@ -58,6 +60,8 @@ class EngineProcess:
 
     # ---- start --------------------------------------------------------------------------------------
     def start(self, args: EngineProcArgs) -> None:
+        # log_level "info"/"debug" asks to see the engine's logs: forward each record at its own level.
+        self.forward_own_levels = args.config.log_level != "warning"
         output = self._start_forked() if self.start_method == "launcher" else self._start_spawned()
         payload = msgspec.msgpack.encode(args)
         os.write(self._stdin, len(payload).to_bytes(8, "little") + payload)
@@ -96,6 +100,9 @@ class EngineProcess:
         output_read, output_write = os.pipe()
         try:
             self.pid = self._launcher.spawn(stdin_read, output_write)
+        except BaseException:
+            os.close(output_read)  # no child will write to it; stop() closes our end of stdin
+            raise
         finally:
             os.close(stdin_read)
             os.close(output_write)
@@ -155,6 +162,7 @@ class EngineProcess:
         return "\n".join(self._tail)
 
     def _forward_output(self, fd: int) -> None:
+        level = self.forward_level
         with open(fd, "rb") as output:
             for raw in output:
                 line = raw.decode("utf-8", errors="replace").rstrip()
@@ -162,7 +170,13 @@ class EngineProcess:
                     self.phase = line[len(PHASE_PREFIX) :]
                     continue
                 self._tail.append(line)
-                logger.log(self.forward_level, "%s", line)
+                message = line
+                if self.forward_own_levels:
+                    record = _RECORD.match(line)
+                    if record is not None:  # other lines (a traceback) keep the last record's level
+                        level = logging.getLevelName(record["level"])
+                        message = f"{record['process']} {record['message']}"
+                logger.log(level, "%s", message)
 
     # ---- stop ---------------------------------------------------------------------------------------
     def send_signal(self, signum: int) -> None:
@@ -196,6 +210,12 @@ class EngineProcess:
             os.close(self.pidfd)
             self.pidfd = None
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+# A log line of the engine process, as its logging format writes it (core/engine_core_proc.py).
+_RECORD = re.compile(
+    r"\S+ \S+ (?P<process>engine\[\d+\]) (?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<message>.*)"
+)
 
 
 def _readable(fd: int | None, timeout: float) -> bool:

@@ -19,6 +19,7 @@ import zmq
 
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.engine_process import EngineProcess
+from enginekit.client.launcher import LauncherError
 from enginekit.config import EngineConfig
 from enginekit.core.engine_core_proc import EngineProcArgs
 from enginekit.core.messages import (
@@ -81,9 +82,13 @@ class MPClient(EngineCoreClient):
             self.input_socket.bind(self.input_address)
             self.output_socket.bind(self.output_address)
             return
-        host, _, port = config.address.removeprefix("tcp://").rpartition(":")
+        host, colon, port = config.address.removeprefix("tcp://").rpartition(":")
+        if colon and not host:
+            host = "127.0.0.1"  # no host named: loopback, never every interface
         if not host or not port.isdigit():
-            raise ValueError(f"address must look like tcp://HOST:PORT, got {config.address!r}")
+            raise ValueError(
+                f"address must look like tcp://HOST:PORT or tcp://:PORT (loopback), got {config.address!r}"
+            )
         if zmq.has("curve"):
             # NOTE: a per-engine CURVE key pair is the secret: a peer that does not know the server key
             # never completes the handshake, so it can neither send requests nor read outputs.
@@ -124,7 +129,7 @@ class MPClient(EngineCoreClient):
         )
         try:
             self.process.start(args)
-        except OSError as error:
+        except (OSError, LauncherError) as error:
             raise EngineStartupError(f"cannot start the engine process: {error}", phase="spawn") from error
         ready = self._wait_for_ready(time.monotonic() + self.config.startup_timeout)
         self.max_model_len = ready.max_model_len

@@ -12,6 +12,7 @@ arrive as one msgpack message on stdin, which then stays open as the parent-deat
 from __future__ import annotations
 
 import enum
+import faulthandler
 import gc
 import logging
 import os
@@ -77,6 +78,8 @@ class EngineCoreProc(EngineCore):
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.shutdown_state = ShutdownState.RUNNING
         self.shutdown_deadline: float | None = None
+        self.max_output_queue_depth = 0  # deepest the output queue has been (back-pressure check)
+        self._debug_kill_io: str | None = None
         self._ready = threading.Event()
         self._zmq = zmq.Context(io_threads=1)
         self._input_thread_ready = threading.Event()
@@ -139,6 +142,7 @@ class EngineCoreProc(EngineCore):
             return
         if outputs:
             self.output_queue.put_nowait(EngineCoreOutputs(outputs, timestamp=time.monotonic()))
+            self.max_output_queue_depth = max(self.max_output_queue_depth, self.output_queue.qsize())
         if not ran_forward and self.scheduler.has_unfinished_requests():
             time.sleep(GIL_YIELD_S)  # NOTE: let the IO threads take the GIL
 
@@ -151,7 +155,9 @@ class EngineCoreProc(EngineCore):
                 self.add_request(payload)
             except ValueError as error:
                 logger.warning("rejected request %s: %s", payload.request_id, error)
-                self._reject(payload, str(error))
+                if payload.request_id not in self.scheduler.requests:
+                    # NOTE: never answer under the id of a running request: that would end it for the client.
+                    self._reject(payload, str(error))
         elif request_type is RequestType.ABORT:
             self.abort_requests(payload)
         elif request_type is RequestType.UTILITY:
@@ -161,6 +167,20 @@ class EngineCoreProc(EngineCore):
         elif request_type is RequestType.EXECUTOR_FAILED:
             raise RuntimeError(f"Executor failed. {payload or ''}".strip())
         # WAKEUP: nothing to do; it only unblocked input_queue.get
+
+    def add_request(self, message: EngineCoreRequest) -> None:
+        # NOTE: the facade validates prompts, but a frame on the socket is not trusted: a token id outside the
+        # vocabulary or misshapen embeddings would crash the forward pass and with it every other request.
+        vocab_size, hidden_size = self.model_config.vocab_size, self.model_config.hidden_size
+        token_ids = message.prompt_token_ids
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        embeds = message.prompt_embeds
+        if embeds is not None and tuple(embeds.shape) != (len(token_ids), hidden_size):
+            raise ValueError(
+                f"prompt_embeds must have shape [{len(token_ids)}, {hidden_size}], got {list(embeds.shape)}"
+            )
+        super().add_request(message)
 
     def _reject(self, request: EngineCoreRequest, reason: str) -> None:
         output = EngineCoreOutput(
@@ -193,6 +213,25 @@ class EngineCoreProc(EngineCore):
             result.add_done_callback(done)
         else:
             send(_plain(result))
+
+    # ---- debug utilities (tests reach them with engine.call_utility) --------------------------------
+    def utility_debug_kill_io_thread(self, name: str) -> None:
+        """Make the ``"input"`` or ``"output"`` IO thread raise at its next iteration (fault-injection hook).
+
+        The output thread raises right after sending this call's answer; the input thread raises when the next
+        message arrives (and drops it). Either way the engine process dies as it would from a real IO failure.
+        """
+        if name not in ("input", "output"):
+            raise ValueError(f"name must be 'input' or 'output', got {name!r}")
+        self._debug_kill_io = name
+
+    def utility_debug_output_queue(self) -> dict[str, int]:
+        """Depth of the output queue now and at its deepest, and the bound the busy loop keeps it under."""
+        return {
+            "depth": self.output_queue.qsize(),
+            "max_depth": self.max_output_queue_depth,
+            "max_pending_outputs": self.config.max_pending_outputs,
+        }
 
     # ---- shutdown -----------------------------------------------------------------------------------
     def request_shutdown(self, timeout: float | None = None) -> None:
@@ -281,6 +320,8 @@ class EngineCoreProc(EngineCore):
         socket.send_multipart([b"READY", msgspec.msgpack.encode(ready)])
         while True:
             frames = socket.recv_multipart(copy=False)
+            if self._debug_kill_io == "input":
+                raise RuntimeError("input thread stopped by debug_kill_io_thread")
             item = self._decode_request(frames, decoders)
             if item is None:
                 continue
@@ -300,7 +341,10 @@ class EngineCoreProc(EngineCore):
             logger.warning("dropped an EXECUTOR_FAILED message from the socket (it is internal only)")
             return None
         if request_type is RequestType.WAKEUP:
-            return (request_type, None) if len(frames) == 1 else None
+            if len(frames) == 1:
+                return request_type, None
+            logger.warning("dropped a WAKEUP message with a body")
+            return None
         if len(frames) < 2:
             logger.warning("dropped a %s message without a body", request_type.name)
             return None
@@ -340,6 +384,8 @@ class EngineCoreProc(EngineCore):
             tracker = socket.send_multipart(frames, copy=False, track=True)
             # Buffers (and the tensors behind tensor frames) stay referenced until zmq has sent them.
             in_flight.append((tracker, frames, buffer))
+            if self._debug_kill_io == "output":
+                raise RuntimeError("output thread stopped by debug_kill_io_thread")
 
 
 def report_phase(phase: str) -> None:
@@ -419,6 +465,8 @@ def default_num_threads() -> int:
 
 
 def main() -> None:
+    # A crash in native code (a segfault, an abort) then leaves the crashing stack in the error tail.
+    faulthandler.enable(all_threads=False)
     report_phase("startup")
     stdin = sys.stdin.buffer
     size = int.from_bytes(stdin.read(8), "little")

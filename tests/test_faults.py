@@ -1,0 +1,211 @@
+"""Engine deaths, done for real: every waiting call fails fast with EngineDeadError, then restart() works.
+
+The engine process is killed with SIGKILL in the middle of each kind of call, made to fail in its executor
+(``fail_at_step``), or loses an IO thread (``utility_debug_kill_io_thread``). The mode-parity death test for
+``generate`` lives in test_modes.py; these cover streams, async calls and pending utility calls.
+"""
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from enginekit import Engine, EngineDeadError, SamplingParams
+
+# The contract is "about a second"; the margin absorbs a loaded 2-core CI machine. A call still blocked after
+# this long counts as hung.
+DEATH_DEADLINE_S = 5.0
+START_DEADLINE_S = 60.0
+LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
+
+
+def run_generate(engine):
+    engine.generate("kill me while I generate", LONG)
+
+
+def run_stream(engine):
+    for _ in engine.stream("kill me while I stream", LONG):
+        pass
+
+
+def run_agenerate(engine):
+    asyncio.run(engine.agenerate("kill me while I await", LONG))
+
+
+def run_astream(engine):
+    async def consume():
+        async for _ in engine.astream("kill me while I stream asynchronously", LONG):
+            pass
+
+    asyncio.run(consume())
+
+
+def run_utility(engine):
+    engine.call_utility("sleep", 30.0, timeout=60)
+
+
+OPERATIONS = {
+    "generate": run_generate,
+    "stream": run_stream,
+    "agenerate": run_agenerate,
+    "astream": run_astream,
+    "utility": run_utility,
+}
+
+
+def producing_tokens(engine):
+    return any(state.completion.token_ids for state in list(engine._processor.states.values()))
+
+
+def run_until_fault(engine, operation, *, in_flight, inject):
+    """Run ``operation`` on a worker thread, inject the fault once ``in_flight()``, return what it raised.
+
+    Fails the test if the operation is still blocked ``DEATH_DEADLINE_S`` after the fault.
+    """
+    outcome = []
+
+    def victim():
+        try:
+            operation(engine)
+        except BaseException as error:
+            outcome.append(error)
+        else:
+            outcome.append(None)
+
+    worker = threading.Thread(target=victim, name="fault-victim", daemon=True)
+    worker.start()
+    deadline = time.monotonic() + START_DEADLINE_S
+    while not in_flight() and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    inject()
+    worker.join(DEATH_DEADLINE_S)
+    assert not worker.is_alive(), f"the call still hangs {DEATH_DEADLINE_S}s after the engine died"
+    assert outcome[0] is not None, "the call returned normally although the engine died"
+    return outcome[0]
+
+
+@pytest.fixture(scope="module", params=["mp", "async"])
+def engine(request):
+    with Engine(mode=request.param) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("operation", list(OPERATIONS))
+def test_kill_9_fails_the_waiting_call_then_restart_works(engine, operation):
+    pid = engine.engine_pid
+    utility_sent = time.monotonic() + 0.3  # a utility call is in flight by then; it sleeps for 30 s
+    in_flight = (lambda: time.monotonic() > utility_sent) if operation == "utility" else None
+    error = run_until_fault(
+        engine,
+        OPERATIONS[operation],
+        in_flight=in_flight or (lambda: producing_tokens(engine)),
+        inject=lambda: os.kill(pid, signal.SIGKILL),
+    )
+    with pytest.raises(EngineDeadError, match=rf"engine process \(pid {pid}\) was killed by SIGKILL"):
+        raise error
+    assert "restart()" in str(error)
+    with pytest.raises(EngineDeadError, match="SIGKILL"):
+        engine.generate("a later call fails the same way", SamplingParams(max_tokens=2))
+    engine.restart()
+    assert engine.engine_pid != pid
+    assert engine.generate("alive again", SamplingParams(max_tokens=3))[0].finished
+
+
+# ---- an executor failure: EXECUTOR_FAILED -> ENGINE_CORE_DEAD -> EngineDeadError -------------------------
+
+EXECUTOR_FAILURE = r"engine core reported a fatal error(.|\n)*Executor failed(.|\n)*injected executor failure"
+
+
+def test_executor_failure_fails_a_stream_and_a_pending_utility_call():
+    with Engine(mode="mp", fail_at_step=200) as engine:
+        pending = {}
+
+        def wait_idle():
+            try:
+                engine.call_utility("wait_idle", timeout=60)
+            except BaseException as error:
+                pending["error"] = error
+
+        waiter = threading.Thread(target=wait_idle)  # answers only when idle: never
+        with pytest.raises(EngineDeadError, match=EXECUTOR_FAILURE):
+            for output in engine.stream("fail while I stream", LONG):
+                if waiter.ident is None and output.outputs[0].token_ids:  # not started yet
+                    waiter.start()
+        waiter.join(DEATH_DEADLINE_S)
+        assert not waiter.is_alive(), "the pending utility call hangs"
+        with pytest.raises(EngineDeadError, match=EXECUTOR_FAILURE):
+            raise pending["error"]
+
+
+def test_executor_failure_fails_astream_and_a_pending_async_utility_call():
+    async def scenario(engine):
+        waiter = None
+        with pytest.raises(EngineDeadError, match=EXECUTOR_FAILURE):
+            async for output in engine.astream("fail while I stream", LONG):
+                if waiter is None and output.outputs[0].token_ids:
+                    waiter = asyncio.create_task(engine.acall_utility("wait_idle", timeout=60))
+        with pytest.raises(EngineDeadError, match=EXECUTOR_FAILURE):
+            await asyncio.wait_for(waiter, DEATH_DEADLINE_S)
+
+    with Engine(mode="async", fail_at_step=200) as engine:
+        asyncio.run(scenario(engine))
+        engine.restart(fail_at_step=None)
+        assert engine.ping()
+
+
+# ---- an IO thread that dies after startup --------------------------------------------------------------
+
+
+def stream_then_kill_output_thread(engine, killed):
+    """Stream; after the first token, make the output thread die (its last message answers that call)."""
+    prompt = "lose my output thread"
+    if engine.mode == "async":
+
+        async def consume():
+            async for output in engine.astream(prompt, LONG):
+                if not killed.is_set() and output.outputs[0].token_ids:
+                    await engine.acall_utility("debug_kill_io_thread", "output")
+                    killed.set()
+
+        asyncio.run(consume())
+    else:
+        for output in engine.stream(prompt, LONG):
+            if not killed.is_set() and output.outputs[0].token_ids:
+                engine.call_utility("debug_kill_io_thread", "output")
+                killed.set()
+
+
+def test_output_thread_death_is_an_engine_death(engine):
+    pid = engine.engine_pid
+    killed = threading.Event()
+    error = run_until_fault(
+        engine,
+        lambda engine: stream_then_kill_output_thread(engine, killed),
+        in_flight=killed.is_set,
+        inject=lambda: None,
+    )
+    with pytest.raises(EngineDeadError, match=rf"pid {pid}\) exited with code 1(.|\n)*enginekit-output died"):
+        raise error
+    engine.restart()
+    assert engine.ping()
+
+
+def test_input_thread_death_is_an_engine_death(engine):
+    pid = engine.engine_pid
+    engine.call_utility("debug_kill_io_thread", "input")
+    # The input thread dies on the next message it receives (this ping), which it never delivers.
+    with pytest.raises(EngineDeadError, match=rf"pid {pid}\) exited with code 1(.|\n)*enginekit-input died"):
+        engine.ping()
+    engine.restart()
+    assert engine.ping()
+
+
+def test_debug_kill_io_thread_names_a_thread(engine):
+    from enginekit import UtilityCallError
+
+    with pytest.raises(UtilityCallError, match="name must be 'input' or 'output', got 'main'"):
+        engine.call_utility("debug_kill_io_thread", "main")
+    assert engine.ping()

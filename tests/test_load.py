@@ -1,0 +1,140 @@
+"""Load: a thousand requests at once with random aborts lose nothing; a stalled reader bounds the engine.
+
+Continuous batching, prefix caching and preemption (a deliberately small KV cache) all run under load, and
+every request that was not aborted must still produce exactly the greedy tokens its prompt produces alone.
+
+Back-pressure: the engine process holds at most ``max_pending_outputs`` (default 64) output batches in its
+output queue; past that its busy loop stops stepping until the front end reads again. Between the two
+processes at most ``max_pending_outputs`` more wait in each socket's pipe (SNDHWM and RCVHWM) plus what the
+operating system buffers. A front end that stops reading therefore stalls the engine instead of growing it.
+"""
+
+import random
+import threading
+import time
+
+import psutil
+import pytest
+
+from enginekit import Engine, SamplingParams
+
+NUM_REQUESTS = 1000
+NUM_PROMPTS = 20
+PROMPTS = [f"request family {i}: " + "abcdefghij"[: i % 10] * (1 + i % 3) for i in range(NUM_PROMPTS)]
+PARAMS = [SamplingParams(max_tokens=8 + 3 * (i % 11), temperature=0) for i in range(NUM_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # 48 blocks of 16 tokens cannot hold 128 running requests: the scheduler preempts under this load.
+    with Engine(mode="mp", num_kv_blocks=48) as engine:
+        yield engine
+
+
+def abort_randomly(engine, aborted, stop, rng):
+    """Abort a random tenth of the engine's requests every few milliseconds (plus ids it no longer has)."""
+    while not stop.is_set():
+        request_ids = engine.call_utility("get_request_ids")
+        if request_ids:
+            chosen = rng.sample(request_ids, max(1, len(request_ids) // 10))
+            aborted.update(chosen)
+            engine.abort([*chosen, "no-such-request"])
+        time.sleep(rng.uniform(0.005, 0.03))
+
+
+def test_a_thousand_requests_with_random_aborts(engine):
+    alone = [engine.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(PROMPTS, PARAMS)]
+    families = [i % NUM_PROMPTS for i in range(NUM_REQUESTS)]
+    aborted: set[str] = set()
+    stop = threading.Event()
+    aborter = threading.Thread(target=abort_randomly, args=(engine, aborted, stop, random.Random(5)))
+    aborter.start()
+    try:
+        outputs = engine.generate(
+            [PROMPTS[f] for f in families], [PARAMS[f] for f in families], progress=False
+        )
+    finally:
+        stop.set()
+        aborter.join()
+    num_aborted = 0
+    for family, output in zip(families, outputs):
+        completion = output.outputs[0]
+        if completion.finish_reason == "abort":
+            num_aborted += 1
+            assert output.request_id in aborted
+            assert completion.token_ids == alone[family][: len(completion.token_ids)]
+        else:
+            assert completion.token_ids == alone[family], f"request {output.request_id} ({family})"
+            assert completion.finish_reason == "length"
+    assert num_aborted > 0
+    stats = engine.call_utility("wait_idle")
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats["num_running_requests"] == stats["num_waiting_requests"] == 0
+    assert engine.call_utility("get_request_ids") == []
+    assert stats["num_preemptions"] > 0  # the load did reach the preemption path
+
+
+# ---- back-pressure ---------------------------------------------------------------------------------------
+
+STALL_WINDOW_S = 0.5
+STALL_CPU_FRACTION = 0.3  # a stepping engine keeps a core busy; a stalled one only polls its queue
+STALL_WINDOWS = 3
+STALL_DEADLINE_S = 60.0
+MAX_STALLED_RSS_GROWTH = 4 * 2**20
+
+
+def wait_until_stalled(process):
+    """Wait until the engine process has stopped computing: low CPU and unchanged memory for a while."""
+    deadline = time.monotonic() + STALL_DEADLINE_S
+    quiet = 0
+    cpu, rss = sum(process.cpu_times()[:2]), process.memory_info().rss
+    while quiet < STALL_WINDOWS:
+        assert time.monotonic() < deadline, "the engine never stopped producing for a stalled reader"
+        time.sleep(STALL_WINDOW_S)
+        now_cpu, now_rss = sum(process.cpu_times()[:2]), process.memory_info().rss
+        idle = now_cpu - cpu < STALL_CPU_FRACTION * STALL_WINDOW_S and abs(now_rss - rss) < 2**20
+        quiet = quiet + 1 if idle else 0
+        cpu, rss = now_cpu, now_rss
+    return rss
+
+
+def test_a_reader_that_stops_reading_stalls_the_engine_instead_of_growing_it():
+    with Engine(mode="mp") as engine:
+        client = engine.client
+        released = threading.Event()
+        timestamps: list[float] = []
+        handle_frames, deliver = client._handle_frames, client._deliver
+
+        def stalled_reader(frames):  # the front end's receive thread stops reading the socket
+            released.wait()
+            handle_frames(frames)
+
+        def recording_deliver(outputs):
+            timestamps.append(outputs.timestamp)
+            deliver(outputs)
+
+        client._handle_frames, client._deliver = stalled_reader, recording_deliver
+        # Wide batches: 64 requests, each token with 20 logprobs (two tensor frames per request).
+        params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True, logprobs=20)
+        generation = threading.Thread(
+            target=engine.generate, args=([f"reader {i}" for i in range(64)], params), daemon=True
+        )
+        generation.start()
+        process = psutil.Process(engine.engine_pid)
+        stalled_rss = wait_until_stalled(process)
+        time.sleep(1.0)
+        assert process.memory_info().rss - stalled_rss <= MAX_STALLED_RSS_GROWTH
+        release_time = time.monotonic()
+        released.set()
+
+        queue = engine.call_utility("debug_output_queue")
+        # The output queue filled up to the bound, and never past it.
+        assert queue["max_depth"] == queue["max_pending_outputs"] == 64
+        engine.abort(engine.call_utility("get_request_ids"))
+        generation.join(30)
+        assert not generation.is_alive()
+        produced_while_stalled = sum(stamp < release_time for stamp in timestamps)
+        assert produced_while_stalled < len(timestamps)  # the engine resumed once the reader did
+        assert produced_while_stalled < params.max_tokens  # and had not run ahead through the work
+        stats = engine.call_utility("wait_idle")
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
