@@ -31,6 +31,7 @@ class AsyncMPClient(MPClient):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[Any] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watched_fds: list[int] = []  # what the bound loop has a reader on: the socket's and the pidfd
         self._futures: dict[int, asyncio.Future[Any]] = {}
         super().__init__(config)
 
@@ -54,27 +55,25 @@ class AsyncMPClient(MPClient):
         self._task = loop.create_task(
             _receive_outputs(weakref.ref(self), socket), name="enginekit-async-output"
         )
+        self._watched_fds = [self.output_socket.FD]  # the shadow adds its reader on this fd
         pidfd = self.process.pidfd
         if pidfd is not None:
             loop.add_reader(pidfd, self._on_process_exit)
+            self._watched_fds.append(pidfd)
         return self._queue
 
     def _unbind(self) -> None:
-        loop, task = self._loop, self._task
-        self._task = None
+        loop, task, fds = self._loop, self._task, self._watched_fds
+        self._task, self._watched_fds = None, []
         if loop is None or loop.is_closed():
             return
-        if self.process.pidfd is not None:
-            with contextlib.suppress(Exception):
-                if loop is _running_loop():
-                    loop.remove_reader(self.process.pidfd)
-                else:
-                    loop.call_soon_threadsafe(loop.remove_reader, self.process.pidfd)
-        if task is not None and not task.done():
-            if loop is _running_loop():
-                task.cancel()
-            else:
-                loop.call_soon_threadsafe(task.cancel)
+        # NOTE: a reader left on a loop that keeps running (a notebook kernel's) outlives its fd: once the
+        # number is reused (the next engine's socket or pidfd), the loop keeps the stale entry and never
+        # watches the new fd, so that engine's outputs never arrive. Remove them by number.
+        if loop.is_running() and loop is not _running_loop():
+            loop.call_soon_threadsafe(_release, loop, task, fds)
+        else:
+            _release(loop, task, fds)
 
     def _on_process_exit(self) -> None:
         if self._loop is not None and self.process.pidfd is not None:
@@ -158,6 +157,14 @@ async def _receive_outputs(client_ref: weakref.ref[AsyncMPClient], socket: zmq.a
         if client._dead_error is not None:
             return
         del client
+
+
+def _release(loop: asyncio.AbstractEventLoop, task: asyncio.Task[None] | None, fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(Exception):
+            loop.remove_reader(fd)
+    if task is not None and not task.done():
+        task.cancel()
 
 
 def _fail(future: asyncio.Future[Any], error: BaseException) -> None:

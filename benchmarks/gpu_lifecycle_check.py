@@ -1,0 +1,203 @@
+"""GPU lifecycle check: restarting the engine on CUDA gives all device memory back.
+
+Two checks, for a machine with an NVIDIA GPU:
+
+1. ``"mp"``: 20 restarts on ``device="cuda"``, generating each time. Afterwards no process is left holding
+   GPU memory: none of the engine processes (nor the launcher) is listed by
+   ``nvidia-smi --query-compute-apps``, and none of them still runs.
+2. ``"inproc"``: 20 restarts in this process on ``device="cuda"``. Afterwards
+   ``torch.cuda.memory_allocated()`` is back at its baseline (taken after one warm-up engine) and no engine
+   tensor survives (``enginekit.diagnostics``).
+
+The ``"mp"`` check runs first, while this process has not initialised CUDA itself, so that
+``nvidia-smi`` lists engine processes only. Without CUDA the script prints why and exits 0 (skipped);
+``--cpu`` runs the same loops on the CPU to try the script itself. Exit status 1 means a check failed.
+
+Usage::
+
+    .venv/bin/python benchmarks/gpu_lifecycle_check.py [--restarts 20] [--json result.json] [--cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+MIB = 2**20
+GONE_TIMEOUT_S = 15.0  # an engine process that still holds GPU memory this long after shutdown has leaked
+USED_MEMORY_TOLERANCE_MIB = 64  # the device's total used memory, before the first and after the last engine
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--restarts", type=int, default=20)
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--cpu", action="store_true", help="run the loops on the CPU (tries the script)")
+    args = parser.parse_args()
+
+    import torch
+
+    if not args.cpu and not torch.cuda.is_available():
+        print("SKIPPED: CUDA is not available on this machine (run with --cpu to try the script on the CPU)")
+        return 0
+    device = "cpu" if args.cpu else "cuda"
+    results: dict[str, Any] = {"device": device, "torch": torch.__version__, "restarts": args.restarts}
+    results["mp"] = check_mp(device, args.restarts)  # first: this process has no CUDA context yet
+    results["inproc"] = check_inproc(device, args.restarts)
+    results["gpu"] = None if args.cpu else torch.cuda.get_device_name(0)
+    results["passed"] = results["mp"]["passed"] and results["inproc"]["passed"]
+    print(json.dumps(results, indent=2))
+    if args.json:
+        with open(args.json, "w") as output:
+            json.dump(results, output, indent=2)
+    print("PASSED" if results["passed"] else "FAILED")
+    return 0 if results["passed"] else 1
+
+
+def check_mp(device: str, restarts: int) -> dict[str, Any]:
+    """Restart a background engine; afterwards no engine process may hold GPU memory or still run."""
+    from enginekit import Engine
+    from enginekit.client.launcher import Launcher
+
+    before = gpu_processes()
+    used_before = gpu_memory_used_mib()
+    engine_pids: list[int] = []
+    seen_on_gpu: set[int] = set()
+    started = time.perf_counter()
+    engine = Engine(mode="mp", device=device)
+    try:
+        for _ in range(restarts):
+            assert engine.generate("hello", _params())[0].finished
+            engine_pids.append(engine.engine_pid)
+            seen_on_gpu |= set(gpu_processes() or {}) & set(engine_pids)
+            engine.restart()
+    finally:
+        engine.shutdown()
+    seconds = time.perf_counter() - started
+    launcher = Launcher._instance.proc.pid if Launcher._instance is not None else None
+    ours = set(engine_pids) | ({launcher} if launcher is not None else set())
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while True:
+        after = gpu_processes()
+        holding = sorted(ours & set(after or {}))
+        running = sorted(pid for pid in engine_pids if _running(pid))
+        if (not holding and not running) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    used_after = gpu_memory_used_mib()
+    # NOTE: in a container nvidia-smi may not list processes of this PID namespace; then the device's total
+    # used memory, back where it was before the first engine, is the evidence instead.
+    growth = None if used_before is None or used_after is None else used_after - used_before
+    return {
+        "seconds_per_restart": round(seconds / restarts, 3),
+        "engine_pids_seen_holding_gpu_memory_while_running": len(seen_on_gpu),
+        "gpu_processes_before": before,
+        "gpu_processes_after": after,
+        "ours_holding_gpu_memory_after": holding,
+        "engine_processes_still_running": running,
+        "launcher_holds_gpu_memory": launcher in (after or {}),
+        "gpu_memory_used_before_mib": used_before,
+        "gpu_memory_used_after_mib": used_after,
+        "passed": not holding and not running and (growth is None or growth <= USED_MEMORY_TOLERANCE_MIB),
+    }
+
+
+def check_inproc(device: str, restarts: int) -> dict[str, Any]:
+    """Restart an in-process engine; afterwards the CUDA allocator and the tensors are back at baseline."""
+    import torch
+
+    from enginekit import Engine
+    from enginekit.diagnostics import snapshot, wait_until_clean
+
+    with Engine(mode="inproc", device=device) as warm:
+        assert warm.generate("warm up", _params())[0].finished
+    baseline = snapshot()
+    allocated_before = _allocated(torch, device)
+    peak_running = 0
+    started = time.perf_counter()
+    engine = Engine(mode="inproc", device=device)
+    for _ in range(restarts):
+        assert engine.generate("hello", _params())[0].finished
+        peak_running = max(peak_running, _allocated(torch, device))
+        engine.restart()
+    engine.shutdown()
+    del engine
+    seconds = time.perf_counter() - started
+    gc.collect()
+    diff = wait_until_clean(baseline, timeout=GONE_TIMEOUT_S)
+    allocated_after = _allocated(torch, device)
+    reserved_after = torch.cuda.memory_reserved() if device == "cuda" else 0
+    return {
+        "seconds_per_restart": round(seconds / restarts, 3),
+        "allocated_before_mib": round(allocated_before / MIB, 2),
+        "allocated_while_running_peak_mib": round(peak_running / MIB, 2),
+        "allocated_after_mib": round(allocated_after / MIB, 2),
+        "reserved_after_mib": round(reserved_after / MIB, 2),
+        "snapshot_diff": diff.as_row(),
+        "leaks": diff.leaks(),
+        "passed": allocated_after <= allocated_before and not diff.leaks(),
+    }
+
+
+def gpu_processes() -> dict[int, int] | None:
+    """``{pid: used MiB}`` of the processes holding GPU memory, or ``None`` without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    output = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    ).stdout
+    processes = {}
+    for line in output.splitlines():
+        pid, _, used = line.partition(",")
+        if pid.strip().isdigit():
+            processes[int(pid)] = int(used.strip()) if used.strip().isdigit() else -1
+    return processes
+
+
+def gpu_memory_used_mib() -> int | None:
+    """Memory in use on GPU 0 as nvidia-smi reports it (all processes), or ``None`` without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    output = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    ).stdout.strip()
+    return int(output) if output.isdigit() else None
+
+
+def _allocated(torch: Any, device: str) -> int:
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _params():
+    from enginekit import SamplingParams
+
+    return SamplingParams(max_tokens=16, temperature=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
