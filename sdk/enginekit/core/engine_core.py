@@ -7,7 +7,6 @@ one dispatch point; ``step`` schedules, runs the model once, and returns the out
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import logging
 import time
 from typing import Any
@@ -246,7 +245,6 @@ class EngineCore:
         self.runner.release()
         # In-process, the thread count is the user's process-wide torch setting: give it back.
         torch.set_num_threads(self._previous_num_threads)
-        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
