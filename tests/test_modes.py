@@ -218,3 +218,35 @@ def test_shutdown_with_timeout_drains_and_rejects_new_work():
         assert client.process.wait_dead(10) and client.process.poll() == 0
     finally:
         client.shutdown()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_slow_stream_consumer_still_gets_the_final_output(mode):
+    async def consume(engine):
+        last = None
+        async for out in engine.astream("slow consumer", SamplingParams(max_tokens=12, temperature=0)):
+            last = out
+            await asyncio.sleep(0.02)  # the request finishes while the consumer holds a snapshot
+        return last
+
+    with Engine(mode=mode) as engine:
+        last = asyncio.run(consume(engine))
+        streamed = list(engine.stream("slow consumer", SamplingParams(max_tokens=12, temperature=0)))
+    assert last.finished and len(last.outputs[0].token_ids) == 12
+    assert streamed[-1].finished and streamed[-1].text == last.text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_concurrent_agenerate_calls_all_finish(mode):
+    async def many(engine):
+        async def one(i):
+            await asyncio.sleep(0.001 * i)  # staggered arrivals
+            return await engine.agenerate(f"prompt {i}", SamplingParams(max_tokens=6, temperature=0))
+
+        return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(48)]), 120)
+
+    with Engine(mode=mode) as engine:
+        results = asyncio.run(many(engine))
+        alone = engine.generate("prompt 7", SamplingParams(max_tokens=6, temperature=0))[0]
+    assert all(r[0].finished and len(r[0].outputs[0].token_ids) == 6 for r in results)
+    assert results[7][0].outputs[0].token_ids == alone.outputs[0].token_ids

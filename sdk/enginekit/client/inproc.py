@@ -74,9 +74,9 @@ class InprocClient(EngineCoreClient):
 
         while True:
             batch = self.get_output()
-            await asyncio.sleep(0)  # let other tasks of this loop run between steps
             if batch is not None:
                 return batch
+            await asyncio.sleep(0)  # let other tasks of this loop run between steps
 
     def call_utility(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
         request = UtilityRequest(0, 0, method_name, list(args))

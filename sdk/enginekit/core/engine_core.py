@@ -129,7 +129,9 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return outputs, False
-        sampled_requests, sampled = self.runner.execute(scheduled.scheduled, self.kv_cache.block_ids)
+        sampled_requests, sampled = self.runner.execute(
+            scheduled.scheduled, self.kv_cache.block_ids, self.kv_cache.pool.num_used_blocks
+        )
         self.num_steps += 1
         for request, num_new in scheduled.scheduled:
             request.num_computed_tokens += num_new

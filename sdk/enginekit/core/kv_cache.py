@@ -28,6 +28,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, Block] = {}
+        # Fresh blocks leave the front of the free list in id order and freed ones join at its back, so
+        # exactly the blocks [0, num_used_blocks) have ever been handed out.
+        self.num_used_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -49,6 +52,8 @@ class BlockPool:
                 block.block_hash = None
             block.ref_count = 1
             allocated.append(block)
+        if allocated:
+            self.num_used_blocks = max(self.num_used_blocks, max(b.block_id for b in allocated) + 1)
         return allocated
 
     def touch(self, blocks: list[Block]) -> None:

@@ -1,4 +1,10 @@
-"""Paged attention in plain torch: write new K/V into cache slots, read each sequence's context back."""
+"""Paged attention in plain torch: write new K/V into cache slots, read each sequence's context back.
+
+The cache of one layer is ``[2, num_blocks * block_size, kv_heads, head_dim]``. Contexts are read a whole
+block at a time (one index per block, not per token); the tail of a sequence's last block and the padding
+of shorter sequences are masked out. Every block is zeroed before its first use, so masked slots never
+hold NaN (0 * NaN would poison the output).
+"""
 
 from __future__ import annotations
 
@@ -15,9 +21,7 @@ class PrefillChunk:
     token_start: int  # first row of this chunk in the flat token batch
     num_tokens: int
     context_start: int  # tokens of this request already in the cache before this chunk
-    context_slots: torch.Tensor | None = (
-        None  # [context_start + num_tokens] cache slots, when context_start > 0
-    )
+    block_table: torch.Tensor | None = None  # blocks holding the context, when context_start > 0
     mask: torch.Tensor | None = None  # [num_tokens, context_start + num_tokens] causal mask with offset
 
 
@@ -30,9 +34,11 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    block_size: int
     num_decode: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decode, max_context] context slots, padded
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context], None when unpadded
+    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks], padded with block 0
+    decode_len: int = 0  # longest decode context
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, decode_len], None when all equal
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -40,38 +46,48 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_slots, KVH, D]
-    v_cache: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_slots, KVH, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    gqa = num_heads != num_kv_heads
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    blocks = kv_cache.view(2, -1, meta.block_size, num_kv_heads, head_dim)
+    gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q)
     if meta.num_decode:
-        num_decode = meta.num_decode
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        values = v_cache[meta.decode_slots].transpose(1, 2)
-        query = q[:num_decode].unsqueeze(2)  # [B, H, 1, D]
+        num_decode, length = meta.num_decode, meta.decode_len
+        context = blocks[:, meta.decode_block_tables]  # [2, B, max_blocks, block, KVH, D]
+        context = context.view(2, num_decode, -1, num_kv_heads, head_dim)[:, :, :length].transpose(2, 3)
         attended = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+            q[:num_decode].unsqueeze(2),
+            context[0],
+            context[1],
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=gqa,
         )
         out[:num_decode] = attended.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         query = q[rows].transpose(0, 1)  # [H, n, D]
         if chunk.context_start == 0:
-            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             attended = F.scaled_dot_product_attention(
-                query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
+                query,
+                k[rows].transpose(0, 1),
+                v[rows].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=gqa,
             )
         else:
-            keys = k_cache[chunk.context_slots].transpose(0, 1)  # [KVH, ctx, D]
-            values = v_cache[chunk.context_slots].transpose(0, 1)
+            length = chunk.context_start + chunk.num_tokens
+            context = blocks[:, chunk.block_table].view(2, -1, num_kv_heads, head_dim)[:, :length]
+            context = context.transpose(1, 2)  # [2, KVH, ctx, D]
             attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa
+                query, context[0], context[1], attn_mask=chunk.mask, scale=scale, enable_gqa=gqa
             )
         out[rows] = attended.transpose(0, 1)
     return out

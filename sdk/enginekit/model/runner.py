@@ -33,20 +33,24 @@ class ModelRunner:
         self.device = device
         num_slots = num_blocks * block_size
         shape = (2, num_slots, config.num_kv_heads, config.head_dim)
-        # Left uninitialised so that memory is touched only as it fills; attention never reads a slot that
-        # was not written, except masked padding, which is pointed at slot 0, zeroed here (0 * NaN = NaN).
+        # Uninitialised, so memory is touched only as the cache fills; blocks are zeroed on first use.
         self.kv_caches = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
-        for kv_cache in self.kv_caches:
-            kv_cache[:, :block_size].zero_()
+        self._num_zeroed_blocks = 0
         self.sampler = Sampler(seed=seed)
         self.fail_at_step = fail_at_step
         self.num_steps = 0
-        self._block_offsets = torch.arange(block_size)
 
     def execute(
-        self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]
+        self,
+        scheduled: list[tuple[Request, int]],
+        block_tables: dict[str, list[int]],
+        num_used_blocks: int,
     ) -> tuple[list[Request], SamplerOutput]:
-        """Run one forward pass; return the requests that sampled a token and what they sampled."""
+        """Run one forward pass; return the requests that sampled a token and what they sampled.
+
+        ``num_used_blocks``: blocks ``[0, num_used_blocks)`` may be in use (the pool hands out fresh
+        blocks in id order), so any of them not yet zeroed is zeroed first.
+        """
         self.num_steps += 1
         if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
             raise ExecutorError(f"injected executor failure at step {self.num_steps} (fail_at_step)")
@@ -73,7 +77,7 @@ class ModelRunner:
                 logits_rows.append(row + num_new - 1)
                 sampling.append(request)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
+            torch.tensor(slot_mapping, dtype=torch.long, device=self.device), self.block_size
         )
         if decodes:
             self._decode_metadata(meta, decodes, block_tables)
@@ -81,6 +85,7 @@ class ModelRunner:
         for request, num_new in prefills:
             meta.prefills.append(self._prefill_chunk(request, num_new, row, block_tables))
             row += num_new
+        self._zero_new_blocks(num_used_blocks)
         with torch.inference_mode():
             logits = self.model(
                 torch.tensor(token_ids, dtype=torch.long, device=self.device),
@@ -107,15 +112,15 @@ class ModelRunner:
         max_len = max(context_lens)
         max_blocks = -(-max_len // self.block_size)
         tables = [block_tables[r.request_id][:max_blocks] for r, _ in decodes]
-        padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-        slots = (padded.unsqueeze(2) * self.block_size + self._block_offsets).flatten(1)[:, :max_len]
         meta.num_decode = len(decodes)
+        meta.decode_len = max_len
+        meta.decode_block_tables = torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long, device=self.device
+        )
         if min(context_lens) != max_len:
             lens = torch.tensor(context_lens).unsqueeze(1)
             mask = torch.arange(max_len).unsqueeze(0) < lens
-            slots = slots.masked_fill(~mask, 0)
             meta.decode_mask = mask[:, None, None, :].to(self.device)
-        meta.decode_slots = slots.to(self.device)
 
     def _prefill_chunk(
         self, request: Request, num_new: int, row: int, block_tables: dict[str, list[int]]
@@ -124,12 +129,19 @@ class ModelRunner:
         chunk = PrefillChunk(token_start=row, num_tokens=num_new, context_start=start)
         if start:
             end = start + num_new
-            table = torch.tensor(block_tables[request.request_id][: -(-end // self.block_size)])
-            slots = (table.unsqueeze(1) * self.block_size + self._block_offsets).flatten()[:end]
-            chunk.context_slots = slots.to(self.device)
+            table = block_tables[request.request_id][: -(-end // self.block_size)]
+            chunk.block_table = torch.tensor(table, dtype=torch.long, device=self.device)
             query_pos = torch.arange(start, end).unsqueeze(1)
             chunk.mask = (torch.arange(end).unsqueeze(0) <= query_pos).to(self.device)
         return chunk
+
+    def _zero_new_blocks(self, num_used_blocks: int) -> None:
+        """Zero blocks on their first use (the cache is allocated uninitialised, so startup is instant)."""
+        if num_used_blocks > self._num_zeroed_blocks:
+            start, end = self._num_zeroed_blocks * self.block_size, num_used_blocks * self.block_size
+            for kv_cache in self.kv_caches:
+                kv_cache[:, start:end].zero_()
+            self._num_zeroed_blocks = num_used_blocks
 
     def release(self) -> None:
         """Drop the model and the KV cache so their memory can be returned."""
