@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "clear_model_cache",
+    "hf_generate_runner",
     "hf_generate_throughput",
     "import_time",
     "matmul_gflops",
@@ -195,8 +196,8 @@ def zmq_pingpong_roundtrip(
     ``payload_bytes`` frame to the DEALER, which echoes it; the time from send to the echo's
     arrival is one sample. ``warmup`` round trips are run first and discarded.
 
-    Returns ``{"p50_us", "p99_us", "summary" (Summary in microseconds), "num_messages",
-    "payload_bytes"}``.
+    Returns ``{"p50_us", "p99_us", "summary" (Summary in microseconds), "samples_us" (every
+    round trip, sorted), "num_messages", "payload_bytes"}``.
     """
     import zmq
 
@@ -247,6 +248,7 @@ def zmq_pingpong_roundtrip(
         "p50_us": percentile(us, 50.0),
         "p99_us": percentile(us, 99.0),
         "summary": summarize(us),
+        "samples_us": us,
         "num_messages": num_messages,
         "payload_bytes": payload_bytes,
     }
@@ -539,37 +541,63 @@ def hf_generate_throughput(
     sets torch's intra-op thread count for the call (restored afterwards); ``None`` keeps the
     current one. On a loaded machine more threads can be far slower for small batches, so
     compare against the engine at the same thread count. Returns a Summary of tokens/s over
-    ``repeats`` timed calls.
+    ``repeats`` timed calls. To interleave with other measurements, use ``hf_generate_runner``.
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    run_once = hf_generate_runner(
+        checkpoint_path, batch_size, prompt_lens, max_new_tokens, seed=seed, num_threads=num_threads
+    )
+    for _ in range(warmup):
+        run_once()
+    return summarize(run_once() for _ in range(repeats))
+
+
+def hf_generate_runner(
+    checkpoint_path: str | os.PathLike,
+    batch_size: int,
+    prompt_lens: Sequence[int] | int,
+    max_new_tokens: Sequence[int] | int,
+    *,
+    seed: int = 0,
+    num_threads: int | None = None,
+) -> Callable[[], float]:
+    """One ``generate`` call per invocation, returning its tokens/s (rules of ``hf_generate_throughput``).
+
+    The model is loaded and the batch built once, when this is called; each invocation then times one
+    ``generate`` call under ``num_threads`` torch threads (restored afterwards), with every warning
+    raised as an error. Lets a caller interleave transformers samples with other measurements.
     """
     import torch
 
-    if batch_size < 1 or repeats < 1:
-        raise ValueError("batch_size and repeats must be >= 1")
-    plens = _per_request(prompt_lens, batch_size, "prompt_lens")
-    wanted = _per_request(max_new_tokens, batch_size, "max_new_tokens")
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
     if num_threads is not None and num_threads < 1:
         raise ValueError("num_threads must be >= 1 or None")
-    rates = []
-    with (
-        _torch_threads(num_threads),
-        torch.inference_mode(),
-        warnings.catch_warnings(),
-        _RaiseOnTransformersWarning(),
-    ):
+    plens = _per_request(prompt_lens, batch_size, "prompt_lens")
+    wanted = _per_request(max_new_tokens, batch_size, "max_new_tokens")
+    with warnings.catch_warnings(), _RaiseOnTransformersWarning():
         # Any warning is an error: a silently degraded baseline is worse than none.
         warnings.simplefilter("error")
         model = _load_model(checkpoint_path)
         run_once = _prepare_generate(model, plens, wanted, seed)
-        for _ in range(warmup):
-            run_once()
-        for _ in range(repeats):
+
+    def timed() -> float:
+        with (
+            _torch_threads(num_threads),
+            torch.inference_mode(),
+            warnings.catch_warnings(),
+            _RaiseOnTransformersWarning(),
+        ):
+            warnings.simplefilter("error")
             t0 = time.perf_counter()
             tokens = run_once()
             elapsed = time.perf_counter() - t0
-            if tokens != sum(wanted):
-                raise RuntimeError(f"generate produced {tokens} of the {sum(wanted)} wanted tokens")
-            rates.append(tokens / elapsed)
-    return summarize(rates)
+        if tokens != sum(wanted):
+            raise RuntimeError(f"generate produced {tokens} of the {sum(wanted)} wanted tokens")
+        return tokens / elapsed
+
+    return timed
 
 
 @contextlib.contextmanager
@@ -631,6 +659,7 @@ def _prepare_generate(model: Any, plens: list[int], wanted: list[int], seed: int
         attention_mask[i, width - plen :] = 1
 
     def run_once() -> int:
+        model.generation_config = gen_cfg  # several runners may share one cached model
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_cfg)
         generated = int(out.shape[1]) - width
         return sum(min(w, generated) for w in wanted)
