@@ -173,7 +173,7 @@ building index tensors, about 15 torch ops per layer each paying dispatch overhe
 per layer) and a per-sequence cost (the projections' extra rows, the output bookkeeping and
 detokenization per request). On these tiny models the fixed cost dominates up to tens of sequences, which is
 why a larger batch is nearly free per token. Context length enters through paged attention: each step
-gathers every sequence's whole context from the cache (`k_cache[decode_slots]`, a copy) before
+gathers every sequence's whole context from the cache (one index per block, still a copy) before
 `scaled_dot_product_attention`, so the per-step cost grows linearly with batch x context, and with mixed
 lengths every sequence is padded to the longest.
 

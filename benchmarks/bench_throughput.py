@@ -296,7 +296,7 @@ fixed per-step cost: Python in the scheduler and runner, building the step's ind
 `scaled_dot_product_attention` call per layer and per prefill chunk, and per-op dispatch in torch (see the
 step-breakdown section). At 128 concurrent (engine/transformers
 {statistics.median(big) if big else float("nan"):.2f}x) the projections are batched and the paged-attention
-gather (`k_cache[decode_slots]`, a copy of every sequence's whole context per layer and step) takes over.
+gather (a block-by-block copy of every sequence's whole context per layer and step) takes over.
 With mixed lengths the engine wins by not computing padding and finished requests (continuous batching);
 with staggered arrivals it starts each request as soon as it arrives.
 
