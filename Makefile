@@ -25,6 +25,10 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+test-browser: setup
+	bash .ci/install-browser.sh
+	$(PY) -m pytest -q tests/browser
+
 lint: setup
 	$(VENV)/bin/ruff check sdk tests benchmarks
 	$(VENV)/bin/ruff format --check sdk tests benchmarks

@@ -2,7 +2,7 @@
 
 >>> from enginekit import Engine, SamplingParams
 >>> with Engine(mode="inproc") as engine:
-...     print(engine.generate("Hello", SamplingParams(max_tokens=8)).text)
+...     print(engine.generate("Hello", SamplingParams(max_tokens=8))[0].text)
 """
 
 from enginekit.config import EngineConfig, EngineMode

@@ -74,6 +74,7 @@ class Engine:
         )
         self._processor = OutputProcessor()
         self._output_handlers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        _show_logs(self.config.log_level)
         self._client = EngineCoreClient.make_client(self.mode, self.config)
         self.max_model_len = self._client.max_model_len
         _exit.register(self)
@@ -224,8 +225,11 @@ class Engine:
                 while state.version == seen:
                     self._pump(state)
                 seen = state.version
-                yield state.snapshot()
-                if state.finished:
+                snapshot = state.snapshot()
+                yield snapshot
+                # NOTE: not state.finished: the request may have finished while the caller held the
+                # snapshot, and its final output must still be yielded.
+                if snapshot.finished:
                     return
         finally:
             if not state.finished:
@@ -278,7 +282,9 @@ class Engine:
         check_viewer_argument(viewer)
         prepared = _prepared if _prepared is not None else self._prepare(prompts, params)
         states = await self._asubmit(prepared)
-        watcher = _make_watcher(self, states, progress, viewer)
+        return await self._acollect(states, _make_watcher(self, states, progress, viewer))
+
+    async def _acollect(self, states: list[RequestState], watcher: Any) -> list[RequestOutput]:
         try:
             for state in states:
                 while not state.finished:
@@ -307,8 +313,11 @@ class Engine:
                 while state.version == seen:
                     await self._await_update(state, seen)
                 seen = state.version
-                yield state.snapshot()
-                if state.finished:
+                snapshot = state.snapshot()
+                yield snapshot
+                # NOTE: not state.finished: the request may have finished while the caller held the
+                # snapshot, and its final output must still be yielded.
+                if snapshot.finished:
                     return
         finally:
             if not state.finished:
@@ -351,16 +360,23 @@ class Engine:
                 "cell or a coroutine (in a script, inside asyncio.run(...)), or use engine.generate"
             ) from None
         check_viewer_argument(viewer)
-        _ = self.client  # raises EngineShutdownError here rather than inside the task
-        prepared = self._prepare(prompts, params)
         if viewer is True:
             viewer = Viewer()
-        if isinstance(viewer, Viewer):
-            viewer.show()
-        else:
-            viewer = None
-        coro = self.agenerate(prompts, params, progress=progress, viewer=viewer, _prepared=prepared)
-        return GenerationHandle(coro, num_prompts=len(prepared), viewer=viewer)
+        # Submitted and watched now, in the calling cell: the viewer or progress bar is displayed there.
+        states = self._submit(self._prepare(prompts, params))
+        watcher = _make_watcher(self, states, progress, viewer)
+
+        def clean_up() -> None:  # also when the task is cancelled before it ever ran
+            self._abort_unfinished(states)
+            if watcher is not None:
+                watcher.close()
+
+        return GenerationHandle(
+            self._acollect(states, watcher),
+            states=states,
+            viewer=viewer if isinstance(viewer, Viewer) else None,
+            on_done=clean_up,
+        )
 
     async def _asubmit(self, prepared: list[tuple[Prompt, SamplingParams]]) -> list[RequestState]:
         client = self.client
@@ -375,18 +391,20 @@ class Engine:
     async def _await_update(self, state: RequestState, seen: int) -> None:
         client = self.client
         if self.mode != "async":
-            # No output task: this coroutine pulls from the client itself, yielding to the loop.
-            batch = await client.get_output_async() if self.mode == "inproc" else client.get_output(0)
+            # No output task: this coroutine steps (inproc) or polls (mp) once, routes what came, and
+            # yields to the loop; the caller re-checks its own request, which another task may have served.
+            batch = client.get_output(0)
             if batch is not None:
                 self._processor.process(batch)
-            else:
-                await asyncio.sleep(0.001)
+            await asyncio.sleep(0 if self.mode == "inproc" else 0.001 * (batch is None))
             return
         handler = self._ensure_output_handler()
+        tracked = self._processor.states  # a shutdown (or restart) forgets every request it tracks
+        request_id = state.output.request_id
         event = asyncio.Event()
         state.listener = event.set
         try:
-            while state.version == seen and not handler.done():
+            while state.version == seen and not handler.done() and request_id in tracked:
                 await event.wait()
                 event.clear()
         finally:
@@ -395,16 +413,23 @@ class Engine:
             error = handler.exception() if not handler.cancelled() else None
             raise error or EngineDeadError("the engine's output handler stopped")
         if state.version == seen:
-            raise EngineDeadError("the engine lost this request")
+            raise EngineShutdownError(
+                f"the engine was shut down while request {request_id} ran; call engine.restart() to start it again"
+            )
 
     def _ensure_output_handler(self) -> asyncio.Task:
         """One task per event loop routes the async client's outputs to the waiting requests."""
         loop = asyncio.get_running_loop()
+        # NOTE: a task holds its loop, so the weak key never dies by itself: drop the entries of closed loops
+        # (each sync call outside a loop runs on a new one), or every call would leak a loop.
+        for closed in [other for other in self._output_handlers if other.is_closed()]:
+            del self._output_handlers[closed]
         task = self._output_handlers.get(loop)
         if task is None or (task.done() and self.is_running):
             task = loop.create_task(
                 _output_handler(weakref.ref(self), self.client), name="enginekit-output-handler"
             )
+            task.add_done_callback(_retrieve_exception)
             self._output_handlers[loop] = task
         return task
 
@@ -472,6 +497,13 @@ async def _output_handler(engine_ref: weakref.ref, client: EngineCoreClient) -> 
             del engine
 
 
+def _retrieve_exception(task: asyncio.Task) -> None:
+    # The engine's death reaches every waiter through the client; a handler that nobody awaited (only utility
+    # calls were pending) must not also log "Task exception was never retrieved" when it is collected.
+    if not task.cancelled():
+        task.exception()
+
+
 def _sync_iter(agen: AsyncIterator[RequestOutput]) -> Iterator[RequestOutput]:
     try:
         while True:
@@ -493,6 +525,20 @@ def _make_watcher(engine: Engine, states: list[RequestState], progress: bool | N
 
         return ProgressWatcher(states)
     return None
+
+
+def _show_logs(log_level: str) -> None:
+    """``log_level="info"``/``"debug"``: let enginekit's records through and show them if logging is unset."""
+    if log_level == "warning":
+        return
+    level = logging.INFO if log_level == "info" else logging.DEBUG
+    package_logger = logging.getLogger("enginekit")
+    if package_logger.getEffectiveLevel() > level:
+        package_logger.setLevel(level)
+    if not package_logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
 
 
 def _path(model: str):

@@ -7,13 +7,14 @@ keeps running the generation between and during other cells.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
 from enginekit.notebook.loop import run_sync
 
 if TYPE_CHECKING:
     from enginekit.notebook.viewer import Viewer
+    from enginekit.output_processor import RequestState
     from enginekit.outputs import RequestOutput
 
 __all__ = ["GenerationHandle"]
@@ -31,26 +32,34 @@ class GenerationHandle:
 
     Attributes
     ----------
+    request_ids
+        The ids of its requests, in prompt order (for ``engine.abort``).
     viewer
         The ``Viewer`` watching the requests, or ``None``.
-    num_prompts
-        How many prompts the generation runs.
     """
 
     def __init__(
         self,
         coro: Coroutine[Any, Any, list[RequestOutput]],
         *,
-        num_prompts: int,
+        states: list[RequestState],
         viewer: Viewer | None,
+        on_done: Callable[[], None],
     ) -> None:
+        self._states = states
+        self.request_ids = [state.output.request_id for state in states]
+        self.viewer = viewer
         self._task: asyncio.Task[list[RequestOutput]] = asyncio.get_running_loop().create_task(
             coro, name="enginekit-generate-background"
         )
         _running.add(self._task)
         self._task.add_done_callback(_forget)
-        self.num_prompts = num_prompts
-        self.viewer = viewer
+        self._task.add_done_callback(lambda _task: on_done())
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """The requests' outputs as they are now: cumulative, and changing while the generation runs."""
+        return [state.output for state in self._states]
 
     def done(self) -> bool:
         """Whether the generation has ended (finished, failed or cancelled)."""
@@ -107,7 +116,7 @@ class GenerationHandle:
             state = f"failed: {type(self._task.exception()).__name__}"
         else:
             state = "done"
-        return f"<GenerationHandle {state}, {self.num_prompts} prompts>"
+        return f"<GenerationHandle {state}, {len(self._states)} requests>"
 
 
 def _forget(task: asyncio.Task[Any]) -> None:

@@ -1,13 +1,20 @@
 """Run a coroutine to completion from sync code, with or without an asyncio loop already running.
 
-A notebook cell runs inside the kernel's running loop, where ``asyncio.run`` is refused. Only there, the
-running loop is made re-entrant with nest-asyncio — applied lazily, once, to that loop alone; no other
-loop is ever patched.
+A notebook cell runs inside the kernel's running loop, where ``asyncio.run`` is refused. Only there, on
+the first sync call made on a running loop, that loop is made re-entrant with nest-asyncio, once. enginekit
+patches no other loop; note that nest-asyncio itself also replaces ``asyncio.run`` and the asyncio Task
+and Future classes process-wide when it is applied (see docs/notebook_guide.md). Outside a running loop,
+a sync call simply runs on a fresh loop with ``asyncio.run``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import contextvars
+import signal
+import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -22,14 +29,121 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     except RuntimeError:
         return asyncio.run(coro)
     make_reentrant(loop)
-    return loop.run_until_complete(coro)
+    task = asyncio.ensure_future(coro, loop=loop)
+    interrupted: list[bool] = []
+    with _sigint_cancels(task, loop, interrupted), _releasing_deferred(loop):
+        try:
+            return loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            if interrupted:
+                raise KeyboardInterrupt from None
+            raise
+        except BaseException:
+            # NOTE: an exception from elsewhere leaves the task pending on the kernel's loop, where it
+            # would keep its requests running: cancel it and let its cleanup (the abort) run.
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    loop.run_until_complete(task)
+            raise
+
+
+@contextlib.contextmanager
+def _sigint_cancels(task: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, interrupted: list[bool]):
+    """While a sync call blocks on the running loop, Ctrl-C cancels its task, as ``asyncio.run`` does.
+
+    NOTE: a ``KeyboardInterrupt`` raised wherever the main thread happens to be would land in whichever
+    callback the loop is running (the kernel's, or a zmq socket's, which then loses an edge-triggered event
+    and never reads that socket again). The handler is installed only on the main thread over Python's
+    default one, for the duration of the call, and the previous handler is restored exactly; the call then
+    raises ``KeyboardInterrupt`` once its task has cleaned up. A second Ctrl-C raises at once.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if interrupted or task.done():
+            raise KeyboardInterrupt
+        interrupted.append(True)
+        task.cancel()
+        loop.call_soon_threadsafe(_wake_up)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is on_sigint:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _wake_up() -> None:
+    """Scheduled from the signal handler so that a loop blocked in select sees the cancellation."""
 
 
 def make_reentrant(loop: asyncio.AbstractEventLoop) -> None:
     """Apply nest-asyncio to this one loop (once); needed to block on it from inside one of its callbacks."""
-    if id(loop) in _patched_loops or getattr(loop, "_nest_patched", False):
-        return
-    import nest_asyncio
+    if id(loop) not in _patched_loops and not getattr(loop, "_nest_patched", False):
+        import nest_asyncio
 
-    nest_asyncio.apply(loop)
-    _patched_loops.add(id(loop))
+        nest_asyncio.apply(loop)
+        _patched_loops.add(id(loop))
+    if not getattr(loop, "_enginekit_defers_entered_contexts", False):
+        _defer_entered_contexts(loop)
+
+
+def _defer_entered_contexts(loop: Any) -> None:
+    """Hold back, during a nested run, every callback whose context is already entered.
+
+    NOTE: a nested run steps other tasks from inside the task that blocks (the notebook cell). A task in the
+    same ``contextvars.Context`` as that one cannot be stepped ("cannot enter context"): asyncio logs the
+    error and the task is lost. ipykernel runs every shell message (the next queued cell, a widget message)
+    in one persistent context, so "Run All" would drop the cells queued behind a sync call. Such callbacks
+    wait until their context is free again, as they would have without nest-asyncio. Uses the loop's private
+    ``_ready`` queue and ``_run_once``, as nest-asyncio does.
+    """
+    run_once = loop._run_once
+    deferred: collections.deque[asyncio.Handle] = collections.deque()
+    loop._enginekit_deferred = deferred
+
+    def run_once_deferring() -> None:
+        ready = loop._ready
+        if deferred:
+            free = [handle for handle in deferred if not _is_entered(handle._context)]
+            for handle in free:
+                deferred.remove(handle)
+            ready.extendleft(reversed(free))
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            (deferred if _is_entered(handle._context) else ready).append(handle)
+        run_once()
+
+    loop._run_once = run_once_deferring
+    loop._enginekit_defers_entered_contexts = True
+
+
+@contextlib.contextmanager
+def _releasing_deferred(loop: Any):
+    """When a nested run ends, the callbacks it held back go first again, in their order.
+
+    NOTE: not later: the loop pass that ran the blocking callback goes on with what the nested run left in
+    the ready queue, and a cell queued after the held-back ones would otherwise take the kernel's lock first.
+    """
+    try:
+        yield
+    finally:
+        deferred = getattr(loop, "_enginekit_deferred", None)
+        if deferred:
+            loop._ready.extendleft(reversed(deferred))
+            deferred.clear()
+
+
+def _is_entered(context: contextvars.Context) -> bool:
+    try:
+        context.run(int)
+    except RuntimeError:
+        return True
+    return False

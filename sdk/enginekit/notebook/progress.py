@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
+
+_MIN_INTERVAL_S = 0.1  # the generate loop calls update() after every batch; counting that often is waste
 
 
 class ProgressWatcher:
     def __init__(self, states: list[Any]) -> None:
         from tqdm.auto import tqdm
 
-        self._states = states
+        self._pending = list(states)
         self._bar = tqdm(total=len(states), desc="generate", unit="req", leave=False)
-        self._done = 0
+        self._last_count = -math.inf
+        self._closed = False
 
-    def update(self) -> None:
-        done = sum(1 for s in self._states if s.finished)
-        if done != self._done:
-            self._bar.update(done - self._done)
-            self._done = done
+    def update(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_count < _MIN_INTERVAL_S:
+            return
+        self._last_count = now
+        pending = [state for state in self._pending if not state.finished]
+        if len(pending) != len(self._pending):
+            self._bar.update(len(self._pending) - len(pending))
+            self._pending = pending
 
     def close(self) -> None:
-        self.update()
-        self._bar.close()
+        if not self._closed:
+            self._closed = True
+            self.update(force=True)
+            self._bar.close()

@@ -32,6 +32,10 @@ class TextView:
             _explained.add(self._reason)
             self._write(f"enginekit viewer: {self._reason}; showing plain-text progress instead.")
 
+    def show_again(self) -> None:
+        summary = self._viewer.summary()
+        self._write(summary_line(summary, final=not summary["active"]))
+
     def add_rows(self, rows: list[RequestRow]) -> None:
         self._printed_final = False
 

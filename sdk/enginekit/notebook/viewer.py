@@ -115,7 +115,8 @@ class Viewer:
         Each row shows the last ``max_chars`` characters of its text.
     min_interval_s
         Least time between two renders: no widget is updated more often than ``1 / min_interval_s`` times a
-        second, however fast tokens arrive.
+        second, however fast tokens arrive. Renders that take long (many rows) are spaced further apart, so
+        the viewer spends at most about a fifth of the time rendering.
     stats_interval_s
         Least time between two engine-statistics requests for the panel.
     text_interval_s
@@ -130,9 +131,10 @@ class Viewer:
 
     Notes
     -----
-    The buttons act while the kernel reads widget messages: during ``await engine.agenerate(...)``, any
-    ``"async"``-mode call and ``engine.generate_background(...)``. A blocking ``generate`` in ``"mp"`` or
-    ``"inproc"`` mode holds the kernel until it returns; interrupt the kernel to stop it.
+    The buttons act while the kernel's loop is free to read widget messages: during
+    ``await engine.agenerate(...)`` and while an ``engine.generate_background(...)`` generation runs. A
+    blocking call (``engine.generate`` in any mode) holds the kernel until it returns; interrupt the kernel
+    to stop it.
     """
 
     def __init__(
@@ -161,8 +163,9 @@ class Viewer:
         self.stats_interval_s = stats_interval_s
         self.rows: list[RequestRow] = []
         self._clock: Callable[[], float] = time.monotonic
-        self._last_render = -math.inf
-        self._started_at: float | None = None
+        self._next_render_at = -math.inf
+        self._started_at = 0.0  # when the viewer last began watching
+        self._watched_s = 0.0  # time spent watching before that
         self._engine_ref: weakref.ref[Engine] | None = None
         self._stats: dict[str, Any] | None = None
         self._stats_error: str | None = None
@@ -193,14 +196,16 @@ class Viewer:
         self._view.show()
 
     def refresh(self, *, force: bool = False) -> None:
-        """Render what changed since the last render; throttled to one render per ``min_interval_s``."""
+        """Render what changed since the last render; throttled to one render per ``min_interval_s`` or more."""
         now = self._clock()
-        if not force and now - self._last_render < self.min_interval_s:
+        if not force and now < self._next_render_at:
             return
-        self._last_render = now
         self._maybe_refresh_stats(now)
         changed = [row for row in self.rows if row.observe(now)]
         self._view.render(changed, now, final=self._num_attached == 0)
+        # A render that takes long (many rows) spaces the next ones out: at most a fifth of the time.
+        spent = self._clock() - now
+        self._next_render_at = now + max(self.min_interval_s, 4 * spent)
 
     def abort_all(self) -> None:
         """Abort every request of this viewer that is still running."""
@@ -213,12 +218,9 @@ class Viewer:
 
     def summary(self) -> dict[str, Any]:
         """The numbers the panel shows: requests, tokens, throughput and the latest engine statistics."""
-        now = self._clock()
         engine = self._engine_ref() if self._engine_ref is not None else None
         num_tokens = sum(row.num_tokens for row in self.rows)
-        ends = [row.finished_at for row in self.rows if row.finished_at is not None]
-        end = max(ends) if self._num_attached == 0 and ends else now
-        elapsed = end - self._started_at if self._started_at is not None else 0.0
+        elapsed = self._watched_s + (self._clock() - self._started_at if self._num_attached else 0.0)
         reasons: dict[str, int] = {}
         for row in self.rows:
             if row.finish_reason is not None:
@@ -238,7 +240,9 @@ class Viewer:
         }
 
     def _ipython_display_(self) -> None:
-        self.show()
+        # Shown as a cell's value: another view of the same widgets (they stay in sync), or a text line.
+        self._shown = True
+        self._view.show_again()
 
     def __repr__(self) -> str:
         done = sum(1 for row in self.rows if row.finished)
@@ -255,8 +259,8 @@ class Viewer:
             self._started_at = now
             self._stats_at = -math.inf
         self._num_attached += 1
+        self.show()  # before the rows: displaying builds a text form of every widget in the tree
         self._view.add_rows(new_rows)
-        self.show()
         self.refresh(force=True)
         self._start_ticker()
         return ViewerWatch(self)
@@ -265,10 +269,13 @@ class Viewer:
         self._num_attached -= 1
         if self._num_attached > 0:
             return
+        self._watched_s += self._clock() - self._started_at
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
-        self._stats_at = -math.inf
+        if self._stats_task is not None and not self._stats_task.done():
+            self._stats_task.cancel()  # the final panel shows no engine load: nothing to wait for
+            self._stats_task = None
         self.refresh(force=True)
 
     def _start_ticker(self) -> None:
@@ -290,7 +297,7 @@ class Viewer:
 
     # ---- engine statistics --------------------------------------------------------------------------
     def _maybe_refresh_stats(self, now: float) -> None:
-        if now - self._stats_at < self.stats_interval_s:
+        if self._num_attached == 0 or now - self._stats_at < self.stats_interval_s:
             return
         engine = self._engine_ref() if self._engine_ref is not None else None
         if engine is None or not engine.is_running:
@@ -326,8 +333,6 @@ class Viewer:
             self._stats_error = f"{type(error).__name__}: {error}"
         else:
             self._stats, self._stats_error = task.result(), None
-        if self._num_attached == 0:
-            self._view.render([], self._clock(), final=True)
 
     # ---- buttons ------------------------------------------------------------------------------------
     def _abort_rows(self, rows: list[RequestRow]) -> None:

@@ -15,12 +15,17 @@ _FONT = "font-family:var(--jp-code-font-family,monospace);font-size:12px;line-he
 
 class WidgetView:
     def __init__(self, viewer: Viewer, *, on_abort: Callable[[list[RequestRow]], None]) -> None:
-        import ipywidgets as widgets
+        try:
+            import ipywidgets as widgets
+        except ImportError as error:
+            raise ImportError(
+                "the widget viewer needs ipywidgets: pip install ipywidgets (or use Viewer(kind='text'))"
+            ) from error
 
         self._widgets = widgets
         self._viewer = viewer
         self._on_abort = on_abort
-        self.panel = widgets.HTML()
+        self.panel = widgets.HTML(layout=widgets.Layout(height="auto"))  # not one fixed-height line
         self.stop_all = widgets.Button(
             description="Stop all",
             icon="stop",
@@ -30,7 +35,7 @@ class WidgetView:
             layout=widgets.Layout(width="auto", flex="0 0 auto"),
         )
         self.stop_all.on_click(lambda _button: viewer.abort_all())
-        self.rows_box = widgets.VBox(layout=widgets.Layout(max_height="520px", overflow_y="auto"))
+        self.rows_box = widgets.VBox(layout=widgets.Layout(max_height="520px", overflow="auto"))
         header = widgets.HBox(
             [self.panel, self.stop_all],
             layout=widgets.Layout(justify_content="space-between", align_items="center"),
@@ -38,27 +43,37 @@ class WidgetView:
         self.root = widgets.VBox([header, self.rows_box], layout=widgets.Layout(width="100%"))
         self.root.add_class("enginekit-viewer")
         self._row_widgets: dict[int, tuple[Any, Any, Any]] = {}  # id(row) -> (row box, button, html)
+        self._row_layouts: tuple[Any, Any, Any] | None = None
 
     def show(self) -> None:
-        from IPython.display import display
-
         from enginekit.notebook.viewer import in_jupyter
 
         if in_jupyter():
-            display(self.root)
+            self.show_again()
+
+    def show_again(self) -> None:
+        from IPython.display import display
+
+        display(self.root)
 
     def add_rows(self, rows: list[RequestRow]) -> None:
         widgets = self._widgets
+        if self._row_layouts is None:  # shared by every row: fewer widgets to create and sync
+            self._row_layouts = (
+                widgets.Layout(width="64px", flex="0 0 auto"),
+                widgets.Layout(flex="1 1 auto", width="auto", height="auto"),
+                # "0 0 auto": a row keeps its height; the rows box scrolls instead of squeezing them
+                widgets.Layout(align_items="flex-start", flex="0 0 auto", width="100%"),
+            )
+        button_layout, text_layout, box_layout = self._row_layouts
         boxes = []
         for row in rows:
             button = widgets.Button(
-                description="Abort",
-                tooltip=f"Abort request {row.request_id}",
-                layout=widgets.Layout(width="64px", flex="0 0 auto"),
+                description="Abort", tooltip=f"Abort request {row.request_id}", layout=button_layout
             )
             button.on_click(lambda _button, row=row: self._on_abort([row]))
-            text = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", width="auto"))
-            box = widgets.HBox([button, text], layout=widgets.Layout(align_items="flex-start"))
+            text = widgets.HTML(layout=text_layout)
+            box = widgets.HBox([button, text], layout=box_layout)
             self._row_widgets[id(row)] = (box, button, text)
             boxes.append(box)
         # One change of the container for the whole batch of new rows.
@@ -111,12 +126,13 @@ def panel_html(summary: dict[str, Any]) -> str:
         f" · engine pid {summary['engine_pid']}"
     )
     stats = summary["stats"]
-    if stats is not None:
+    if stats is not None and summary["active"]:  # engine load now; once done, the moment has passed
         engine += (
             f" · running {stats['num_running_requests']} · waiting {stats['num_waiting_requests']}"
             f" · KV cache {stats['kv_cache_usage']:.0%}"
-            f" · prefix-cache hits {stats['prefix_cache_hit_rate']:.0%}"
         )
+    if stats is not None:
+        engine += f" · prefix-cache hits {stats['prefix_cache_hit_rate']:.0%}"
     if summary["stats_error"]:
         engine += f" · <span style='color:#bc4c00'>{html.escape(summary['stats_error'])}</span>"
     done, total = summary["num_finished"], summary["num_requests"]
