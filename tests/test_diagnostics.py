@@ -342,12 +342,9 @@ def test_wait_until_clean_gives_up_after_timeout(
     thread, _ = blocked_thread
     baseline = snapshot()
     thread.start()
-    started = time.monotonic()
-    diff = wait_until_clean(baseline, timeout=0.3)
-    elapsed = time.monotonic() - started
+    diff = wait_until_clean(baseline, timeout=0.3)  # returns (does not hang) with the leak still there
     assert diff.new_thread_names == ("diagnostics-test-blocked",)
     assert diff.leaks()
-    assert 0.3 <= elapsed < 5
 
 
 def test_wait_until_clean_rejects_negative_timeout() -> None:
