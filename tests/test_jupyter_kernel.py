@@ -19,6 +19,7 @@ import psutil
 import pytest
 from jupyter_client import KernelManager
 
+import process_support
 from notebook_support import default_kernel_runs_this_python, write_private_kernelspec
 
 CELL_TIMEOUT_S = 120.0
@@ -41,20 +42,7 @@ SHORT = SamplingParams(max_tokens=4, temperature=0)
 
 
 def wait_gone(pids: list[int], timeout: float = GONE_TIMEOUT_S) -> list[int]:
-    """Wait until none of ``pids`` runs (zombies count as gone); returns the survivors."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [pid for pid in pids if _running(pid)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    return process_support.wait_gone(pids, timeout)
 
 
 @dataclass

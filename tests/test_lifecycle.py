@@ -26,9 +26,9 @@ import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 
+import process_support
 from enginekit import Engine, EngineShutdownError, SamplingParams
 from enginekit.client.launcher import Launcher
 from enginekit.diagnostics import ProcessSnapshot, snapshot, wait_until_clean
@@ -97,20 +97,7 @@ def interrupt_when_generating(engine: Engine) -> threading.Thread:
 
 
 def wait_gone(pids: list[int], timeout: float = GONE_TIMEOUT_S) -> list[int]:
-    """Wait until none of ``pids`` runs (zombies count as gone); returns the survivors."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [pid for pid in pids if _running(pid)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    return process_support.wait_gone(pids, timeout)
 
 
 # ---- restart forever ------------------------------------------------------------------------------------
