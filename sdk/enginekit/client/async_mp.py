@@ -148,12 +148,20 @@ class AsyncMPClient(MPClient):
 
 async def _receive_outputs(client_ref: weakref.ref[AsyncMPClient], socket: zmq.asyncio.Socket) -> None:
     # NOTE: only a weak reference between awaits, so an abandoned client is collected and the task ends.
+    # The task only *waits* for readability; messages are read synchronously after that. An awaited recv that
+    # is cancelled (asyncio.run ending, a loop switch) can lose the message it had already taken off the
+    # socket; a cancelled poll loses nothing.
     while True:
-        frames = await socket.recv_multipart(copy=False)
+        await socket.poll(flags=zmq.POLLIN)
         client = client_ref()
         if client is None or client._closed:
             return
-        client._handle_frames(frames)
+        while client._dead_error is None:
+            try:
+                frames = client.output_socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            client._handle_frames(frames)
         if client._dead_error is not None:
             return
         del client
