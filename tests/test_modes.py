@@ -250,3 +250,14 @@ def test_many_concurrent_agenerate_calls_all_finish(mode):
         alone = engine.generate("prompt 7", SamplingParams(max_tokens=6, temperature=0))[0]
     assert all(r[0].finished and len(r[0].outputs[0].token_ids) == 6 for r in results)
     assert results[7][0].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_sync_streams_in_async_mode_never_lose_a_token():
+    # Outside a loop each chunk of a sync stream runs on a fresh asyncio.run, which cancels the output task
+    # at its end: a cancelled receive must never drop a message it had already taken off the socket.
+    params = SamplingParams(max_tokens=12, temperature=0)
+    with Engine(mode="inproc") as engine:
+        expected = engine.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    with Engine(mode="async") as engine:
+        for _ in range(40):
+            assert list(engine.stream(PROMPTS[0], params))[-1].outputs[0].token_ids == expected
