@@ -584,7 +584,7 @@ def hf_generate_runner(
 
     def timed() -> float:
         with (
-            _torch_threads(num_threads),
+            torch_threads(num_threads),
             torch.inference_mode(),
             warnings.catch_warnings(),
             _RaiseOnTransformersWarning(),
@@ -601,12 +601,12 @@ def hf_generate_runner(
 
 
 @contextlib.contextmanager
-def _torch_threads(num_threads: int | None) -> Iterator[None]:
+def torch_threads(num_threads: int | None) -> Iterator[None]:
     """Use ``num_threads`` torch intra-op threads for the block (``None``: leave as is)."""
     import torch
 
     before = torch.get_num_threads()
-    if num_threads is not None:
+    if num_threads is not None and num_threads != before:
         torch.set_num_threads(num_threads)
     try:
         yield

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import importlib.util
 import os
 import random
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .baselines import torch_threads
 from .stats import Summary, summarize
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -268,21 +268,6 @@ class Run:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.elapsed_s
-
-
-@contextlib.contextmanager
-def torch_threads(num_threads: int | None) -> Iterator[None]:
-    """Use ``num_threads`` torch intra-op threads in this process for the block (``None``: as is)."""
-    import torch
-
-    before = torch.get_num_threads()
-    if num_threads is not None and num_threads != before:
-        torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
 
 
 def make_engine(spec: ModelSpec, mode: str, **options: Any) -> Any:
