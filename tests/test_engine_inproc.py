@@ -249,3 +249,23 @@ def test_repr_and_str(engine, greedy):
     assert "finished (length)" in str(out)
     assert "3 tokens" in out._repr_html_()
     assert "inproc" in repr(engine)
+
+
+def test_outputs_of_steps_run_for_a_utility_call_are_not_lost(engine, greedy):
+    stream = engine.stream("Wait for me", greedy(10))
+    first = next(stream)
+    stats = engine.call_utility("wait_idle")  # in-process, this runs steps until the request is done
+    rest = list(stream)
+    assert stats["num_running_requests"] == 0
+    assert rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 10
+    assert rest[-1].outputs[0].token_ids[:1] == first.outputs[0].token_ids
+
+
+def test_several_threads_share_one_inprocess_engine(engine, greedy):
+    import concurrent.futures
+
+    prompts = [f"thread {i}" for i in range(8)]
+    expected = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy(6))]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: engine.generate(p, greedy(6))[0].outputs[0].token_ids, prompts))
+    assert results == expected

@@ -60,6 +60,8 @@ class Engine:
         self._client: EngineCoreClient | None = None
         self._request_counter = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:6]
+        # Serialises pulling and routing outputs, so deltas are applied in the order they were produced.
+        # Submissions do not take it: the clients are safe to call from several threads.
         self._lock = threading.RLock()
         self._start()
 
@@ -150,19 +152,17 @@ class Engine:
     def _submit(self, prepared: list[tuple[Prompt, SamplingParams]]) -> list[RequestState]:
         client = self.client
         states = []
-        with self._lock:
-            for prompt, params in prepared:
-                state, message = self._new_request(prompt, params)
-                self._processor.add(state)
-                states.append(state)
-                client.add_request(message)
+        for prompt, params in prepared:
+            state, message = self._new_request(prompt, params)
+            self._processor.add(state)
+            states.append(state)
+            client.add_request(message)
         return states
 
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests by id; their outputs finish with ``finish_reason="abort"``. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        with self._lock:
-            self.client.abort_requests(ids)
+        self.client.abort_requests(ids)
 
     # ---- sync API -----------------------------------------------------------------------------------
     def generate(
@@ -454,8 +454,7 @@ class Engine:
             raise ValueError(f"method_name must be an identifier, got {method_name!r}")
         if self.mode == "async":
             return run_sync(self.acall_utility(method_name, *args, timeout=timeout))
-        with self._lock:
-            return self.client.call_utility(method_name, *args, timeout=timeout)
+        return self.client.call_utility(method_name, *args, timeout=timeout)
 
     async def acall_utility(self, method_name: str, *args: Any, timeout: float | None = 30.0) -> Any:
         """Async ``call_utility``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import threading
 import time
 from typing import Any
 
@@ -26,6 +27,8 @@ class InprocClient(EngineCoreClient):
         self._core: EngineCore | None = EngineCore(config)
         self._dead: BaseException | None = None
         self._undelivered: list = []  # outputs of steps run for a utility call, for the next get_output
+        # NOTE: the core is not thread-safe; every call into it (a step included) holds this lock.
+        self._lock = threading.RLock()
         self.max_model_len = self._core.max_model_len
         self.num_kv_blocks = self._core.num_kv_blocks
         import os
@@ -45,18 +48,19 @@ class InprocClient(EngineCoreClient):
         return self._core is not None and self._dead is None
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.core.handle_request(RequestType.ADD, request)
+        with self._lock:
+            self.core.handle_request(RequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.core.handle_request(RequestType.ABORT, request_ids)
+        with self._lock:
+            self.core.handle_request(RequestType.ABORT, request_ids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
-        outputs = self._step()
-        if outputs:
-            self._undelivered.extend(outputs)
-        if not self._undelivered:
-            return None
-        batch, self._undelivered = self._undelivered, []
+        with self._lock:
+            self._undelivered.extend(self._step())
+            if not self._undelivered:
+                return None
+            batch, self._undelivered = self._undelivered, []
         return EngineCoreOutputs(batch)
 
     def _step(self) -> list:
@@ -80,6 +84,11 @@ class InprocClient(EngineCoreClient):
 
     def call_utility(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
         request = UtilityRequest(0, 0, method_name, list(args))
+        with self._lock:
+            return self._call_utility(request, timeout)
+
+    def _call_utility(self, request: UtilityRequest, timeout: float | None) -> Any:
+        method_name = request.method_name
         try:
             result = self.core.handle_request(RequestType.UTILITY, request)
         except (EngineDeadError, EngineShutdownError):
@@ -92,12 +101,13 @@ class InprocClient(EngineCoreClient):
             while not result.done():
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s")
-                self._step()
+                self._undelivered.extend(self._step())  # delivered by the next get_output
             return result.result()
         return result
 
     def shutdown(self, timeout: float | None = None) -> None:
-        core, self._core = self._core, None
+        with self._lock:
+            core, self._core = self._core, None
         if core is not None:
             core.shutdown()
             del core
