@@ -15,6 +15,7 @@ from enginekit.errors import (
     UtilityCallError,
 )
 from enginekit.outputs import CompletionOutput, RequestOutput
+from enginekit.runtime.launcher import shutdown_launcher
 from enginekit.sampling_params import SamplingParams
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "UtilityCallError",
+    "shutdown_launcher",
 ]
 
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import msgspec
 __all__ = ["EngineConfig", "EngineMode"]
 
 EngineMode = Literal["inproc", "mp", "async"]
+MODEL_NAMES = ("smollm2-135m-instruct", "builtin")
 DEFAULT_MODE: EngineMode = "mp"
 MODE_ENV_VAR = "ENGINEKIT_MODE"
 
@@ -129,11 +130,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 close = difflib.get_close_matches(name, valid, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise TypeError(f"unknown engine option {name!r}{hint}")
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise TypeError(
+                "model must be a local Hugging Face folder, a .gguf file, a model name "
+                f"({', '.join(map(repr, MODEL_NAMES))}) or None for the default, got {model!r} "
+                f"({type(model).__name__})"
+            )
         model_path = os.fspath(model) if model is not None else None
         try:
             return msgspec.convert({"model": model_path, **options}, cls)
         except msgspec.ValidationError as error:
-            raise ValueError(f"invalid engine option: {error}") from None
+            raise _option_error(cls, error) from None
 
     def replace(self, **options: Any) -> EngineConfig:
         """Return a copy with some options changed (validated like ``from_options``)."""
@@ -151,6 +158,33 @@ def resolve_mode(mode: str | None) -> EngineMode:
         source = "mode" if mode is not None else MODE_ENV_VAR
         raise ValueError(f"{source} must be one of {', '.join(map(repr, valid))}, got {chosen!r}")
     return chosen  # type: ignore[return-value]
+
+
+def _option_error(cls: type, error: msgspec.ValidationError) -> Exception:
+    """Turn msgspec's message into one that names the option and its valid values."""
+    message = str(error)
+    name = message.rpartition("$.")[2].rstrip("`") if "$." in message else ""
+    annotation = cls.__annotations__.get(name)
+    if annotation is None:  # raised by __post_init__: already a full sentence
+        return ValueError(message.split(" - at `")[0])
+    choices = _choices(annotation)
+    if choices:
+        got = message.split(" - at `")[0].removeprefix("Invalid enum value ")
+        return ValueError(f"engine option {name} must be one of {choices}, got {got}")
+    expected = message.split(" - at `")[0].replace("Expected `", "").split("`, got `")
+    got = expected[1].rstrip("`") if len(expected) == 2 else "another type"
+    return TypeError(f"engine option {name} must be {expected[0].replace(' | null', ' or None')}, got {got}")
+
+
+def _choices(annotation: str) -> str:
+    """``"'a', 'b' or None"`` for a Literal annotation (as a string, with postponed evaluation)."""
+    if not annotation.startswith("Literal["):
+        return ""
+    inner, _, rest = annotation[len("Literal[") :].partition("]")
+    values = [part.strip() for part in inner.split(",")]
+    if "None" in rest:
+        values.append("None")
+    return ", ".join(values[:-1]) + f" or {values[-1]}"
 
 
 def _require(condition: bool, message: str) -> None:

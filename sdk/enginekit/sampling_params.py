@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import numbers
+import operator
+from typing import Any
+
 import msgspec
 
 __all__ = ["SamplingParams"]
@@ -9,8 +14,30 @@ __all__ = ["SamplingParams"]
 MAX_LOGPROBS = 20
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+class _StrictOptions(msgspec.StructMeta):
+    """Construction takes keyword options only; an unknown one names the class, the closest option and all."""
+
+    def __call__(cls, *args: Any, **options: Any) -> Any:
+        if args:
+            raise TypeError(f"{cls.__name__} takes keyword options only, e.g. {cls.__name__}(max_tokens=32)")
+        fields = cls.__struct_fields__
+        for name in options:
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else "."
+                raise TypeError(
+                    f"{cls.__name__} got an unknown option {name!r}{hint} Its options are: {', '.join(fields)}"
+                )
+        return super().__call__(**options)
+
+
+class SamplingParams(
+    msgspec.Struct, metaclass=_StrictOptions, frozen=True, kw_only=True, array_like=True, omit_defaults=True
+):
     """Sampling and stopping options of one request (vLLM-compatible names).
+
+    Every option is keyword-only and type-checked: ``top_k=2.0``, ``temperature=True`` or ``stop=5`` raise
+    ``TypeError``; values out of range raise ``ValueError``.
 
     Parameters
     ----------
@@ -25,7 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     seed
         Per-request seed: the same seed gives the same tokens whatever else is in the batch.
     stop
-        Strings that end generation; the text is cut before the stop string.
+        A string or strings that end generation; the text is cut before the stop string.
     stop_token_ids
         Token ids that end generation (the token is kept in ``token_ids``).
     ignore_eos
@@ -48,36 +75,86 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            msgspec.structs.force_setattr(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop_token_ids, tuple):
-            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
-        self._validate()
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            self._set(name, _integer(name, getattr(self, name)))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                self._set(name, _integer(name, getattr(self, name)))
+        for name in ("temperature", "top_p"):
+            self._set(name, _real(name, getattr(self, name)))
+        if not isinstance(self.ignore_eos, bool):
+            raise _type_error("ignore_eos", self.ignore_eos, "True or False")
+        self._set("stop", _strings("stop", self.stop))
+        self._set("stop_token_ids", _integers("stop_token_ids", self.stop_token_ids))
+        self._check_ranges()
 
-    def _validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}")
+    def _set(self, name: str, value: Any) -> None:
+        if value is not getattr(self, name):
+            msgspec.structs.force_setattr(self, name, value)
+
+    def _check_ranges(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise ValueError(f"SamplingParams.temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (disabled) or positive, got {self.top_k!r}")
+            raise ValueError(f"SamplingParams.top_k must be 0 (disabled) or positive, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must hold non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must hold non-negative integers, got {self.stop_token_ids!r}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise ValueError(f"SamplingParams.logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _type_error(name: str, value: Any, expected: str) -> TypeError:
+    return TypeError(f"SamplingParams.{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise _type_error(name, value, "an integer")
+    if type(value) is int:
+        return value
+    try:
+        return operator.index(value)  # numpy integers too, never floats
+    except TypeError:
+        raise _type_error(name, value, "an integer") from None
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _type_error(name, value, "a number")
+    return float(value)
+
+
+def _strings(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return value if type(value) is tuple else tuple(value)
+    raise _type_error(name, value, "a string or a list of strings")
+
+
+def _integers(name: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        try:
+            items = tuple(_integer(name, item) for item in value)
+        except TypeError:
+            raise _type_error(name, value, "a list of integers") from None
+        return value if type(value) is tuple and items == value else items
+    raise _type_error(name, value, "a list of integers")

@@ -1,109 +1,131 @@
-"""InprocClient: the engine core in this process and thread; ``get_output`` runs one step."""
+"""InprocClient: the engine core in this process and thread; waiting for an output runs a step.
+
+Every message goes through ``EngineCore.handle``, exactly as in the engine process. The core is not
+thread-safe: every call into it holds one lock.
+"""
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import gc
+import itertools
+import os
 import threading
 import time
+import traceback
 from typing import Any
 
 from enginekit.client.base import EngineCoreClient
 from enginekit.config import EngineConfig
 from enginekit.core.engine_core import EngineCore
-from enginekit.core.messages import (
+from enginekit.errors import EngineDeadError, EngineShutdownError, UtilityCallError
+from enginekit.model.loader import ModelSpec
+from enginekit.wire.messages import (
+    AbortRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
-    RequestType,
+    UtilityOutput,
     UtilityRequest,
 )
-from enginekit.errors import EngineDeadError, EngineShutdownError, UtilityCallError
 
 
 class InprocClient(EngineCoreClient):
     mode = "inproc"
 
-    def __init__(self, config: EngineConfig) -> None:
-        self._core: EngineCore | None = EngineCore(config)
-        self._dead: BaseException | None = None
-        self._undelivered: list = []  # outputs of steps run for a utility call, for the next get_output
-        # NOTE: the core is not thread-safe; every call into it (a step included) holds this lock.
+    def __init__(self, config: EngineConfig, spec: ModelSpec | None = None) -> None:
+        self._core: EngineCore | None = EngineCore(config, spec)
+        self._failure: str | None = None
+        self._undelivered: list[EngineCoreOutputs] = []  # outputs of steps run while a utility call waited
+        self._answers: dict[int, UtilityOutput] = {}
+        self._call_ids = itertools.count(1)
         self._lock = threading.RLock()
         self.max_model_len = self._core.max_model_len
         self.num_kv_blocks = self._core.num_kv_blocks
-        import os
-
         self.engine_pid = os.getpid()
 
     @property
     def core(self) -> EngineCore:
-        if self._dead is not None:
-            raise EngineDeadError(f"the in-process engine failed: {self._dead}") from self._dead
+        if self._failure is not None:
+            raise EngineDeadError(f"the in-process engine failed: {self._failure}")
         if self._core is None:
             raise EngineShutdownError("the engine has been shut down; call engine.restart()")
         return self._core
 
     @property
     def is_alive(self) -> bool:
-        return self._core is not None and self._dead is None
+        return self._core is not None and self._failure is None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self._lock:
-            self.core.handle_request(RequestType.ADD, request)
+            self.core.handle(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         with self._lock:
-            self.core.handle_request(RequestType.ABORT, request_ids)
+            self.core.handle(AbortRequest(list(request_ids)))
 
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+    def get_output(self, timeout: float | None = 0) -> EngineCoreOutputs | None:
+        """Run one step and return what it (and any step run for a utility call meanwhile) produced."""
         with self._lock:
-            self._undelivered.extend(self._step())
+            self._step()
             if not self._undelivered:
                 return None
-            batch, self._undelivered = self._undelivered, []
-        return EngineCoreOutputs(batch)
+            batches, self._undelivered = self._undelivered, []
+        if len(batches) == 1:
+            return batches[0]
+        return EngineCoreOutputs([output for batch in batches for output in batch.outputs])
 
-    def _step(self) -> list:
-        core = self.core
+    def wait_for_output(self, timeout: float | None) -> None:
+        """Nothing to wait for: ``get_output`` computes the next batch."""
+        self.core  # noqa: B018  (raises once the engine is gone)
+
+    async def wait_for_output_async(self) -> None:
+        self.core  # noqa: B018
+        await asyncio.sleep(0)  # let other tasks of this loop run between steps
+
+    def _step(self) -> None:
         try:
-            outputs, _ = core.step()
+            outputs, _ = self.core.step()
         except Exception as error:
-            self._dead = error
+            self._fail(error)
+            raise  # _fail raised already
+        if outputs is None:
+            return
+        for answer in outputs.utility_outputs:
+            self._answers[answer.call_id] = answer
+        if outputs.outputs:
+            outputs.utility_outputs = []
+            self._undelivered.append(outputs)
+
+    def _fail(self, error: Exception) -> None:
+        """The step failed: the engine is dead. Free the model and the KV cache now, not with the traceback."""
+        self._failure = f"{type(error).__name__}: {error}"
+        # NOTE: the traceback's frames hold the model and the cache (the runner's locals); IPython keeps the
+        # last traceback alive, so a restart would allocate a second copy. Clear them.
+        traceback.clear_frames(error.__traceback__)
+        core, self._core = self._core, None
+        if core is not None:
             core.shutdown()
-            raise EngineDeadError(f"the in-process engine failed in a step: {error}") from error
-        return outputs
-
-    async def get_output_async(self) -> EngineCoreOutputs:
-        import asyncio
-
-        while True:
-            batch = self.get_output()
-            if batch is not None:
-                return batch
-            await asyncio.sleep(0)  # let other tasks of this loop run between steps
+        del core
+        gc.collect()
+        raise EngineDeadError(f"the in-process engine failed in a step: {self._failure}") from None
 
     def call_utility(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
-        request = UtilityRequest(0, 0, method_name, list(args))
+        call_id = next(self._call_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            return self._call_utility(request, timeout)
-
-    def _call_utility(self, request: UtilityRequest, timeout: float | None) -> Any:
-        method_name = request.method_name
-        try:
-            result = self.core.handle_request(RequestType.UTILITY, request)
-        except (EngineDeadError, EngineShutdownError):
-            raise
-        except Exception as error:
-            raise UtilityCallError(f"{type(error).__name__}: {error}") from error
-        if isinstance(result, concurrent.futures.Future):
-            # The background process answers when the Future completes; here, steps run until it does.
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while not result.done():
+            self.core.handle(UtilityRequest(call_id, method_name, list(args)))
+            # The engine process answers a Future when it completes; here, steps run until it does.
+            while call_id not in self._answers:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s")
-                self._undelivered.extend(self._step())  # delivered by the next get_output
-            return result.result()
-        return result
+                self._step()
+            answer = self._answers.pop(call_id)
+        if answer.failure_message is not None:
+            raise UtilityCallError(answer.failure_message)
+        return answer.result
+
+    async def call_utility_async(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
+        return self.call_utility(method_name, *args, timeout=timeout)
 
     def shutdown(self, timeout: float | None = None) -> None:
         with self._lock:

@@ -1,131 +1,92 @@
-"""MPClient: the front end of an engine process — sockets, handshake, liveness, shutdown.
+"""MPClient: the front end of an engine process — sockets, handshake, sending, liveness, shutdown.
 
-Front end ``ROUTER`` (bound) → engine ``DEALER`` carries requests; engine ``PUSH`` → front end ``PULL``
-(bound) carries outputs. Each message is ``[request type, msgpack body, *tensor frames]``.
+Front end ``ROUTER`` (bound) → engine ``DEALER`` carries requests (and, during startup, the engine's phase
+reports and READY the other way); engine ``PUSH`` → front end ``PULL`` (bound) carries outputs. Every message
+is ``[msgpack body, *tensor frames]`` (the ROUTER adds the engine's identity). Who reads the output socket is
+the receiver's business: a thread (``SyncMPClient``) or a task on the caller's loop (``AsyncMPClient``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
-import itertools
 import logging
-import os
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import zmq
 
 from enginekit.client.base import EngineCoreClient
-from enginekit.client.engine_process import EngineProcess
-from enginekit.client.launcher import LauncherError
+from enginekit.client.pending import PendingCalls
+from enginekit.client.receiver import LoopReceiver, ThreadReceiver
+from enginekit.client.sockets import EngineSockets
 from enginekit.config import EngineConfig
-from enginekit.core.engine_core_proc import EngineProcArgs
-from enginekit.core.messages import (
-    ENGINE_CORE_DEAD,
+from enginekit.errors import EngineDeadError, EngineShutdownError, EngineStartupError
+from enginekit.model.loader import ModelSpec
+from enginekit.runtime.engine_process import EngineProcess
+from enginekit.runtime.launcher import LauncherError
+from enginekit.wire.messages import (
+    AbortRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineDead,
+    EngineOutput,
+    EngineProcArgs,
+    PhaseReport,
     ReadyMessage,
-    RequestType,
     ShutdownRequest,
+    StartupReport,
     UtilityRequest,
+    engine_identity,
 )
-from enginekit.core.serial import MsgpackDecoder, MsgpackEncoder
-from enginekit.errors import (
-    EngineDeadError,
-    EngineShutdownError,
-    EngineStartupError,
-    UtilityCallError,
-)
+from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("enginekit.client")
 
-ENGINE_IDENTITY = b"engine-0"
 SHUTDOWN_GRACE_S = 5.0
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
 class MPClient(EngineCoreClient):
-    """Starts the engine process and owns the sockets; subclasses decide how outputs are awaited."""
+    """Starts the engine process, owns its sockets; its receiver decides how outputs are awaited."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    receiver_type: ClassVar[type[ThreadReceiver] | type[LoopReceiver]]
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec | None = None, *, engine_index: int = 0) -> None:
+        # ``spec`` is unused: the engine process reads the model itself.
         self.config = config
+        self.engine_index = engine_index
+        self.identity = engine_identity(engine_index)
         self._closed = False
         self._dead_error: EngineDeadError | None = None
         self._send_lock = threading.Lock()
-        self._call_ids = itertools.count(1)
         self._encoder = MsgpackEncoder()
-        self._decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._decoder = MsgpackDecoder(EngineOutput)
+        self._pending = PendingCalls()
         self.process = EngineProcess(config.start_method)
-        self._context = zmq.Context(io_threads=1)
+        self.sockets: EngineSockets | None = None
+        self.receiver: ThreadReceiver | LoopReceiver | None = None
         try:
-            self._open_sockets()
+            self.sockets = EngineSockets(config, self.process)
             self._start_engine()
+            self.receiver = self.receiver_type(
+                self.sockets.output, self.process, self._handle_frames, self._on_process_exit
+            )
         except BaseException:
             self._close_resources(kill=True)
             raise
 
     # ---- startup ------------------------------------------------------------------------------------
-    def _open_sockets(self) -> None:
-        config = self.config
-        self.input_socket = self._context.socket(zmq.ROUTER)
-        self.output_socket = self._context.socket(zmq.PULL)
-        for socket in (self.input_socket, self.output_socket):
-            socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.output_socket.setsockopt(zmq.RCVHWM, config.max_pending_outputs)
-        self._curve: tuple[bytes, bytes, bytes] | None = None
-        if config.address is None or config.address.startswith("ipc://"):
-            base = self.process.ipc_address("") if config.address is None else config.address
-            self.input_address, self.output_address = base + "input.sock", base + "output.sock"
-            self.input_socket.bind(self.input_address)
-            self.output_socket.bind(self.output_address)
-            return
-        host, colon, port = config.address.removeprefix("tcp://").rpartition(":")
-        if colon and not host:
-            host = "127.0.0.1"  # no host named: loopback, never every interface
-        if not host or not port.isdigit():
-            raise ValueError(
-                f"address must look like tcp://HOST:PORT or tcp://:PORT (loopback), got {config.address!r}"
-            )
-        if zmq.has("curve"):
-            # NOTE: a per-engine CURVE key pair is the secret: a peer that does not know the server key
-            # never completes the handshake, so it can neither send requests nor read outputs.
-            server_public, server_secret = zmq.curve_keypair()
-            client_public, client_secret = zmq.curve_keypair()
-            for socket in (self.input_socket, self.output_socket):
-                socket.curve_server = True
-                socket.curve_secretkey = server_secret
-                socket.curve_publickey = server_public
-            self._curve = (server_public, client_public, client_secret)
-        elif host not in LOOPBACK_HOSTS:
-            raise EngineStartupError(
-                f"refusing to bind {config.address}: this libzmq has no CURVE support to protect a "
-                "non-loopback endpoint",
-                phase="spawn",
-            )
-        addresses = []
-        for socket in (self.input_socket, self.output_socket):
-            if port == "0":
-                bound = socket.bind_to_random_port(f"tcp://{host}")
-                addresses.append(f"tcp://{host}:{bound}")
-            else:
-                socket.bind(f"tcp://{host}:{port}")
-                addresses.append(f"tcp://{host}:{port}")
-                port = str(int(port) + 1)
-        self.input_address, self.output_address = addresses
-
     def _start_engine(self) -> None:
-        server_public, client_public, client_secret = self._curve or (b"", b"", b"")
+        assert self.sockets is not None
         args = EngineProcArgs(
             self.config,
-            self.input_address,
-            self.output_address,
-            ENGINE_IDENTITY,
-            server_public,
-            client_public,
-            client_secret,
+            self.sockets.input_address,
+            self.sockets.output_address,
+            self.engine_index,
+            *self.sockets.curve_client_keys,
         )
         try:
             self.process.start(args)
@@ -139,44 +100,46 @@ class MPClient(EngineCoreClient):
         self.engine_device = ready.device
 
     def _wait_for_ready(self, deadline: float) -> ReadyMessage:
-        poller = zmq.Poller()
-        poller.register(self.input_socket, zmq.POLLIN)
+        assert self.sockets is not None
+        socket = self.sockets.input
+        decoder = msgspec.msgpack.Decoder(StartupReport)
         while True:
-            if dict(poller.poll(100)):
-                frames = self.input_socket.recv_multipart()
-                if len(frames) == 3 and frames[0] == ENGINE_IDENTITY and frames[1] == b"READY":
-                    with contextlib.suppress(msgspec.MsgspecError):
-                        return msgspec.msgpack.decode(frames[2], type=ReadyMessage)
-                logger.warning("ignored an unexpected message during the handshake")
+            if socket.poll(100):
+                frames = socket.recv_multipart()
+                report = _decode_report(decoder, frames, self.identity)
+                if isinstance(report, ReadyMessage):
+                    return report
+                if isinstance(report, PhaseReport):
+                    self.process.phase = report.phase
                 continue
             if not self.process.is_alive():
-                phase = self.process.phase
-                raise EngineStartupError(
-                    f"engine startup failed during {phase}: {self.process.describe_exit()}.\n"
-                    f"Last engine output:\n{self.process.error_tail()}",
-                    phase=phase,
-                    error_tail=self.process.error_tail(),
+                raise self._startup_error(
+                    f"engine startup failed during {self.process.phase}: {self.process.describe_exit()}"
                 )
             if time.monotonic() > deadline:
                 phase = self.process.phase
                 self.process.stop(0.0)
-                raise EngineStartupError(
+                raise self._startup_error(
                     f"engine did not report READY within startup_timeout={self.config.startup_timeout}s "
-                    f"(stuck in {phase}); the engine process was killed.\n"
-                    f"Last engine output:\n{self.process.error_tail()}",
-                    phase=phase,
-                    error_tail=self.process.error_tail(),
+                    f"(stuck in {phase}); the engine process was killed",
                 )
 
+    def _startup_error(self, headline: str) -> EngineStartupError:
+        tail = self.process.error_tail()
+        cause = _last_error_line(tail)
+        message = f"{cause}\n{headline}." if cause else f"{headline}."
+        if tail:
+            message += f"\nLast engine output:\n{tail}"
+        return EngineStartupError(message, phase=self.process.phase, error_tail=tail)
+
     # ---- sending ------------------------------------------------------------------------------------
-    def _send(self, request_type: RequestType, payload: Any = None) -> None:
+    def _send(self, message: Any) -> None:
         self._check_usable()
-        frames = [ENGINE_IDENTITY, request_type.value]
-        if payload is not None:
-            frames.extend(self._encoder.encode(payload))
-        with self._send_lock:
+        assert self.sockets is not None
+        with self._send_lock:  # NOTE: encoding too: the encoder collects one message's tensor frames
+            frames = [self.identity, *self._encoder.encode(message)]
             try:
-                self.input_socket.send_multipart(frames, copy=False)
+                self.sockets.input.send_multipart(frames, copy=False)
             except zmq.ZMQError as error:
                 self._check_usable()
                 raise EngineDeadError(f"cannot reach the engine process: {error}") from error
@@ -188,56 +151,99 @@ class MPClient(EngineCoreClient):
             raise EngineShutdownError("the engine has been shut down; call engine.restart()")
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(RequestType.ADD, request)
+        self._send(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self._send(RequestType.ABORT, list(request_ids))
+        self._send(AbortRequest(list(request_ids)))
 
-    def _utility_request(self, method_name: str, args: tuple[Any, ...]) -> UtilityRequest:
+    def _utility_request(self, call_id: int, method_name: str, args: tuple[Any, ...]) -> UtilityRequest:
         try:
             msgspec.msgpack.encode(list(args))
         except TypeError as error:
+            self._pending.discard(call_id)
             raise TypeError(f"utility arguments must be msgpack-able: {error}") from None
-        return UtilityRequest(0, next(self._call_ids), method_name, list(args))
+        return UtilityRequest(call_id, method_name, list(args))
+
+    def call_utility(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
+        self._check_usable()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        call_id = self._pending.add(future)
+        try:
+            self._send(self._utility_request(call_id, method_name, args))
+            return self._receiver().wait_future(future, timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
+        finally:
+            self._pending.discard(call_id)
+
+    async def call_utility_async(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
+        self._check_usable()
+        if isinstance(self.receiver, LoopReceiver):
+            self.receiver.bind()  # someone must read the answer on this loop
+        future = asyncio.get_running_loop().create_future()
+        call_id = self._pending.add(future)
+        try:
+            self._send(self._utility_request(call_id, method_name, args))
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
+        finally:
+            self._pending.discard(call_id)
 
     # ---- receiving ----------------------------------------------------------------------------------
-    def _handle_frames(self, frames: list[Any]) -> None:
-        if len(frames) == 1 and frames[0].bytes == ENGINE_CORE_DEAD:
-            self._mark_dead("the engine core reported a fatal error")
-            return
+    def get_output(self, timeout: float | None = 0) -> EngineCoreOutputs | None:
+        """Take the next batch, waiting up to ``timeout``; ``None`` if none came."""
+        receiver = self._receiver()
+        batch = receiver.pop()
+        if batch is None and timeout != 0:
+            receiver.wait(timeout)
+            batch = receiver.pop()
+        if batch is None and receiver.dead:
+            self._check_usable()
+            raise EngineDeadError("the engine is gone")
+        return batch
+
+    def wait_for_output(self, timeout: float | None) -> None:
+        self._receiver().wait(timeout)
+
+    async def wait_for_output_async(self) -> None:
+        await self._receiver().wait_async()
+
+    def _receiver(self) -> ThreadReceiver | LoopReceiver:
+        self._check_usable()
+        assert self.receiver is not None
+        return self.receiver
+
+    def _handle_frames(self, frames: list[Any]) -> EngineCoreOutputs | None:
+        """Decode one message: answer utility calls; return step outputs to queue; note a death."""
         try:
-            outputs: EngineCoreOutputs = self._decoder.decode(frames)
+            message = self._decoder.decode(frames)
         except Exception as error:
             logger.warning("dropped a malformed output message: %s", error)
-            return
-        if outputs.utility_output is not None:
-            result = outputs.utility_output
-            error = UtilityCallError(result.failure_message) if result.failure_message else None
-            self._resolve_utility(result.call_id, result.result, error)
-        if outputs.outputs:
-            self._deliver(outputs)
+            return None
+        if isinstance(message, EngineDead):
+            self._mark_dead(f"the engine core reported a fatal error ({message.reason})")
+            return None
+        for answer in message.utility_outputs:
+            self._pending.resolve(answer)
+        return message if message.outputs else None
+
+    def _on_process_exit(self) -> None:
+        self._mark_dead("the engine process died")
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead_error is not None or self._closed:
             return
-        self.process.wait_dead(1.0)  # usually exits right after its last message
         status = self.process.describe_exit()
-        tail = "\n".join(self.process.error_tail().splitlines()[-12:])
+        tail = "\n".join(self.process.error_tail().splitlines()[-12:]) if not self.process.is_alive() else ""
         self._dead_error = EngineDeadError(
             f"{reason}; {status}. Call engine.restart() to start a new engine."
             + (f"\nLast engine output:\n{tail}" if tail else "")
         )
         logger.info("%s", self._dead_error)
-        self._fail_waiters(self._dead_error)
-
-    def _deliver(self, outputs: EngineCoreOutputs) -> None:
-        raise NotImplementedError
-
-    def _resolve_utility(self, call_id: int, result: Any, error: BaseException | None) -> None:
-        raise NotImplementedError
-
-    def _fail_waiters(self, error: BaseException) -> None:
-        raise NotImplementedError
+        self._pending.fail_all(self._dead_error)
+        if self.receiver is not None:
+            self.receiver.mark_dead()
 
     @property
     def is_alive(self) -> bool:
@@ -250,25 +256,20 @@ class MPClient(EngineCoreClient):
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         if self._dead_error is None and self.process.is_alive():
             with contextlib.suppress(Exception):
-                self._send(RequestType.SHUTDOWN, ShutdownRequest(timeout))
+                self._send(ShutdownRequest(timeout))
         self._closed = True  # from here on, the process exiting is not a death
         self.process.stop(timeout + SHUTDOWN_GRACE_S)
-        self._stop_receiving()
-        self._fail_waiters(EngineShutdownError("the engine was shut down"))
+        self._pending.fail_all(EngineShutdownError("the engine was shut down"))
         self._close_resources()
-
-    def _stop_receiving(self) -> None:
-        raise NotImplementedError
 
     def _close_resources(self, kill: bool = False) -> None:
         self._closed = True
         if kill:
             self.process.stop(0.0)
-        for name in ("input_socket", "output_socket"):
-            socket = getattr(self, name, None)
-            if socket is not None:
-                socket.close(linger=0)
-        self._context.term()
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.sockets is not None:
+            self.sockets.close()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
@@ -276,5 +277,35 @@ class MPClient(EngineCoreClient):
                 self.shutdown(timeout=0)
 
 
-def pidfd_or_none(process: EngineProcess) -> int | None:
-    return process.pidfd if process.pidfd is not None and os.name == "posix" else None
+class SyncMPClient(MPClient):
+    """The engine in a background process; a thread receives its outputs (mode ``"mp"``)."""
+
+    mode = "mp"
+    receiver_type = ThreadReceiver
+
+
+class AsyncMPClient(MPClient):
+    """The engine in a background process; a task on the caller's loop receives its outputs (``"async"``)."""
+
+    mode = "async"
+    receiver_type = LoopReceiver
+
+
+def _decode_report(decoder: msgspec.msgpack.Decoder, frames: list[bytes], identity: bytes) -> Any:
+    if len(frames) == 2 and frames[0] == identity:
+        with contextlib.suppress(msgspec.MsgspecError):
+            return decoder.decode(frames[1])
+    logger.warning("ignored an unexpected message during the handshake")
+    return None
+
+
+def _last_error_line(tail: str) -> str:
+    """The exception line of a traceback in the engine's output, to lead the startup error with."""
+    for line in reversed(tail.splitlines()):
+        if (
+            line
+            and not line.startswith((" ", "\t", "Traceback"))
+            and ("Error" in line or "Exception" in line)
+        ):
+            return line.strip()
+    return ""

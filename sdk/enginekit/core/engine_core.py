@@ -1,60 +1,109 @@
-"""EngineCore: the one step loop. In-process mode calls it directly; the engine process feeds it from queues.
+"""EngineCore: the one dispatch point and the one step loop, whichever process it runs in.
 
-Every front-end operation arrives through ``handle_request`` (ADD, ABORT, UTILITY), so both transports share
-one dispatch point; ``step`` schedules, runs the model once, and returns the outputs of that step.
+Every front-end message arrives through ``handle``: requests are validated and added or refused, aborts
+applied, utilities called (a Future result is answered when it completes) and shutdown started. ``step``
+schedules, runs the model once and returns everything produced since the last step: token deltas, refusals
+and utility answers. In-process mode calls both directly; the engine process feeds ``handle`` from its input
+queue and sends what ``step`` returns.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import enum
+import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from enginekit.config import EngineConfig
 from enginekit.core.detokenizer import IncrementalDetokenizer
 from enginekit.core.kv_cache import KVCacheManager
-from enginekit.core.messages import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    FinishReason,
-    RequestType,
-)
 from enginekit.core.request import Request
 from enginekit.core.scheduler import Scheduler
+from enginekit.core.validation import RequestLimits, validate_request
 from enginekit.errors import EngineStartupError
-from enginekit.model.loader import load_model, load_model_config
+from enginekit.model.batch import ScheduledBatch, SequenceChunk
+from enginekit.model.loader import ModelSpec, load_model, load_model_spec
 from enginekit.model.runner import ModelRunner
-from enginekit.model.tokenizer import load_tokenizer
+from enginekit.model.sampler import SamplerOutput
+from enginekit.wire.messages import (
+    AbortRequest,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ExecutorFailed,
+    FinishReason,
+    InvalidRequest,
+    RequestError,
+    ShutdownRequest,
+    UtilityOutput,
+    UtilityRequest,
+    WakeupRequest,
+)
 
 logger = logging.getLogger("enginekit.core")
 
+SHUTTING_DOWN = "engine shutting down"
+
+
+class ShutdownState(enum.Enum):
+    RUNNING = 0
+    REQUESTED = 1  # no new work; running requests drain until the deadline, then are aborted
+    DONE = 2
+
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, spec: ModelSpec | None = None, *, engine_index: int = 0) -> None:
         self.config = config
+        self.engine_index = engine_index
         self.device, self.dtype = resolve_device(config)
         self._previous_num_threads = torch.get_num_threads()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        try:
+            self._build(config, spec)
+        except BaseException:
+            # NOTE: free what was built before the failure now, not whenever the traceback dies.
+            self.runner = None  # type: ignore[assignment]
+            torch.set_num_threads(self._previous_num_threads)
+            _release_device_memory(self.device)
+            raise
+        self.shutdown_state = ShutdownState.RUNNING
+        self.shutdown_deadline = 0.0
+        self._outputs: list[EngineCoreOutput] = []  # produced outside a step: aborts, refusals
+        self._utility_outputs: list[UtilityOutput] = []
+        self._idle_waiters: list[concurrent.futures.Future[dict[str, Any]]] = []
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            EngineCoreRequest: self._add,
+            AbortRequest: lambda message: self.abort_requests(message.request_ids),
+            UtilityRequest: self._call_utility,
+            ShutdownRequest: lambda message: self.request_shutdown(message.timeout),
+            WakeupRequest: lambda message: None,
+            ExecutorFailed: self._executor_failed,
+            InvalidRequest: self._refuse_invalid,
+        }
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.start_time = time.monotonic()
+
+    def _build(self, config: EngineConfig, spec: ModelSpec | None) -> None:
         if config.debug_load_delay_s:
             time.sleep(config.debug_load_delay_s)
-        self.model_config = load_model_config(config.model)
-        self.tokenizer = load_tokenizer(
-            _folder(config.model),
-            bos_token_id=self.model_config.bos_token_id,
-            eos_token_id=(self.model_config.eos_token_ids or (None,))[0],
-        )
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        self.num_kv_blocks, self.max_model_len = size_kv_cache(config, self.model_config, self.dtype)
-        model = load_model(
-            config.model, self.model_config, device=self.device, dtype=self.dtype, seed=config.seed
-        )
+        spec = spec or load_model_spec(config.model)
+        self.model_config = model_config = spec.config
+        self.tokenizer = spec.tokenizer
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.num_kv_blocks, self.max_model_len = size_kv_cache(config, model_config, self.dtype)
+        self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
+        model = load_model(spec, device=self.device, dtype=self.dtype, seed=config.seed)
         self.runner = ModelRunner(
             model,
-            self.model_config,
+            model_config,
             num_blocks=self.num_kv_blocks,
             block_size=config.block_size,
             device=self.device,
@@ -63,84 +112,168 @@ class EngineCore:
             fail_at_step=config.fail_at_step,
         )
         self.kv_cache = KVCacheManager(
-            self.num_kv_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            self.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self._pending_outputs: list[EngineCoreOutput] = []
-        self._idle_waiters: list[concurrent.futures.Future[dict[str, Any]]] = []
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.start_time = time.monotonic()
 
     # ---- the dispatch point -------------------------------------------------------------------------
-    def handle_request(self, request_type: RequestType, payload: Any) -> Any:
-        if request_type is RequestType.ADD:
-            return self.add_request(payload)
-        if request_type is RequestType.ABORT:
-            return self.abort_requests(payload)
-        if request_type is RequestType.UTILITY:
-            return self.call_utility(payload.method_name, payload.args)
-        raise ValueError(f"unexpected request type {request_type!r}")
+    def handle(self, message: Any) -> None:
+        """Apply one front-end message; what it produces comes out of the next ``step``."""
+        self._handlers[type(message)](message)
 
-    def add_request(self, message: EngineCoreRequest) -> None:
-        if message.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {message.request_id!r} is already running")
-        num_prompt = len(message.prompt_token_ids)
-        if not 0 < num_prompt < self.max_model_len:
-            raise ValueError(
-                f"prompt has {num_prompt} tokens; it must have 1 to {self.max_model_len - 1} "
-                f"(max_model_len={self.max_model_len})"
+    def _add(self, request: EngineCoreRequest) -> None:
+        request_id = request.request_id
+        if self.shutdown_state is not ShutdownState.RUNNING:
+            self._outputs.append(
+                EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT, stop_reason=SHUTTING_DOWN)
             )
-        params = message.sampling_params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, message.prompt_token_ids, params.stop)
-        self.scheduler.add_request(Request(message, detokenizer=detokenizer))
+            return
+        if request_id in self.scheduler.requests:
+            # NOTE: never answer under the id of a running request: that would end it for its caller.
+            logger.warning("rejected request %s: its id is already running", request_id)
+            return
+        try:
+            validate_request(request, self.limits)
+        except ValueError as error:
+            self.refuse(request_id, error)
+            return
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
+        )
+        self.scheduler.add_request(Request(request, detokenizer=detokenizer))
+
+    def refuse(self, request_id: str, error: BaseException) -> None:
+        """Answer a request the engine will not serve with the error its caller gets."""
+        logger.warning("rejected request %s: %s", request_id, error)
+        kind = "TypeError" if isinstance(error, TypeError) else "ValueError"
+        self._outputs.append(
+            EngineCoreOutput(
+                request_id, [], finish_reason=FinishReason.ABORT, error=RequestError(kind, str(error))
+            )
+        )
+
+    def _refuse_invalid(self, message: InvalidRequest) -> None:
+        if message.request_id in self.scheduler.requests:
+            logger.warning("dropped an undecodable request under the running id %s", message.request_id)
+            return
+        logger.warning("rejected request %s: %s", message.request_id, message.error.message)
+        self._outputs.append(
+            EngineCoreOutput(message.request_id, [], finish_reason=FinishReason.ABORT, error=message.error)
+        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests by id; unknown or finished ids are ignored (abort is idempotent)."""
         for request_id in request_ids:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
-                self._finish(request, FinishReason.ABORT, None, self._pending_outputs)
+                self._finish(request, FinishReason.ABORT, None, self._outputs)
 
     def abort_all(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
 
-    def call_utility(self, method_name: str, args: list[Any]) -> Any:
-        method = getattr(self, f"utility_{method_name}", None)
-        if method is None:
-            raise AttributeError(f"unknown utility method {method_name!r}")
-        return method(*args)
+    def _call_utility(self, request: UtilityRequest) -> None:
+        def answer(result: Any = None, failure: str | None = None) -> None:
+            self._utility_outputs.append(UtilityOutput(request.call_id, result, failure))
+
+        if self.shutdown_state is not ShutdownState.RUNNING:
+            answer(failure="Server shutting down")
+            return
+        method = getattr(self, f"utility_{request.method_name}", None)
+        try:
+            if method is None:
+                raise AttributeError(f"unknown utility method {request.method_name!r}")
+            result = method(*request.args)
+        except Exception as error:
+            answer(failure=f"{type(error).__name__}: {error}")
+            return
+        if not isinstance(result, concurrent.futures.Future):
+            _answer_with(answer, lambda: result)
+            return
+        # NOTE: futures complete on the loop's thread (in a step), so the answer is sent by the next step.
+        result.add_done_callback(lambda future: _answer_with(answer, future.result))
+
+    def _executor_failed(self, message: ExecutorFailed) -> None:
+        raise RuntimeError(f"Executor failed. {message.reason}".strip())
+
+    # ---- shutdown -----------------------------------------------------------------------------------
+    def request_shutdown(self, timeout: float | None = None) -> None:
+        """Stop taking requests; abort running ones now (timeout 0) or let them finish up to the timeout."""
+        if self.shutdown_state is ShutdownState.RUNNING:
+            timeout = self.config.shutdown_timeout if timeout is None else timeout
+            self.shutdown_state = ShutdownState.REQUESTED
+            self.shutdown_deadline = time.monotonic() + timeout
+            logger.info("shutdown requested (timeout %.1fs)", timeout)
+
+    @property
+    def is_done(self) -> bool:
+        return self.shutdown_state is ShutdownState.DONE
 
     # ---- the step -----------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self._pending_outputs) or self.scheduler.has_unfinished_requests()
+        """Whether ``step`` would produce something: requests to run, or answers to send."""
+        return bool(
+            self._outputs
+            or self._utility_outputs
+            or self.scheduler.has_unfinished_requests()
+            or self._idle_waiters
+            or self.shutdown_state is ShutdownState.REQUESTED
+        )
 
-    def step(self) -> tuple[list[EngineCoreOutput], bool]:
-        """Schedule and run one forward pass; return this step's outputs and whether a forward ran."""
-        outputs, self._pending_outputs = self._pending_outputs, []
+    def step(self) -> tuple[EngineCoreOutputs | None, bool]:
+        """Run one forward pass if anything is scheduled; return what was produced and whether it ran."""
+        if self.shutdown_state is ShutdownState.REQUESTED and time.monotonic() >= self.shutdown_deadline:
+            self.abort_all()
+        ran_forward = False
+        if self.scheduler.has_unfinished_requests():
+            ran_forward = self._run_scheduled()
         if not self.scheduler.has_unfinished_requests():
-            return outputs, False
+            if self._idle_waiters:
+                self._wake_idle_waiters()
+            if self.shutdown_state is ShutdownState.REQUESTED:
+                self.shutdown_state = ShutdownState.DONE
+        if not (self._outputs or self._utility_outputs):
+            return None, ran_forward
+        outputs, self._outputs = self._outputs, []
+        utility_outputs, self._utility_outputs = self._utility_outputs, []
+        return EngineCoreOutputs(outputs, utility_outputs, self.engine_index), ran_forward
+
+    def _run_scheduled(self) -> bool:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return outputs, False
-        sampled_requests, sampled = self.runner.execute(
-            scheduled.scheduled, self.kv_cache.block_ids, self.kv_cache.pool.num_used_blocks
-        )
+            return False
+        batch, sampling = self._batch(scheduled.scheduled)
+        sampled = self.runner.execute(batch)
         self.num_steps += 1
         for request, num_new in scheduled.scheduled:
             request.num_computed_tokens += num_new
             self.kv_cache.cache_full_blocks(request)
-        for row, request in enumerate(sampled_requests):
-            self._append_token(request, sampled.token_ids[row], row, sampled, outputs)
-        if self._idle_waiters and not self.scheduler.has_unfinished_requests():
-            self._wake_idle_waiters()
-        return outputs, True
+        for row, request in enumerate(sampling):
+            self._append_token(request, sampled.token_ids[row], row, sampled)
+        return True
+
+    def _batch(self, scheduled: list[tuple[Request, int]]) -> tuple[ScheduledBatch, list[Request]]:
+        """The runner's plain view of this step: decodes first, then prefill chunks."""
+        ordered = [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
+        block_ids = self.kv_cache.block_ids
+        chunks, sampling = [], []
+        for request, num_new in ordered:
+            start = request.num_computed_tokens
+            chunk = SequenceChunk(
+                request.all_token_ids[start : start + num_new], start, block_ids[request.request_id]
+            )
+            if request.prompt_embeds is not None and start < request.num_prompt_tokens:
+                chunk.prompt_embeds = request.prompt_embeds[
+                    start : min(start + num_new, request.num_prompt_tokens)
+                ]
+            if start + num_new == request.num_tokens:
+                chunk.sampling_params, chunk.generator = request.sampling_params, request.generator
+                sampling.append(request)
+            chunks.append(chunk)
+        return ScheduledBatch(chunks, self.kv_cache.pool.num_used_blocks), sampling
 
     def _wake_idle_waiters(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -148,7 +281,7 @@ class EngineCore:
         for future in waiters:
             future.set_result(stats)
 
-    def _append_token(self, request: Request, token_id: int, row: int, sampled, outputs) -> None:
+    def _append_token(self, request: Request, token_id: int, row: int, sampled: SamplerOutput) -> None:
         request.all_token_ids.append(token_id)
         self.num_generated_tokens += 1
         params = request.sampling_params
@@ -172,9 +305,9 @@ class EngineCore:
             output.logprob_token_ids = sampled.logprob_token_ids[row : row + 1, :width].clone()
         if finish_reason is None:
             output.new_text = request.detokenizer.flush()
-            outputs.append(output)
+            self._outputs.append(output)
         else:
-            self._finish(request, finish_reason, stop_reason, outputs, output)
+            self._finish(request, finish_reason, stop_reason, self._outputs, output)
 
     def _finish(
         self,
@@ -221,8 +354,6 @@ class EngineCore:
         """A Future that completes (with the stats) once no request is running or waiting."""
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         self._idle_waiters.append(future)
-        if not self.scheduler.has_unfinished_requests():
-            self._wake_idle_waiters()
         return future
 
     def utility_reset_prefix_cache(self) -> bool:
@@ -240,15 +371,34 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release the model, the KV cache and the scheduler's requests, and return device memory."""
         self.abort_all()
-        self._pending_outputs.clear()
+        self._outputs.clear()
         for future in self._idle_waiters:
             future.cancel()
         self._idle_waiters.clear()
-        self.runner.release()
+        if self.runner is not None:
+            self.runner.release()
         # In-process, the thread count is the user's process-wide torch setting: give it back.
         torch.set_num_threads(self._previous_num_threads)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release_device_memory(self.device)
+
+
+def _answer_with(answer: Callable[..., None], compute: Callable[[], Any]) -> None:
+    """Answer with ``compute()``'s result, which must be msgpack-able, or with the failure it raised."""
+    try:
+        result = compute()
+        msgspec.msgpack.encode(result)
+    except TypeError as error:
+        answer(failure=f"TypeError: utility result cannot be sent: {error}")
+    except Exception as error:
+        answer(failure=f"{type(error).__name__}: {error}")
+    else:
+        answer(result)
+
+
+def _release_device_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        gc.collect()  # NOTE: before empty_cache: tensors held only by cycles are not free until collected
+        torch.cuda.empty_cache()
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -281,9 +431,3 @@ def size_kv_cache(config: EngineConfig, model_config, dtype: torch.dtype) -> tup
             )
         return num_blocks, config.max_model_len
     return num_blocks, min(limit, capacity)
-
-
-def _folder(model: str | None):
-    from pathlib import Path
-
-    return Path(model) if model is not None else None

@@ -6,8 +6,8 @@ import enum
 
 import torch
 
-from enginekit.core.messages import EngineCoreRequest, FinishReason
 from enginekit.sampling_params import SamplingParams
+from enginekit.wire.messages import EngineCoreRequest, FinishReason
 
 
 class RequestStatus(enum.Enum):
@@ -61,10 +61,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def is_cacheable(self) -> bool:

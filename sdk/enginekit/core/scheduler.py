@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from enginekit.core.kv_cache import KVCacheManager
-from enginekit.core.messages import FinishReason
 from enginekit.core.request import Request, RequestStatus
+from enginekit.wire.messages import FinishReason
 
 
 @dataclass

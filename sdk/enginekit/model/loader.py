@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import string
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from enginekit.errors import EngineStartupError
 from enginekit.model.config import ModelConfig
 from enginekit.model.llama import LlamaForCausalLM
-from enginekit.model.tokenizer import ByteTokenizer
+from enginekit.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 BUILTIN_CONFIG = ModelConfig(
     architecture="llama",
@@ -30,33 +31,45 @@ BUILTIN_CONFIG = ModelConfig(
 )
 
 
-def load_model_config(model: str | None) -> ModelConfig:
+@dataclass(frozen=True)
+class ModelSpec:
+    """What both the front end and the engine need to know about a model: read once per process."""
+
+    name: str | None  # the folder or file, or None for the built-in model
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+def load_model_spec(model: str | None) -> ModelSpec:
+    """Read a model's architecture numbers and tokenizer (not its weights)."""
     if model is None:
-        return BUILTIN_CONFIG
+        return ModelSpec(None, BUILTIN_CONFIG, ByteTokenizer())
     folder = Path(model)
     if not folder.is_dir():
         raise EngineStartupError(f"model folder {model!r} does not exist", phase="model load")
-    return ModelConfig.from_folder(folder)
+    config = ModelConfig.from_folder(folder)
+    eos = config.eos_token_ids[0] if config.eos_token_ids else None
+    tokenizer = load_tokenizer(folder, bos_token_id=config.bos_token_id, eos_token_id=eos)
+    return ModelSpec(model, config, tokenizer)
 
 
 def load_model(
-    model: str | None,
-    config: ModelConfig,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    seed: int = 0,
+    spec: ModelSpec, *, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> LlamaForCausalLM:
+    """Build the model on ``device`` with its weights (seeded random ones for the built-in model)."""
+    config = spec.config
     with torch.device("meta"):
         module = LlamaForCausalLM(config)
-    weights = _builtin_weights(config, seed) if model is None else _read_checkpoint(Path(model), config)
+    weights = (
+        _builtin_weights(config, seed) if spec.name is None else _read_checkpoint(Path(spec.name), config)
+    )
     state = _fuse(weights, config)
     missing = set(module.state_dict()) - set(state)
     if config.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise EngineStartupError(
-            f"checkpoint {model} lacks weights: {', '.join(sorted(missing)[:5])}",
+            f"checkpoint {spec.name} lacks weights: {', '.join(sorted(missing)[:5])}",
             phase="model load",
         )
     module.load_state_dict(state, strict=False, assign=True)

@@ -53,10 +53,8 @@ class HFTokenizer:
 
 
 def load_tokenizer(
-    folder: Path | None, *, bos_token_id: int | None = None, eos_token_id: int | None = None
+    folder: Path, *, bos_token_id: int | None = None, eos_token_id: int | None = None
 ) -> Tokenizer:
-    if folder is None:
-        return ByteTokenizer()
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise EngineStartupError(f"model folder {folder} has no tokenizer.json", phase="model load")

@@ -1,23 +1,22 @@
-"""GenerationHandle: a generation running in the background on this thread's asyncio loop.
+"""Background generation: ``engine.generate_background(...)`` returns a ``GenerationHandle`` at once.
 
-``engine.generate_background(...)`` (``"async"`` mode) returns one at once. In a notebook the kernel's loop
-keeps running the generation between and during other cells.
+The requests are submitted in the calling cell (bad prompts raise there), and a task on the caller's running
+loop collects them, so in a notebook the kernel's loop keeps running the generation between and during other
+cells. Uses only the engine's public API: ``mode``, ``agenerate`` and ``abort``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Generator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine, Generator
+from typing import Any
 
 from enginekit.notebook.loop import run_sync
+from enginekit.notebook.viewer import Viewer, check_viewer_argument
+from enginekit.notebook.watch import make_watcher
+from enginekit.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from enginekit.notebook.viewer import Viewer
-    from enginekit.output_processor import RequestState
-    from enginekit.outputs import RequestOutput
-
-__all__ = ["GenerationHandle"]
+__all__ = ["GenerationHandle", "start_background"]
 
 # NOTE: the loop keeps only weak references to tasks; a handle the user drops must not stop its generation.
 _running: set[asyncio.Task[Any]] = set()
@@ -42,24 +41,25 @@ class GenerationHandle:
         self,
         coro: Coroutine[Any, Any, list[RequestOutput]],
         *,
-        states: list[RequestState],
+        engine: Any,
+        recorder: _Recorder,
         viewer: Viewer | None,
-        on_done: Callable[[], None],
     ) -> None:
-        self._states = states
-        self.request_ids = [state.output.request_id for state in states]
+        self._outputs = recorder.outputs
+        self.request_ids = [output.request_id for output in self._outputs]
         self.viewer = viewer
         self._task: asyncio.Task[list[RequestOutput]] = asyncio.get_running_loop().create_task(
             coro, name="enginekit-generate-background"
         )
         _running.add(self._task)
         self._task.add_done_callback(_forget)
-        self._task.add_done_callback(lambda _task: on_done())
+        # NOTE: also when the task is cancelled before it ever ran (its own cleanup then never runs).
+        self._task.add_done_callback(lambda _task: _clean_up(engine, recorder))
 
     @property
     def outputs(self) -> list[RequestOutput]:
         """The requests' outputs as they are now: cumulative, and changing while the generation runs."""
-        return [state.output for state in self._states]
+        return list(self._outputs)
 
     def done(self) -> bool:
         """Whether the generation has ended (finished, failed or cancelled)."""
@@ -116,10 +116,61 @@ class GenerationHandle:
             state = f"failed: {type(self._task.exception()).__name__}"
         else:
             state = "done"
-        return f"<GenerationHandle {state}, {len(self._states)} requests>"
+        return f"<GenerationHandle {state}, {len(self._outputs)} requests>"
 
 
 def _forget(task: asyncio.Task[Any]) -> None:
     _running.discard(task)
     if not task.cancelled():
         task.exception()  # retrieved: a failure is reported through the handle, not as "never retrieved"
+
+
+class _Recorder:
+    """Passed to ``agenerate`` as its viewer: keeps the live outputs, and watches them as asked."""
+
+    def __init__(self, progress: bool | None, viewer: Viewer | None) -> None:
+        self._progress = progress
+        self._viewer = viewer
+        self.outputs: list[RequestOutput] = []
+        self.watch: Any = None
+
+    def attach(self, engine: Any, outputs: list[RequestOutput]) -> Any:
+        self.outputs = outputs
+        self.watch = make_watcher(engine, outputs, self._progress, self._viewer or None)
+        return self.watch
+
+
+def start_background(
+    engine: Any, prompts: Any, params: Any = None, *, progress: bool | None = None, viewer: Any = None
+) -> GenerationHandle:
+    """What ``engine.generate_background`` does: submit now, collect in a task on the running loop."""
+    if engine.mode != "async":
+        raise RuntimeError(
+            f"generate_background needs mode='async', this engine runs in mode={engine.mode!r}: "
+            "call engine.restart(mode='async') first, or use engine.generate"
+        )
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(
+            "generate_background needs a running asyncio loop in this thread: call it from a notebook "
+            "cell or a coroutine (in a script, inside asyncio.run(...)), or use engine.generate"
+        ) from None
+    check_viewer_argument(viewer)
+    shown = Viewer() if viewer is True else viewer if isinstance(viewer, Viewer) else None
+    if shown is not None:
+        shown.show()  # in the calling cell, before it returns
+    recorder = _Recorder(progress, shown)
+    coro = engine.agenerate(prompts, params, viewer=recorder)
+    return GenerationHandle(coro, engine=engine, recorder=recorder, viewer=shown)
+
+
+def _clean_up(engine: Any, recorder: _Recorder) -> None:
+    unfinished = [output.request_id for output in recorder.outputs if not output.finished]
+    if unfinished and engine.is_running:
+        try:
+            engine.abort(unfinished)
+        except Exception:  # NOTE: a done callback must not raise into the loop
+            pass
+    if recorder.watch is not None:
+        recorder.watch.close()

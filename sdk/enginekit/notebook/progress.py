@@ -10,11 +10,11 @@ _MIN_INTERVAL_S = 0.1  # the generate loop calls update() after every batch; cou
 
 
 class ProgressWatcher:
-    def __init__(self, states: list[Any]) -> None:
+    def __init__(self, outputs: list[Any]) -> None:
         from tqdm.auto import tqdm
 
-        self._pending = list(states)
-        self._bar = tqdm(total=len(states), desc="generate", unit="req", leave=False)
+        self._pending = list(outputs)
+        self._bar = tqdm(total=len(outputs), desc="generate", unit="req", leave=False)
         self._last_count = -math.inf
         self._closed = False
 
@@ -23,7 +23,7 @@ class ProgressWatcher:
         if not force and now - self._last_count < _MIN_INTERVAL_S:
             return
         self._last_count = now
-        pending = [state for state in self._pending if not state.finished]
+        pending = [output for output in self._pending if not output.finished]
         if len(pending) != len(self._pending):
             self._bar.update(len(self._pending) - len(pending))
             self._pending = pending

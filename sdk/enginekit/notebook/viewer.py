@@ -9,31 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
+from enginekit.notebook.jupyter import in_jupyter
 from enginekit.notebook.text_view import TextView
 from enginekit.notebook.widget_view import WidgetView
 
 if TYPE_CHECKING:
     from enginekit.engine import Engine
-    from enginekit.output_processor import RequestState
+    from enginekit.outputs import RequestOutput
 
-__all__ = ["Viewer", "ViewerKind", "attach_viewer", "in_jupyter"]
+__all__ = ["Viewer", "ViewerKind", "check_viewer_argument", "in_jupyter"]
 
 ViewerKind = Literal["auto", "widget", "text"]
-
-
-def in_jupyter() -> bool:
-    """Whether this code runs in a Jupyter (IPython) kernel, where widgets can be shown."""
-    ipython = sys.modules.get("IPython")  # a kernel has imported it already; never import it here
-    if ipython is None:
-        return False
-    shell = ipython.get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def _why_no_widgets() -> str | None:
@@ -48,40 +39,44 @@ def _why_no_widgets() -> str | None:
 
 
 class RequestRow:
-    """What the viewer knows about one request; read by the views."""
+    """What the viewer knows about one request (a live ``RequestOutput``); read by the views."""
 
-    __slots__ = ("engine_ref", "finished_at", "rendered_version", "started_at", "state")
+    __slots__ = ("engine_ref", "finished_at", "output", "rendered_key", "started_at")
 
-    def __init__(self, state: RequestState, engine: Engine, now: float) -> None:
-        self.state = state
+    def __init__(self, output: RequestOutput, engine: Any, now: float) -> None:
+        self.output = output
         self.engine_ref = weakref.ref(engine)
         self.started_at = now
         self.finished_at: float | None = None
-        self.rendered_version = -1
+        self.rendered_key: tuple[int, str | None] | None = None
 
     @property
     def request_id(self) -> str:
-        return self.state.output.request_id
+        return self.output.request_id
 
     @property
     def prompt(self) -> str | None:
-        return self.state.output.prompt
+        return self.output.prompt
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.output.prompt_token_ids)
 
     @property
     def text(self) -> str:
-        return self.state.completion.text
+        return self.output.outputs[0].text
 
     @property
     def num_tokens(self) -> int:
-        return len(self.state.completion.token_ids)
+        return len(self.output.outputs[0].token_ids)
 
     @property
     def finish_reason(self) -> str | None:
-        return self.state.completion.finish_reason
+        return self.output.outputs[0].finish_reason
 
     @property
     def finished(self) -> bool:
-        return self.state.finished
+        return self.output.finished
 
     def tokens_per_s(self, now: float) -> float:
         elapsed = (self.finished_at if self.finished_at is not None else now) - self.started_at
@@ -89,11 +84,12 @@ class RequestRow:
 
     def observe(self, now: float) -> bool:
         """Note the request's progress; True when it changed since the last render."""
-        if self.state.finished and self.finished_at is None:
+        if self.finished and self.finished_at is None:
             self.finished_at = now
-        if self.state.version == self.rendered_version:
+        key = (self.num_tokens, self.finish_reason)
+        if key == self.rendered_key:
             return False
-        self.rendered_version = self.state.version
+        self.rendered_key = key
         return True
 
 
@@ -249,10 +245,14 @@ class Viewer:
         return f"Viewer(kind={self.kind!r}, {done}/{len(self.rows)} requests finished)"
 
     # ---- the generate loop's side -------------------------------------------------------------------
-    def attach(self, engine: Engine, states: list[RequestState]) -> ViewerWatch:
-        """Add rows for ``states`` and start watching them; ``close()`` the returned watch when done."""
+    def attach(self, engine: Engine, outputs: list[RequestOutput]) -> ViewerWatch:
+        """Add rows for these live outputs and start watching them; ``close()`` the returned watch when done.
+
+        ``engine`` is used through its public API only: ``mode``, ``engine_pid``, ``is_running``, ``abort``,
+        ``call_utility`` and ``acall_utility``.
+        """
         now = self._clock()
-        new_rows = [RequestRow(state, engine, now) for state in states]
+        new_rows = [RequestRow(output, engine, now) for output in outputs]
         self.rows.extend(new_rows)
         self._engine_ref = weakref.ref(engine)
         if self._num_attached == 0:
@@ -303,8 +303,8 @@ class Viewer:
         if engine is None or not engine.is_running:
             return
         self._stats_at = now
-        if engine.mode == "async":
-            # NOTE: a sync utility call here would re-enter the loop that runs this very generate loop.
+        if _running_loop() is not None:
+            # On a running loop (an awaited generate, a background one): ask without blocking the loop.
             self._refresh_stats_in_task(engine)
             return
         try:
@@ -316,10 +316,7 @@ class Viewer:
     def _refresh_stats_in_task(self, engine: Engine) -> None:
         if self._stats_task is not None and not self._stats_task.done():
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
+        loop = asyncio.get_running_loop()
         self._stats_task = loop.create_task(
             engine.acall_utility("get_stats", timeout=5.0), name="enginekit-viewer-stats"
         )
@@ -367,19 +364,18 @@ class ViewerWatch:
             self.viewer._detach()
 
 
-def attach_viewer(viewer: Any, engine: Engine, states: list[RequestState]) -> ViewerWatch:
-    """What ``generate(..., viewer=...)`` calls: ``True`` builds a new ``Viewer``; a ``Viewer`` is reused."""
-    if viewer is True:
-        viewer = Viewer()
-    check_viewer_argument(viewer)
-    return viewer.attach(engine, states)
-
-
 def check_viewer_argument(viewer: Any) -> None:
     """Raise ``TypeError`` unless ``viewer`` is ``None``, a bool or a ``Viewer``."""
-    if viewer is None or isinstance(viewer, (bool, Viewer)):
+    if viewer is None or isinstance(viewer, bool) or callable(getattr(viewer, "attach", None)):
         return
     raise TypeError(
         f"viewer must be True, False, None or an enginekit Viewer, got {type(viewer).__name__}; "
         "build one with enginekit.notebook.Viewer(...)"
     )
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -6,6 +6,8 @@ import html
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from enginekit.notebook.jupyter import in_jupyter
+
 if TYPE_CHECKING:
     from enginekit.notebook.viewer import RequestRow, Viewer
 
@@ -46,8 +48,6 @@ class WidgetView:
         self._row_layouts: tuple[Any, Any, Any] | None = None
 
     def show(self) -> None:
-        from enginekit.notebook.viewer import in_jupyter
-
         if in_jupyter():
             self.show_again()
 
@@ -106,7 +106,7 @@ def row_html(row: RequestRow, now: float, max_chars: int) -> str:
     text = row.text
     if len(text) > max_chars:
         text = "…" + text[-max_chars:]
-    prompt = row.prompt if row.prompt is not None else f"<{len(row.state.output.prompt_token_ids)} tokens>"
+    prompt = row.prompt if row.prompt is not None else f"<{row.num_prompt_tokens} tokens>"
     if len(prompt) > 60:
         prompt = "…" + prompt[-60:]
     return (

@@ -7,6 +7,7 @@ fails validation instead of producing surprising objects. Nothing is ever unpick
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -14,6 +15,8 @@ from typing import Any
 
 import msgspec
 import torch
+
+__all__ = ["MsgpackDecoder", "MsgpackEncoder", "read_frame", "write_frame"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -29,34 +32,40 @@ _DTYPES = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 MAX_TENSOR_DIMS = 8
+_LENGTH_BYTES = 8
 _frombuffer_lock = threading.Lock()
-
-Frame = bytes | bytearray | memoryview
 
 
 class MsgpackEncoder:
-    """Encode a Struct into ``[main, *tensor_frames]``; one encoder per socket, reused."""
+    """Encode a Struct into ``[main, *tensor_frames]``; one encoder per socket, reused.
+
+    NOTE: the tensor frames of the message being encoded are collected on the encoder itself, so one
+    encoding must finish before the next starts: ``encode`` holds a lock, and several threads may share it.
+    """
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._frames: list[Any] | None = None
+        self._lock = threading.Lock()
 
     def encode(self, obj: Any) -> list[Any]:
-        self._frames = [b""]
-        try:
-            self._frames[0] = self._encoder.encode(obj)
-            return self._frames
-        finally:
-            self._frames = None
+        with self._lock:
+            self._frames = [b""]
+            try:
+                self._frames[0] = self._encoder.encode(obj)
+                return self._frames
+            finally:
+                self._frames = None
 
     def encode_into(self, obj: Any, buffer: bytearray) -> list[Any]:
         """Like ``encode`` but writes the main frame into a reusable buffer."""
-        self._frames = [buffer]
-        try:
-            self._encoder.encode_into(obj, buffer)
-            return self._frames
-        finally:
-            self._frames = None
+        with self._lock:
+            self._frames = [buffer]
+            try:
+                self._encoder.encode_into(obj, buffer)
+                return self._frames
+            finally:
+                self._frames = None
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -81,14 +90,16 @@ class MsgpackDecoder:
     def __init__(self, message_type: Any) -> None:
         self._decoder = msgspec.msgpack.Decoder(message_type, dec_hook=self._dec_hook)
         self._frames: Sequence[Any] = ()
+        self._lock = threading.Lock()
 
     def decode(self, frames: Sequence[Any]) -> Any:
         """``frames[0]`` is the msgpack body, the rest are tensor buffers."""
-        self._frames = frames
-        try:
-            return self._decoder.decode(_buffer(frames[0]))
-        finally:
-            self._frames = ()
+        with self._lock:
+            self._frames = frames
+            try:
+                return self._decoder.decode(_buffer(frames[0]))
+            finally:
+                self._frames = ()
 
     def _dec_hook(self, expected: type, obj: Any) -> Any:
         if expected is not torch.Tensor:
@@ -120,6 +131,26 @@ class MsgpackDecoder:
         with _frombuffer_lock, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
+def write_frame(fd: int, message: Any) -> None:
+    """Write one message to a pipe as ``[8-byte little-endian length][msgpack body]``."""
+    payload = msgspec.msgpack.encode(message)
+    data = memoryview(len(payload).to_bytes(_LENGTH_BYTES, "little") + payload)
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def read_frame(stream: Any, message_type: type) -> Any:
+    """Read one ``write_frame`` message from a binary stream; ``EOFError`` if it ends early."""
+    header = stream.read(_LENGTH_BYTES)
+    if len(header) != _LENGTH_BYTES:
+        raise EOFError("the stream ended before a message")
+    size = int.from_bytes(header, "little")
+    payload = stream.read(size)
+    if len(payload) != size:
+        raise EOFError(f"the stream ended {size - len(payload)} bytes into a message")
+    return msgspec.msgpack.decode(payload, type=message_type)
 
 
 def _buffer(frame: Any) -> Any:

@@ -1,15 +1,17 @@
-"""EngineProcess: start, watch and stop the engine process from the front end.
+"""EngineProcess: start, watch and stop one engine process from the front end.
 
 The child is never a fork of the user's process, so a notebook that already initialised CUDA is safe and
 nothing of the notebook is pickled. Two start methods:
 
-- ``"launcher"`` (default on Linux): forked by the shared launcher process, which imported torch once
-  (see ``client/launcher.py``); a restart then skips the torch import.
-- ``"spawn"``: a fresh interpreter, ``python -m enginekit.core.engine_core_proc``.
+- ``"launcher"`` (default on Linux): forked by the shared launcher, which imported torch once
+  (``runtime/launcher.py``); a restart then skips the torch import.
+- ``"spawn"``: a fresh interpreter, ``python -m enginekit.runtime.engine_main``.
 
 Either way the child runs in its own session, so a SIGINT sent to the kernel's process group does not reach
 it. Its stdin is a pipe the front end keeps open: when the front end dies, the child reads EOF and exits,
 even mid-load. Its output goes to the ``enginekit.engine_process`` logger (quiet by default), never a cell.
+Liveness comes from the child's pidfd, never from the launcher; the exit code of a forked child is asked of
+the launcher once the child has exited, and is "unknown" if the launcher is gone by then.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ import tempfile
 import threading
 import time
 
-import msgspec
-
-from enginekit.core.engine_core_proc import EngineProcArgs
+from enginekit.runtime.launcher import Launcher, LauncherError
+from enginekit.wire.messages import EngineProcArgs
+from enginekit.wire.serial import write_frame
 
 logger = logging.getLogger("enginekit.engine_process")
 
 ERROR_TAIL_LINES = 40
-PHASE_PREFIX = "enginekit-phase: "
+UNKNOWN_STATUS = "unknown"
 
 
 class EngineProcess:
@@ -44,14 +46,13 @@ class EngineProcess:
         self.start_method = start_method if hasattr(os, "pidfd_open") else "spawn"
         self.pid = -1
         self.pidfd: int | None = None
-        self.phase = "spawn"  # the child reports each startup phase on its output
-        self.forward_level = logging.DEBUG
+        self.phase = "startup"  # updated from the engine's phase reports
         self.forward_own_levels = False
         self._popen: subprocess.Popen[bytes] | None = None
-        self._launcher = None
+        self._launcher: Launcher | None = None
         self._stdin: int | None = None  # write end of the child's stdin: the parent-death pipe
-        self._returncode: int | None = None
-        self._poll_lock = threading.Lock()
+        self._returncode: int | str | None = None  # exit code, UNKNOWN_STATUS, or None while running
+        self._status_lock = threading.Lock()
         self._tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
 
@@ -60,21 +61,22 @@ class EngineProcess:
 
     # ---- start --------------------------------------------------------------------------------------
     def start(self, args: EngineProcArgs) -> None:
+        """Start the child and hand it its arguments; raises ``OSError`` or ``LauncherError``."""
         # log_level "info"/"debug" asks to see the engine's logs: forward each record at its own level.
         self.forward_own_levels = args.config.log_level != "warning"
         output = self._start_forked() if self.start_method == "launcher" else self._start_spawned()
-        payload = msgspec.msgpack.encode(args)
-        os.write(self._stdin, len(payload).to_bytes(8, "little") + payload)
         self._log_thread = threading.Thread(
             target=self._forward_output, args=(output,), name="enginekit-engine-log", daemon=True
         )
         self._log_thread.start()
+        assert self._stdin is not None
+        write_frame(self._stdin, args)
 
     def _start_spawned(self) -> int:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # NOTE: our own session and process group: Jupyter's interrupt signals the kernel's whole group.
         self._popen = subprocess.Popen(
-            [sys.executable, "-m", "enginekit.core.engine_core_proc"],
+            [sys.executable, "-m", "enginekit.runtime.engine_main"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -93,61 +95,87 @@ class EngineProcess:
         return output
 
     def _start_forked(self) -> int:
-        from enginekit.client.launcher import Launcher
-
-        self._launcher = Launcher.shared()
         stdin_read, self._stdin = os.pipe()
         output_read, output_write = os.pipe()
         try:
-            self.pid = self._launcher.spawn(stdin_read, output_write)
+            self.pid = self._fork(stdin_read, output_write)
+            self.pidfd = os.pidfd_open(self.pid)
         except BaseException:
             os.close(output_read)  # no child will write to it; stop() closes our end of stdin
             raise
         finally:
             os.close(stdin_read)
             os.close(output_write)
-        self.pidfd = os.pidfd_open(self.pid)
         return output_read
 
+    def _fork(self, stdin_read: int, output_write: int) -> int:
+        """Fork through the shared launcher; a launcher found dead on the way is replaced once."""
+        for attempt in range(2):
+            self._launcher = Launcher.shared()
+            try:
+                return self._launcher.spawn(stdin_read, output_write)
+            except LauncherError:
+                if attempt or self._launcher.is_alive():
+                    raise
+        raise AssertionError("unreachable")
+
     # ---- liveness -----------------------------------------------------------------------------------
-    def poll(self) -> int | None:
-        """The exit code (negative: killed by that signal), or ``None`` while running."""
-        with self._poll_lock:
-            return self._poll()
-
-    def _poll(self) -> int | None:
-        if self._returncode is not None or self.pid < 0:
-            return self._returncode
-        if self._popen is not None:
-            self._returncode = self._popen.poll()
-        elif self.pidfd is not None and _readable(self.pidfd, 0):
-            self._returncode = self._launcher.exit_status(self.pid)
-            if self._returncode is None:  # exited, not yet reaped by the launcher
-                time.sleep(0.01)
-                self._returncode = self._launcher.exit_status(self.pid)
-        return self._returncode
-
     def is_alive(self) -> bool:
-        return self.pid > 0 and self.poll() is None
+        if self.pid < 0:
+            return False
+        if self.pidfd is not None:
+            return not _readable(self.pidfd, 0)
+        return self._popen is not None and self._popen.poll() is None
 
     def wait_dead(self, timeout: float) -> bool:
         """Block until the process exits or ``timeout``; True if it exited."""
         if self.pid < 0:
             return True
         if self.pidfd is not None:
-            _readable(self.pidfd, timeout)
-        elif self._popen is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._popen.wait(timeout)
+            return _readable(self.pidfd, timeout)
+        assert self._popen is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+        return self._popen.poll() is not None
+
+    def returncode(self) -> int | str | None:
+        """The exit code (negative: killed by that signal), ``"unknown"``, or ``None`` while running.
+
+        Never blocks for long: a forked child's code comes from the launcher (a local round trip).
+        """
+        with self._status_lock:
+            if self._returncode is None and not self.is_alive() and self.pid > 0:
+                self._returncode = self._read_returncode()
+            return self._returncode
+
+    def _read_returncode(self) -> int | str:
+        if self._popen is not None:
+            return self._popen.wait()
+        launcher = self._launcher
+        if launcher is None or not launcher.is_alive():
+            return UNKNOWN_STATUS
         deadline = time.monotonic() + 1.0
-        while self.poll() is None and _readable(self.pidfd, 0) and time.monotonic() < deadline:
-            time.sleep(0.01)  # exited; the launcher reaps it in a moment
-        return self.poll() is not None
+        while True:
+            try:
+                code = launcher.exit_status(self.pid, timeout=1.0)
+            except LauncherError:
+                return UNKNOWN_STATUS
+            if code is not None:
+                return code
+            if time.monotonic() > deadline:
+                return UNKNOWN_STATUS
+            time.sleep(0.005)  # exited, not yet reaped by the launcher
 
     def describe_exit(self) -> str:
-        code = self.poll()
+        code = self.returncode()
         if code is None:
             return f"the engine process (pid {self.pid}) is still running"
+        if code == UNKNOWN_STATUS:
+            return (
+                f"the engine process (pid {self.pid}) exited; its exit status is unknown because the "
+                "launcher that started it is gone"
+            )
+        assert isinstance(code, int)
         if code < 0:
             try:
                 name = signal.Signals(-code).name
@@ -157,18 +185,15 @@ class EngineProcess:
         return f"the engine process (pid {self.pid}) exited with code {code}"
 
     def error_tail(self) -> str:
-        if self._log_thread is not None and self.poll() is not None:
+        if self._log_thread is not None and not self.is_alive():
             self._log_thread.join(timeout=1.0)
         return "\n".join(self._tail)
 
     def _forward_output(self, fd: int) -> None:
-        level = self.forward_level
+        level = logging.DEBUG
         with open(fd, "rb") as output:
             for raw in output:
                 line = raw.decode("utf-8", errors="replace").rstrip()
-                if line.startswith(PHASE_PREFIX):
-                    self.phase = line[len(PHASE_PREFIX) :]
-                    continue
                 self._tail.append(line)
                 message = line
                 if self.forward_own_levels:
@@ -203,8 +228,8 @@ class EngineProcess:
             self._stdin = None
         if self._log_thread is not None:
             self._log_thread.join(timeout=2.0)
-        self.poll()  # record the exit status before the pidfd goes
-        if self._launcher is not None and self._returncode is not None:
+        self.returncode()  # record the exit status before the pidfd goes
+        if self._launcher is not None and isinstance(self._returncode, int):
             self._launcher.forget(self.pid)
         if self.pidfd is not None:
             os.close(self.pidfd)
@@ -212,7 +237,8 @@ class EngineProcess:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-# A log line of the engine process, as its logging format writes it (core/engine_core_proc.py).
+# A log line of the engine process, as its logging format writes it (runtime/engine_main.py). Used to forward
+# each record at its own level; the protocol never travels on this stream.
 _RECORD = re.compile(
     r"\S+ \S+ (?P<process>engine\[\d+\]) (?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<message>.*)"
 )

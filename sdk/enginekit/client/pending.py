@@ -1,0 +1,82 @@
+"""PendingCalls: the utility calls a client has sent and not yet had answered, each behind a future.
+
+A blocking call waits on a ``concurrent.futures.Future``, an async one on an ``asyncio.Future`` of its loop.
+Answers arrive on whichever thread reads the output socket; resolving is thread-safe either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+from typing import Any
+
+from enginekit.errors import UtilityCallError
+from enginekit.wire.messages import UtilityOutput
+
+AnyFuture = concurrent.futures.Future[Any] | asyncio.Future[Any]
+
+
+class PendingCalls:
+    def __init__(self) -> None:
+        self._calls: dict[int, AnyFuture] = {}
+        self._lock = threading.Lock()
+        self._call_ids = itertools.count(1)
+        self._error: BaseException | None = None
+
+    def add(self, future: AnyFuture) -> int:
+        """Track ``future`` under a new call id; fails it at once if the engine is already gone."""
+        with self._lock:
+            call_id = next(self._call_ids)
+            if self._error is None:
+                self._calls[call_id] = future
+        if self._error is not None:
+            _settle(future, None, self._error)
+        return call_id
+
+    def discard(self, call_id: int) -> None:
+        with self._lock:
+            self._calls.pop(call_id, None)
+
+    def resolve(self, output: UtilityOutput) -> None:
+        with self._lock:
+            future = self._calls.pop(output.call_id, None)
+        if future is None:
+            return  # timed out or cancelled meanwhile
+        error = UtilityCallError(output.failure_message) if output.failure_message else None
+        _settle(future, output.result, error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every pending call, and every later one, with ``error``."""
+        with self._lock:
+            self._error = error
+            calls, self._calls = self._calls, {}
+        for future in calls.values():
+            _settle(future, None, error)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+
+def _settle(future: AnyFuture, result: Any, error: BaseException | None) -> None:
+    if isinstance(future, asyncio.Future):
+        loop = future.get_loop()
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_set_async, future, result, error)
+        return
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _set_async(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,326 @@
+"""Receivers: who reads the engine's output socket for an ``MPClient``, and how callers wait for a batch.
+
+- ``ThreadReceiver`` (mode ``"mp"``): a thread polls the socket, the engine's pidfd and a wake-up pipe, and
+  queues batches. A blocking caller waits on a condition; an async caller is woken from the thread with
+  ``call_soon_threadsafe``. Needs no asyncio loop at all.
+- ``LoopReceiver`` (mode ``"async"``): a task on the caller's running loop waits for the socket, queues
+  batches and sets an ``asyncio.Event``; the task holds the receiver only weakly. A new loop (a second
+  ``asyncio.run``) rebinds it to a shadow of the same socket. A blocking caller reads the socket itself: the
+  loop cannot be running its task meanwhile (a blocking call holds the loop's thread), unless the loop runs in
+  another thread — that is refused with a clear error instead of two readers racing for one socket.
+
+Waiting and taking are separate (``wait``/``wait_async``, then ``pop``), so the facade takes a batch and
+routes it in one short critical section, and batches are applied in the order they arrived. Every message is
+handed to ``handle_frames``, which answers utility calls and returns the step outputs to queue, if any; both
+receivers call ``on_exit`` when the engine process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from enginekit.runtime.engine_process import EngineProcess
+from enginekit.wire.messages import EngineCoreOutputs
+
+HandleFrames = Callable[[list[Any]], "EngineCoreOutputs | None"]
+_READ_SLICE_S = 0.05
+
+
+class ThreadReceiver:
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        process: EngineProcess,
+        handle_frames: HandleFrames,
+        on_exit: Callable[[], None],
+    ) -> None:
+        self._socket = socket
+        self._process = process
+        self._handle_frames = handle_frames
+        self._on_exit = on_exit
+        self._batches: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._arrived = threading.Condition()
+        self._waiters: list[asyncio.Future[None]] = []
+        self.dead = False
+        self._closed = False
+        self._wake_read, self._wake_write = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="enginekit-client-output", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        pidfd = self._process.pidfd
+        if pidfd is not None:
+            poller.register(pidfd, zmq.POLLIN)
+        while not self._closed:
+            events = dict(poller.poll(None if pidfd is not None else 200))
+            if self._closed:
+                return
+            if events.get(self._socket):
+                # Drain everything ready before looking at liveness: the last outputs come before death.
+                while True:
+                    try:
+                        frames = self._socket.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    batch = self._handle_frames(frames)
+                    if batch is not None:
+                        self._queue(batch)
+            elif not self._process.is_alive():
+                self._on_exit()
+                return
+            if self.dead:
+                return
+
+    def _queue(self, batch: EngineCoreOutputs | None) -> None:
+        with self._arrived:
+            if batch is not None:
+                self._batches.append(batch)
+            self._arrived.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            loop = waiter.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_wake, waiter)
+
+    def pop(self) -> EngineCoreOutputs | None:
+        try:
+            return self._batches.popleft()
+        except IndexError:
+            return None
+
+    def wait(self, timeout: float | None) -> None:
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._batches or self.dead, timeout)
+
+    async def wait_async(self) -> None:
+        with self._arrived:
+            if self._batches or self.dead:
+                return
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+        await waiter
+
+    def wait_future(self, future: concurrent.futures.Future[Any], timeout: float | None) -> Any:
+        """Block until ``future`` is done (the thread answers it); its result, ``TimeoutError`` past ``timeout``."""
+        return future.result(timeout)
+
+    def mark_dead(self) -> None:
+        self.dead = True
+        self._queue(None)
+
+    def close(self) -> None:
+        self._closed = True
+        self.mark_dead()
+        os.write(self._wake_write, b"x")
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class LoopReceiver:
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        process: EngineProcess,
+        handle_frames: HandleFrames,
+        on_exit: Callable[[], None],
+    ) -> None:
+        self._socket = socket
+        self._process = process
+        self._handle_frames = handle_frames
+        self._on_exit = on_exit
+        self._batches: collections.deque[EngineCoreOutputs] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._arrived: asyncio.Event | None = None  # set on the bound loop when a batch is queued
+        self._task: asyncio.Task[None] | None = None
+        self._watched_fds: list[int] = []  # what the bound loop has a reader on: the socket's and the pidfd
+        self._read_lock = threading.Lock()  # one blocking reader at a time
+        self.dead = False
+        self._closed = False
+
+    def pop(self) -> EngineCoreOutputs | None:
+        try:
+            return self._batches.popleft()
+        except IndexError:
+            return None
+
+    # ---- the async side -----------------------------------------------------------------------------
+    async def wait_async(self) -> None:
+        arrived = self.bind()
+        while not (self._batches or self.dead):
+            arrived.clear()
+            await arrived.wait()
+
+    def bind(self) -> asyncio.Event:
+        """Have a receive task on the running loop (a new loop rebinds); returns its arrival event."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop and self._task is not None and not self._task.done():
+            assert self._arrived is not None
+            return self._arrived
+        self._unbind()
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        self._arrived = asyncio.Event()
+        if self.dead:
+            return self._arrived
+        shadow = zmq.asyncio.Socket.shadow(self._socket.underlying)
+        self._task = loop.create_task(_receive(weakref.ref(self), shadow), name="enginekit-async-output")
+        self._watched_fds = [self._socket.FD]  # the shadow adds its reader on this fd
+        pidfd = self._process.pidfd
+        if pidfd is not None:
+            loop.add_reader(pidfd, self._on_pidfd)
+            self._watched_fds.append(pidfd)
+        return self._arrived
+
+    def _on_pidfd(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self._process.pidfd)
+        # Outputs sent just before the exit may still be in the socket: let the task drain them first. The
+        # death is then described (its exit status may take a launcher round trip) off the loop.
+        self._loop.call_later(0.05, self._exit_off_loop)
+
+    def _exit_off_loop(self) -> None:
+        threading.Thread(target=self._on_exit, name="enginekit-engine-exit", daemon=True).start()
+
+    def read_ready(self) -> None:
+        """Handle every message waiting on the socket (the receive task calls this when it is readable)."""
+        while not self.dead:
+            try:
+                frames = self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            batch = self._handle_frames(frames)
+            if batch is not None:
+                self._batches.append(batch)
+                self._wake()
+
+    # ---- the blocking side --------------------------------------------------------------------------
+    def wait(self, timeout: float | None) -> None:
+        """Read the socket on the calling thread until a batch is queued, the engine is gone, or ``timeout``."""
+        self._check_not_driven_elsewhere()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not (self._batches or self.dead):
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return
+            slice_s = _READ_SLICE_S if remaining is None else min(_READ_SLICE_S, remaining)
+            self._read_slice(slice_s)
+
+    def wait_future(self, future: concurrent.futures.Future[Any], timeout: float | None) -> Any:
+        """Block until ``future`` is done, reading the socket meanwhile; its result (``TimeoutError`` past
+        ``timeout``). Batches read on the way stay queued."""
+        self._check_not_driven_elsewhere()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not future.done():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise concurrent.futures.TimeoutError
+            self._read_slice(_READ_SLICE_S if remaining is None else min(_READ_SLICE_S, remaining))
+        return future.result()
+
+    def _read_slice(self, timeout: float) -> None:
+        if not self._read_lock.acquire(timeout=timeout):
+            return  # another thread is reading; it queues what it reads
+        try:
+            if self.dead:
+                return
+            poller = zmq.Poller()
+            poller.register(self._socket, zmq.POLLIN)
+            pidfd = self._process.pidfd
+            if pidfd is not None:
+                poller.register(pidfd, zmq.POLLIN)
+            events = dict(poller.poll(int(timeout * 1000)))
+            if events.get(self._socket):
+                self.read_ready()
+            elif pidfd is not None and events.get(pidfd):
+                self._on_exit()
+        finally:
+            self._read_lock.release()
+
+    def _check_not_driven_elsewhere(self) -> None:
+        loop = self._loop
+        driven = loop is not None and not loop.is_closed() and loop.is_running()
+        if driven and self._loop_thread != threading.get_ident():
+            raise RuntimeError(
+                "this engine (mode='async') is being driven by an asyncio loop running in another thread; "
+                "call it from that thread (await engine.agenerate(...)), or use mode='mp' to call it "
+                "from several threads"
+            )
+
+    # ---- death and teardown -------------------------------------------------------------------------
+    def mark_dead(self) -> None:
+        self.dead = True
+        self._wake()
+
+    def _wake(self) -> None:
+        loop, arrived = self._loop, self._arrived
+        if arrived is None or loop is None or loop.is_closed():
+            return
+        if loop.is_running() and self._loop_thread != threading.get_ident():
+            loop.call_soon_threadsafe(arrived.set)
+        else:
+            arrived.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self.mark_dead()
+        self._unbind()
+
+    def _unbind(self) -> None:
+        loop, task, fds = self._loop, self._task, self._watched_fds
+        self._task, self._watched_fds = None, []
+        if loop is None or loop.is_closed():
+            return
+        # NOTE: a reader left on a loop that keeps running (a notebook kernel's) outlives its fd: once the
+        # number is reused (the next engine's socket or pidfd), the loop keeps the stale entry and never
+        # watches the new fd, so that engine's outputs never arrive. Remove them by number.
+        if loop.is_running() and self._loop_thread != threading.get_ident():
+            loop.call_soon_threadsafe(_release, loop, task, fds)
+        else:
+            _release(loop, task, fds)
+
+
+async def _receive(receiver_ref: weakref.ref[LoopReceiver], socket: zmq.asyncio.Socket) -> None:
+    # NOTE: only a weak reference between awaits, so an abandoned client is collected and the task ends.
+    # The task only *waits* for readability; messages are read synchronously after that. An awaited recv that
+    # is cancelled (asyncio.run ending, a loop switch) can lose the message it had already taken off the
+    # socket; a cancelled poll loses nothing.
+    while True:
+        await socket.poll(flags=zmq.POLLIN)
+        receiver = receiver_ref()
+        if receiver is None or receiver._closed:
+            return
+        receiver.read_ready()
+        if receiver.dead:
+            return
+        del receiver
+
+
+def _release(loop: asyncio.AbstractEventLoop, task: asyncio.Task[None] | None, fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(Exception):
+            loop.remove_reader(fd)
+    if task is not None and not task.done():
+        task.cancel()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

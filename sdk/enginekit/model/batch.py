@@ -1,0 +1,63 @@
+"""What the model runner is asked to compute in one step: plain data, built by the engine core's scheduler.
+
+The runner knows nothing of requests, queues or the KV-cache bookkeeping; it gets each sequence's new tokens,
+where they go in the cache, and how to sample the ones that need a next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from enginekit.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceChunk:
+    """One sequence's new tokens in this step: a single-token decode or a (chunk of a) prefill.
+
+    Attributes
+    ----------
+    token_ids
+        The new tokens (their keys and values are computed and written to the cache).
+    start
+        Tokens of this sequence already in the cache: the position of the first new token.
+    block_table
+        The sequence's KV-cache block ids (at least enough for ``start + len(token_ids)`` tokens).
+    sampling_params, generator
+        Set when the chunk ends the sequence's known tokens, so a next token must be sampled.
+    prompt_embeds
+        Embeddings that replace the token embeddings of the chunk's first rows (embedding prompts).
+    """
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sampling_params: SamplingParams | None = None
+    generator: torch.Generator | None = None
+    prompt_embeds: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        return self.sampling_params is not None
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1
+
+
+@dataclass
+class ScheduledBatch:
+    """Every sequence chunk of one step (single-token decodes first), and how many cache blocks may be in use.
+
+    ``num_used_blocks``: blocks ``[0, num_used_blocks)`` may hold data (the pool hands out fresh blocks in id
+    order), so the runner zeroes any of them it has not zeroed yet before the forward pass.
+    """
+
+    chunks: list[SequenceChunk] = field(default_factory=list)
+    num_used_blocks: int = 0

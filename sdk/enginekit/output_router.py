@@ -1,0 +1,158 @@
+"""OutputRouter: takes batches from the client and routes them to the requests that wait for them.
+
+Whoever waits, pulls: a blocking caller waits for a batch and takes it itself; on each asyncio loop one pump
+task does it for every coroutine awaiting a request there. Taking a batch and applying it happen in one short
+critical section, so deltas are applied in the order they arrived whichever thread or task took them, and
+every waiter sees every batch meant for it (another waiter may have routed it). A request that ends badly —
+the engine died, was shut down, or refused the request — wakes its waiter with the error to raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from enginekit.client.base import EngineCoreClient
+from enginekit.errors import EngineError
+from enginekit.output_processor import OutputProcessor, RequestState
+
+_POLL_S = 0.05  # how long a blocking wait sleeps before it re-checks its own request
+
+
+class Watcher(Protocol):
+    """What ``generate`` updates while it waits: a progress bar or a viewer's hold on its rows."""
+
+    def update(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class OutputRouter:
+    def __init__(self, client: EngineCoreClient) -> None:
+        self.client = client
+        self.processor = OutputProcessor()
+        self._lock = threading.Lock()
+        self._pumps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Task[None]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def track(self, state: RequestState) -> None:
+        with self._lock:
+            self.processor.add(state)
+
+    def forget(self, states: Iterable[RequestState]) -> list[str]:
+        """Stop routing to these requests; returns the ids still unfinished, for the caller to abort."""
+        with self._lock:
+            return self.processor.forget(list(states))
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            self.processor.fail_all(error)
+
+    def take(self) -> bool:
+        """Take one batch, if there is one, and route it; False if there was none."""
+        with self._lock:
+            try:
+                batch = self.client.get_output(0)
+            except EngineError as error:
+                self.processor.fail_all(error)
+                raise
+            if batch is None:
+                return False
+            self.processor.process(batch)
+            return True
+
+    # ---- blocking waits -----------------------------------------------------------------------------
+    def wait(self, states: list[RequestState], watcher: Watcher | None = None) -> None:
+        """Until every request in ``states`` has ended; raises the first one's error."""
+        for state in states:
+            while not state.finished:
+                self._pump()
+                if watcher is not None:
+                    watcher.update()
+            if state.error is not None:
+                raise state.error
+
+    def wait_update(self, state: RequestState, seen: int) -> None:
+        """Until ``state`` has changed since version ``seen``; raises its error if it failed."""
+        while state.version == seen:
+            self._pump()
+        if state.error is not None:
+            raise state.error
+
+    def _pump(self) -> None:
+        if not self.take():
+            self.client.wait_for_output(_POLL_S)
+            self.take()
+
+    # ---- async waits --------------------------------------------------------------------------------
+    async def wait_async(self, states: list[RequestState], watcher: Watcher | None = None) -> None:
+        for state in states:
+            while not state.finished:
+                await self.wait_update_async(state, state.version)
+                if watcher is not None:
+                    watcher.update()
+
+    async def wait_update_async(self, state: RequestState, seen: int) -> None:
+        """Await a change of ``state`` since version ``seen``; raises its error if it failed."""
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        state.listener = functools.partial(_notify, loop, event)
+        try:
+            while state.version == seen:
+                self._ensure_pump(loop)
+                await event.wait()
+                event.clear()
+        finally:
+            state.listener = None
+        if state.error is not None:
+            raise state.error
+
+    def _ensure_pump(self, loop: asyncio.AbstractEventLoop) -> asyncio.Task[None]:
+        """One task per loop takes batches while any request of this router is tracked."""
+        pump = self._pumps.get(loop)
+        if pump is None or pump.done():
+            pump = loop.create_task(_pump(weakref.ref(self), self.client), name="enginekit-output-pump")
+            pump.add_done_callback(_retrieve_exception)
+            self._pumps[loop] = pump
+        return pump
+
+
+async def _pump(router_ref: weakref.ref[OutputRouter], client: EngineCoreClient) -> None:
+    # NOTE: holds the router only weakly, so a dropped engine is collected and its pump ends.
+    try:
+        while True:
+            router = router_ref()
+            if router is None or not router.processor.states:
+                return  # nothing left to route; the next waiter starts a new pump
+            took = router.take()
+            del router
+            if not took:
+                await client.wait_for_output_async()
+    except Exception as error:
+        router = router_ref()
+        if router is not None:
+            router.fail_all(error)  # wakes every waiter with the error (take() did so already for its own)
+        raise
+
+
+def _notify(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    """Wake an async waiter from whichever thread routed its request."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop or not loop.is_running():
+        event.set()
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(event.set)
+
+
+def _retrieve_exception(task: asyncio.Task[Any]) -> None:
+    # A pump's failure reaches every waiter through its request; it must not also be logged as never retrieved.
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,184 @@
+"""The front end's handle on the launcher: a small process that imported torch once and forks engines.
+
+Importing torch costs seconds; an engine restart should not. The first background engine of a front-end
+process starts the launcher (``runtime/launcher_server.py``, its own session), which imports torch and
+enginekit once — never initialising CUDA, so forking it is safe — and then forks one engine process per
+request, with the front end's current environment, working directory and ``sys.path``.
+
+Engine liveness never depends on the launcher: the front end watches each engine through its pidfd and its
+output pipe, and asks the launcher only for the exit code of an engine that has already exited (the launcher
+is its parent, so only it can reap it). A launcher that died is replaced at the next start. It holds no GPU
+memory (about 260 MB of host memory: torch and enginekit imported) and exits by itself after
+``IDLE_TIMEOUT_S`` without engines, when the front end exits, or on ``enginekit.shutdown_launcher()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any, ClassVar
+
+import msgspec
+
+from enginekit.wire.messages import (
+    ExitStatus,
+    ForgetRequest,
+    LauncherFailure,
+    LauncherReady,
+    LauncherReply,
+    Spawned,
+    SpawnRequest,
+    StatusRequest,
+)
+
+__all__ = ["Launcher", "LauncherError", "shutdown_launcher"]
+
+MAX_MESSAGE = 1 << 20  # a spawn request carries the whole environment
+STARTUP_TIMEOUT_S = 120.0
+CALL_TIMEOUT_S = 30.0
+IDLE_TIMEOUT_S = 600.0  # see docs/lifecycle.md: keeps restarts fast for ten idle minutes, then frees the RSS
+
+
+class LauncherError(RuntimeError):
+    """The launcher could not start, fork or answer; the message carries its error output."""
+
+
+class Launcher:
+    """One per front-end process, started lazily by ``shared()`` and replaced when it has died."""
+
+    command: ClassVar[list[str]] = [sys.executable, "-m", "enginekit.runtime.launcher_server"]
+    _instance: ClassVar[Launcher | None] = None
+    _instance_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> Launcher:
+        with cls._instance_lock:
+            if cls._instance is None or not cls._instance.is_alive():
+                if cls._instance is not None:
+                    cls._instance.close()
+                cls._instance = cls()
+            return cls._instance
+
+    @classmethod
+    def close_shared(cls) -> None:
+        """Stop the shared launcher; engines it started keep running and are watched as before."""
+        with cls._instance_lock:
+            instance, cls._instance = cls._instance, None
+        if instance is not None:
+            instance.close()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._socket = ours
+        try:
+            self.proc = subprocess.Popen(
+                [*self.command, str(theirs.fileno()), str(IDLE_TIMEOUT_S)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as error:
+            ours.close()
+            raise LauncherError(f"the engine launcher could not be started: {error}") from error
+        finally:
+            theirs.close()
+        reply = self._receive(STARTUP_TIMEOUT_S)
+        if not isinstance(reply, LauncherReady):
+            tail = self._stderr_tail(wait=True)
+            self.close()
+            raise LauncherError(f"the engine launcher did not start: {tail}")
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def spawn(self, stdin_fd: int, output_fd: int) -> int:
+        """Fork an engine process with these as its stdin and stdout/stderr; returns its pid."""
+        request = SpawnRequest(dict(os.environ), os.getcwd(), list(sys.path))
+        reply = self._call(request, [stdin_fd, output_fd], CALL_TIMEOUT_S)
+        if not isinstance(reply, Spawned):
+            raise LauncherError(f"the engine launcher could not fork: {_describe(reply)}")
+        return reply.pid
+
+    def exit_status(self, pid: int, timeout: float = 2.0) -> int | None:
+        """``None`` while running, else the exit code (negative: killed by that signal)."""
+        reply = self._call(StatusRequest(pid), [], timeout)
+        if not isinstance(reply, ExitStatus):
+            raise LauncherError(f"the engine launcher gave no exit status: {_describe(reply)}")
+        return reply.returncode
+
+    def forget(self, pid: int) -> None:
+        """The front end has what it needs about this (exited) child; the launcher may drop its status."""
+        with contextlib.suppress(LauncherError):
+            self._call(ForgetRequest(pid), [], 2.0)
+
+    def _call(self, request: Any, fds: list[int], timeout: float) -> LauncherReply:
+        with self._lock:
+            try:
+                socket.send_fds(self._socket, [msgspec.msgpack.encode(request)], fds)
+            except OSError as error:
+                raise LauncherError(f"the engine launcher is gone: {error}") from error
+            reply = self._receive(timeout)
+        if reply is None:
+            raise LauncherError(f"the engine launcher did not answer: {self._stderr_tail(wait=False)}")
+        return reply
+
+    def _receive(self, timeout: float) -> LauncherReply | None:
+        try:
+            ready, _, _ = select.select([self._socket], [], [], timeout)
+            data = self._socket.recv(MAX_MESSAGE) if ready else b""
+        except OSError:
+            return None
+        if not data:
+            return None
+        try:
+            return msgspec.msgpack.decode(data, type=LauncherReply)
+        except msgspec.MsgspecError:
+            return LauncherFailure(f"unreadable reply {data[:60]!r}")
+
+    def _stderr_tail(self, *, wait: bool) -> str:
+        if wait:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5.0)
+        if self.proc.poll() is None or self.proc.stderr is None or self.proc.stderr.closed:
+            return "no answer (the launcher is still running)"
+        text = self.proc.stderr.read().decode(errors="replace").strip()
+        return text[-2000:] or f"it exited with code {self.proc.returncode} and no error output"
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._socket.close()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # EOF: the launcher exits
+        try:
+            self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+
+def shutdown_launcher() -> None:
+    """Stop the launcher process that forks background engines, freeing its memory now.
+
+    Running engines are not affected; the next engine start launches a new one (paying the torch import once).
+    """
+    Launcher.close_shared()
+
+
+def _describe(reply: LauncherReply | None) -> str:
+    return reply.message if isinstance(reply, LauncherFailure) else repr(reply)

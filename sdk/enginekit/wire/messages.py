@@ -1,0 +1,253 @@
+"""Every message that crosses a process boundary, as msgspec Structs in one tagged union.
+
+Each Struct is encoded as a msgpack array whose first element is its tag, so one decoder per channel knows
+what it got; tensors travel as separate zero-copy frames (see ``wire/serial.py``). In-process mode passes the
+same objects to the engine core directly. The channels:
+
+==============================  ===========================  =============================================
+channel                         direction                    messages
+==============================  ===========================  =============================================
+ROUTER -> DEALER (input)        front end -> engine          ``EngineRequest``: add, abort, utility,
+                                                             shutdown, wakeup
+PUSH -> PULL (output)           engine -> front end          ``EngineOutput``: outputs, dead
+DEALER -> ROUTER (handshake)    engine -> front end          ``StartupReport``: phase, ready
+stdin pipe                      front end -> engine process  ``EngineProcArgs`` (length-prefixed, once)
+unix socketpair                 front end <-> launcher       ``LauncherRequest`` / ``LauncherReply``
+==============================  ===========================  =============================================
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+from enginekit.config import EngineConfig
+from enginekit.sampling_params import SamplingParams
+
+__all__ = [
+    "AbortRequest",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "EngineDead",
+    "EngineOutput",
+    "EngineProcArgs",
+    "EngineRequest",
+    "ExecutorFailed",
+    "FinishReason",
+    "InvalidRequest",
+    "PhaseReport",
+    "ReadyMessage",
+    "RequestError",
+    "ShutdownRequest",
+    "StartupReport",
+    "UtilityOutput",
+    "UtilityRequest",
+    "WakeupRequest",
+]
+
+_MESSAGE = {"array_like": True, "omit_defaults": True, "gc": False}
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # aborted, rejected, or failed validation (then ``EngineCoreOutput.error`` says why)
+
+
+# ---- front end -> engine ---------------------------------------------------------------------------------
+
+
+class RequestError(msgspec.Struct, **_MESSAGE):
+    """Why the engine refused a request: the exception the front end raises for it."""
+
+    kind: Literal["ValueError", "TypeError"]
+    message: str
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add", **_MESSAGE):
+    """Add a request (already tokenized)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    prompt_embeds: torch.Tensor | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort", **_MESSAGE):
+    request_ids: list[str]
+
+
+class UtilityRequest(msgspec.Struct, tag="utility", **_MESSAGE):
+    """Call ``EngineCore.utility_<method_name>(*args)``; answered by a ``UtilityOutput`` with ``call_id``."""
+
+    call_id: int
+    method_name: str
+    args: list[Any] = []
+
+
+class ShutdownRequest(msgspec.Struct, tag="shutdown", **_MESSAGE):
+    """Stop taking work: abort every request now (``timeout == 0``) or let them finish up to ``timeout``."""
+
+    timeout: float = 0.0
+
+
+class WakeupRequest(msgspec.Struct, tag="wakeup", **_MESSAGE):
+    """Does nothing; unblocks a loop waiting on its input queue."""
+
+
+class ExecutorFailed(msgspec.Struct, tag="executor_failed", **_MESSAGE):
+    """Internal only (never accepted from a socket): the executor failed and the engine must die."""
+
+    reason: str = ""
+
+
+class InvalidRequest(msgspec.Struct, tag="invalid", **_MESSAGE):
+    """Internal only: an ADD the engine could not decode; the engine answers its id with ``error``."""
+
+    request_id: str
+    error: RequestError
+
+
+EngineRequest = EngineCoreRequest | AbortRequest | UtilityRequest | ShutdownRequest | WakeupRequest
+
+
+# ---- engine -> front end ---------------------------------------------------------------------------------
+
+
+class EngineCoreOutput(msgspec.Struct, **_MESSAGE):
+    """What one step produced for one request: a delta, not the cumulative output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    # [num_new_tokens, k + 1] log-probabilities and token ids: the sampled token first, then the top k.
+    logprob_values: torch.Tensor | None = None
+    logprob_token_ids: torch.Tensor | None = None
+    num_cached_tokens: int = 0
+    error: RequestError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityOutput(msgspec.Struct, **_MESSAGE):
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", **_MESSAGE):
+    """One batch from one engine: the deltas of a step and the utility answers that came with it."""
+
+    outputs: list[EngineCoreOutput] = []
+    utility_outputs: list[UtilityOutput] = []
+    engine_index: int = 0
+
+
+class EngineDead(msgspec.Struct, tag="dead", **_MESSAGE):
+    """The engine process is dying of an error; sent once, last."""
+
+    reason: str = ""
+    engine_index: int = 0
+
+
+EngineOutput = EngineCoreOutputs | EngineDead
+
+
+# ---- engine -> front end during startup --------------------------------------------------------------------
+
+
+class PhaseReport(msgspec.Struct, tag="phase", **_MESSAGE):
+    """The startup phase the engine process has entered (named if startup fails)."""
+
+    phase: str
+
+
+class ReadyMessage(msgspec.Struct, tag="ready", **_MESSAGE):
+    """The handshake: sent once, after the model and KV cache are ready."""
+
+    max_model_len: int
+    num_gpu_blocks: int
+    kv_cache_size_tokens: int
+    block_size: int
+    pid: int
+    device: str
+    engine_index: int = 0
+
+
+StartupReport = PhaseReport | ReadyMessage
+
+
+class EngineProcArgs(msgspec.Struct, **_MESSAGE):
+    """Everything the engine process needs, written by the front end on its stdin."""
+
+    config: EngineConfig
+    input_address: str
+    output_address: str
+    engine_index: int = 0
+    curve_server_public: bytes = b""
+    curve_client_public: bytes = b""
+    curve_client_secret: bytes = b""
+
+    @property
+    def identity(self) -> bytes:
+        """The engine's routing identity on the front end's ROUTER socket."""
+        return engine_identity(self.engine_index)
+
+
+def engine_identity(engine_index: int) -> bytes:
+    return b"engine-%d" % engine_index
+
+
+# ---- front end <-> launcher --------------------------------------------------------------------------------
+
+
+class SpawnRequest(msgspec.Struct, tag="spawn", **_MESSAGE):
+    """Fork an engine process; its stdin and output pipes travel beside this message as file descriptors.
+
+    The child takes the front end's environment, working directory and ``sys.path`` at the time of the call,
+    so that an engine forked by the launcher behaves exactly like one the front end would have spawned.
+    """
+
+    environ: dict[str, str]
+    cwd: str
+    sys_path: list[str]
+
+
+class StatusRequest(msgspec.Struct, tag="status", **_MESSAGE):
+    pid: int
+
+
+class ForgetRequest(msgspec.Struct, tag="forget", **_MESSAGE):
+    pid: int
+
+
+class Spawned(msgspec.Struct, tag="spawned", **_MESSAGE):
+    pid: int
+
+
+class ExitStatus(msgspec.Struct, tag="exit_status", **_MESSAGE):
+    """``returncode`` is ``None`` while running, else the exit code (negative: killed by that signal)."""
+
+    pid: int
+    returncode: int | None = None
+
+
+class LauncherFailure(msgspec.Struct, tag="failure", **_MESSAGE):
+    message: str
+
+
+class LauncherReady(msgspec.Struct, tag="launcher_ready", **_MESSAGE):
+    pid: int
+
+
+LauncherRequest = SpawnRequest | StatusRequest | ForgetRequest
+LauncherReply = Spawned | ExitStatus | LauncherFailure | LauncherReady
