@@ -205,7 +205,7 @@ def _request_rate(
 def _core_rate(spec: ModelSpec, num_requests: int, rng: random.Random) -> float:
     from enginekit import EngineConfig
     from enginekit.core.engine_core import EngineCore
-    from enginekit.core.messages import EngineCoreRequest
+    from enginekit.wire.messages import EngineCoreRequest
 
     core = EngineCore(EngineConfig.from_options(spec.engine_model))
     params = greedy(1)

@@ -97,7 +97,7 @@ def headroom(batch: int, context: int, steps: int) -> int:
 
 
 def _request(request_id: str, prompt: list[int], params: Any) -> Any:
-    from enginekit.core.messages import EngineCoreRequest
+    from enginekit.wire.messages import EngineCoreRequest
 
     return EngineCoreRequest(request_id, prompt, params, time.time())
 

@@ -63,7 +63,7 @@ def main() -> int:
 def check_mp(device: str, restarts: int) -> dict[str, Any]:
     """Restart a background engine; afterwards no engine process may hold GPU memory or still run."""
     from enginekit import Engine
-    from enginekit.client.launcher import Launcher
+    from enginekit.runtime.launcher import Launcher
 
     before = gpu_processes()
     used_before = gpu_memory_used_mib()

@@ -24,7 +24,7 @@ def test_engine_rejects_unknown_option_before_starting():
         ({"num_kv_blocks": 1}, "num_kv_blocks must be at least 2"),
         ({"address": "http://x"}, "address must start with tcp:// or ipc://"),
         ({"device": "tpu"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
-        ({"dtype": "float8"}, "invalid engine option"),
+        ({"dtype": "float8"}, "engine option dtype must be one of 'float32', 'float16', 'bfloat16' or None, got 'float8'"),
     ],
 )
 def test_invalid_option_values(options, message):

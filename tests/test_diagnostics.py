@@ -40,7 +40,7 @@ def _sleep_command(seconds: int) -> list[str]:
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
+    if process.returncode() is None:
         process.kill()
     process.wait(timeout=10)
 

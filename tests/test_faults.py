@@ -57,7 +57,7 @@ OPERATIONS = {
 
 
 def producing_tokens(engine):
-    return any(state.completion.token_ids for state in list(engine._processor.states.values()))
+    return any(state.completion.token_ids for state in list(engine._router.processor.states.values()))
 
 
 def run_until_fault(engine, operation, *, in_flight, inject):

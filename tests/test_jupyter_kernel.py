@@ -31,7 +31,7 @@ from enginekit import Engine, SamplingParams
 
 def when_generating(engine, action):
     def watch():
-        while not any(s.version for s in list(engine._processor.states.values())):
+        while not any(s.version for s in list(engine._router.processor.states.values())):
             time.sleep(0.002)
         action()
     threading.Thread(target=watch, daemon=True).start()

@@ -30,7 +30,7 @@ import pytest
 
 import process_support
 from enginekit import Engine, EngineShutdownError, SamplingParams
-from enginekit.client.launcher import Launcher
+from enginekit.runtime.launcher import Launcher
 from enginekit.diagnostics import ProcessSnapshot, snapshot, wait_until_clean
 
 MODES = ["inproc", "mp", "async"]
@@ -85,7 +85,7 @@ def interrupt_when_generating(engine: Engine) -> threading.Thread:
     def fire() -> None:
         deadline = time.monotonic() + 60
         # The front end's request states are the one place that shows tokens flowing in every mode.
-        while not any(state.version > 0 for state in list(engine._processor.states.values())):
+        while not any(state.version > 0 for state in list(engine._router.processor.states.values())):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.002)
@@ -258,7 +258,7 @@ FRONT_END_PRELUDE = """
 import gc, os, sys, threading, time
 import psutil
 from enginekit import Engine, SamplingParams
-from enginekit.client.engine_process import EngineProcess
+from enginekit.runtime.engine_process import EngineProcess
 
 def descendants():
     return " ".join(str(p.pid) for p in psutil.Process().children(recursive=True))
@@ -348,7 +348,7 @@ def test_engine_process_survives_sigint_to_the_front_ends_process_group(front_en
         engine = Engine(mode="mp", num_kv_blocks=64, start_method={start_method!r})
         pid = engine.engine_pid
         params = SamplingParams(max_tokens=engine.max_model_len - 16, temperature=0, ignore_eos=True)
-        when(lambda: any(s.version for s in list(engine._processor.states.values())),
+        when(lambda: any(s.version for s in list(engine._router.processor.states.values())),
              lambda: print("generating", flush=True))
         try:
             engine.generate("interrupt me", params)

@@ -7,8 +7,8 @@ import torch
 import zmq
 
 from enginekit import SamplingParams
-from enginekit.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from enginekit.core.serial import MsgpackDecoder, MsgpackEncoder
+from enginekit.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
 
 
 def roundtrip(obj, message_type):

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from enginekit import Engine, EngineStartupError
-from enginekit.client.engine_process import EngineProcess
-from enginekit.client.launcher import Launcher, LauncherError
-from enginekit.client.sync_mp import SyncMPClient
+from enginekit.runtime.engine_process import EngineProcess
+from enginekit.runtime.launcher import Launcher, LauncherError
+from enginekit.client import SyncMPClient
 from enginekit.config import EngineConfig
 from enginekit.diagnostics import snapshot, wait_until_clean
 from hf_checkpoints import build_checkpoint, corrupt_safetensors

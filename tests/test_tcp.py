@@ -1,7 +1,7 @@
 """TCP mode: the front end's two sockets on loopback ports, guarded by a per-engine CURVE key pair.
 
 A peer that does not hold the engine's keys completes no handshake: it can neither send requests (a SHUTDOWN,
-a fake ENGINE_CORE_DEAD) nor read anything, and the engine serves on undisturbed.
+a fake EngineDead) nor read anything, and the engine serves on undisturbed.
 """
 
 import ipaddress
@@ -12,14 +12,14 @@ import pytest
 import zmq
 
 from enginekit import Engine, SamplingParams
-from enginekit.client.mp import ENGINE_IDENTITY
-from enginekit.core.messages import (
-    ENGINE_CORE_DEAD,
+from enginekit.wire.messages import (
+    AbortRequest,
     EngineCoreOutput,
     EngineCoreOutputs,
-    RequestType,
+    EngineDead,
     ShutdownRequest,
     UtilityRequest,
+    engine_identity,
 )
 
 PROMPTS = ["over tcp", "a second prompt, a little longer"]
@@ -59,7 +59,7 @@ def listening_hosts(ports):
 
 
 def test_tcp_mode_serves_like_ipc(tcp_engine, reference):
-    assert tcp_engine.client.input_address.startswith("tcp://")
+    assert tcp_engine.client.sockets.input_address.startswith("tcp://")
     short, long = reference
     assert tokens(tcp_engine) == short
     streamed = list(tcp_engine.stream(PROMPTS[1], LONG))[-1]
@@ -69,7 +69,7 @@ def test_tcp_mode_serves_like_ipc(tcp_engine, reference):
 
 def test_an_address_without_host_binds_loopback_only():
     with Engine(mode="mp", address="tcp://:0") as engine:
-        ports = {port_of(engine.client.input_address), port_of(engine.client.output_address)}
+        ports = {port_of(engine.client.sockets.input_address), port_of(engine.client.sockets.output_address)}
         hosts = listening_hosts(ports)
         assert hosts and all(ipaddress.ip_address(host).is_loopback for host in hosts), hosts
         assert engine.ping()
@@ -79,7 +79,7 @@ def rogue(context, kind, address, *, curve):
     socket = context.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     if kind == zmq.DEALER:
-        socket.setsockopt(zmq.IDENTITY, ENGINE_IDENTITY)  # pretend to be the engine
+        socket.setsockopt(zmq.IDENTITY, engine_identity(0))  # pretend to be the engine
     if curve:  # its own keys, and a guess at the server's
         socket.curve_publickey, socket.curve_secretkey = zmq.curve_keypair()
         socket.curve_serverkey = zmq.curve_keypair()[0]
@@ -99,19 +99,19 @@ def test_rogue_peer_without_the_secret_gets_nothing_through(tcp_engine, referenc
     client = tcp_engine.client
     context = zmq.Context()
     try:
-        requester = rogue(context, zmq.DEALER, client.input_address, curve=curve)
-        injector = rogue(context, zmq.PUSH, client.output_address, curve=curve)
+        requester = rogue(context, zmq.DEALER, client.sockets.input_address, curve=curve)
+        injector = rogue(context, zmq.PUSH, client.sockets.output_address, curve=curve)
         short, long = reference
         stream = tcp_engine.stream(PROMPTS[1], LONG)
         first = next(stream)  # a request is running while the rogues act
         for message in (
-            [RequestType.SHUTDOWN.value, msgspec.msgpack.encode(ShutdownRequest(0.0))],
-            [RequestType.UTILITY.value, msgspec.msgpack.encode(UtilityRequest(0, 1, "ping", []))],
-            [RequestType.ABORT.value, msgspec.msgpack.encode([first.request_id])],
+            [msgspec.msgpack.encode(ShutdownRequest(0.0))],
+            [msgspec.msgpack.encode(UtilityRequest(1, "ping", []))],
+            [msgspec.msgpack.encode(AbortRequest([first.request_id]))],
         ):
             send_if_possible(requester, message)
         fake = EngineCoreOutputs([EngineCoreOutput(first.request_id, [1], finish_reason="abort")])
-        for frames in ([ENGINE_CORE_DEAD], [msgspec.msgpack.encode(fake)]):
+        for frames in ([msgspec.msgpack.encode(EngineDead("fake"))], [msgspec.msgpack.encode(fake)]):
             send_if_possible(injector, frames)
         assert requester.poll(ROGUE_WAIT_MS) == 0, "the rogue received something from the front end"
         last = list(stream)[-1]

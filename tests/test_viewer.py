@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from enginekit import Engine, EngineShutdownError
-from enginekit.core.messages import EngineCoreOutput, FinishReason
+from enginekit.wire.messages import EngineCoreOutput, FinishReason
 from enginekit.notebook import GenerationHandle, Viewer, in_jupyter, text_view
 from enginekit.notebook import viewer as viewer_module
 from enginekit.output_processor import RequestState

@@ -20,9 +20,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from enginekit import Engine, SamplingParams
-from enginekit.client.mp import ENGINE_IDENTITY
-from enginekit.core.messages import EngineCoreRequest, RequestType, ShutdownRequest, UtilityRequest
-from enginekit.core.serial import MsgpackDecoder, MsgpackEncoder
+from enginekit.wire.messages import (
+    AbortRequest,
+    EngineCoreRequest,
+    EngineRequest,
+    ShutdownRequest,
+    UtilityRequest,
+    WakeupRequest,
+    engine_identity,
+)
+from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
 
 FUZZ = settings(
     max_examples=40,
@@ -33,13 +40,8 @@ FUZZ = settings(
 )
 PROBE_PROMPT = "still serving?"
 PROBE_PARAMS = SamplingParams(max_tokens=6, temperature=0)
-VALID_TYPES = {t.value for t in RequestType}
-DECODERS = {
-    RequestType.ADD: MsgpackDecoder(EngineCoreRequest),
-    RequestType.ABORT: MsgpackDecoder(list[str]),
-    RequestType.UTILITY: MsgpackDecoder(UtilityRequest),
-    RequestType.SHUTDOWN: MsgpackDecoder(ShutdownRequest),
-}
+VALID_TAGS = {"add", "abort", "utility", "shutdown", "wakeup"}
+DECODER = MsgpackDecoder(EngineRequest)
 HIDDEN_SIZE = 128  # the built-in model's
 
 
@@ -77,10 +79,17 @@ class Target:
     def send(self, frames: list[bytes]) -> None:
         client = self.engine.client
         with client._send_lock:
-            client.input_socket.send_multipart([ENGINE_IDENTITY, *frames])
+            client.sockets.input.send_multipart([engine_identity(0), *frames])
 
-    def attack(self, messages: list[list[bytes]], *, rejected: int = 0) -> None:
-        """Send hostile messages, then check the engine logged each one and still serves correctly."""
+    def attack(self, messages: list[list[bytes]], *, rejected: int | None = None) -> None:
+        """Send hostile messages, then check the engine logged each one and still serves correctly.
+
+        An ADD that cannot be decoded but names its request id is rejected (answered with an error under
+        that id); anything else is dropped.
+        """
+        if rejected is None:
+            assert all(classify(frames) != "accepted" for frames in messages)
+            rejected = sum(classify(frames) == "rejected" for frames in messages)
         dropped_before = self.log.count("dropped a")
         rejected_before = self.log.count("rejected request")
         for frames in messages:
@@ -124,35 +133,35 @@ def target():
         logger.setLevel(level)
 
 
-def decodes(frames: list[bytes]) -> bool:
-    """Whether the engine would accept this message as a request (the fuzzers send only ones it must drop)."""
+def classify(frames: list[bytes]) -> str:
+    """What the engine does with a message: "accepted", "rejected" (an undecodable ADD with an id), "dropped"."""
     try:
-        request_type = RequestType(frames[0])
-    except ValueError:
-        return False
-    if request_type is RequestType.WAKEUP:
-        return len(frames) == 1
-    if request_type is RequestType.EXECUTOR_FAILED or len(frames) < 2:
-        return False
-    try:
-        DECODERS[request_type].decode(frames[1:])
+        DECODER.decode(frames)
+        return "accepted"
     except Exception:
-        return False
-    return True
+        pass
+    try:
+        raw = msgspec.msgpack.decode(frames[0])
+    except Exception:
+        return "dropped"
+    if isinstance(raw, list) and len(raw) >= 2 and raw[0] == "add" and isinstance(raw[1], str):
+        return "rejected"
+    return "dropped"
 
 
-def valid_messages() -> dict[RequestType, list[bytes]]:
+def valid_messages() -> dict[str, list[bytes]]:
     params = SamplingParams(max_tokens=3, temperature=0.5, stop=("x",), seed=3)
     encoder = MsgpackEncoder()
     return {
-        RequestType.ADD: encoder.encode(EngineCoreRequest("fuzz", [1, 2, 3], params, 1.0)),
-        RequestType.ABORT: encoder.encode(["fuzz"]),
-        RequestType.UTILITY: encoder.encode(UtilityRequest(0, 999_999, "ping", [])),
-        RequestType.SHUTDOWN: encoder.encode(ShutdownRequest(0.0)),
+        "add": encoder.encode(EngineCoreRequest("fuzz", [1, 2, 3], params, 1.0)),
+        "abort": encoder.encode(AbortRequest(["fuzz"])),
+        "utility": encoder.encode(UtilityRequest(999_999, "ping", [])),
+        "shutdown": encoder.encode(ShutdownRequest(0.0)),
+        "wakeup": encoder.encode(WakeupRequest()),
     }
 
 
-VALID = {kind: [kind.value, *(bytes(f) for f in frames)] for kind, frames in valid_messages().items()}
+VALID = {tag: [bytes(f) for f in frames] for tag, frames in valid_messages().items()}
 INT64 = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
 msgpack_values = st.recursive(
     st.none() | st.booleans() | INT64 | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
@@ -161,49 +170,42 @@ msgpack_values = st.recursive(
     ),
     max_leaves=8,
 )
-request_types = st.sampled_from(sorted(VALID_TYPES))
 messages_of = lambda message: st.lists(message, min_size=1, max_size=4)  # noqa: E731
 
 
 @st.composite
 def random_bytes(draw):
-    first = draw(request_types | st.binary(max_size=4))
-    return [first, *draw(st.lists(st.binary(max_size=64), max_size=3))]
+    return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
 
 
 @st.composite
 def truncated_msgpack(draw):
-    kind, body = draw(st.sampled_from([message[:2] for message in VALID.values()]))
-    return [kind, body[: draw(st.integers(0, len(body) - 1))]]
+    body = draw(st.sampled_from([message[0] for message in VALID.values()]))
+    return [body[: draw(st.integers(0, len(body) - 1))]]
 
 
 @st.composite
-def unknown_type(draw):
-    kind = draw(st.binary(max_size=8).filter(lambda b: b not in VALID_TYPES))
-    body = draw(st.sampled_from(list(VALID.values())))[1:]
-    return [kind, *body]
+def unknown_tag(draw):
+    fields = msgspec.msgpack.decode(draw(st.sampled_from(list(VALID.values())))[0])
+    fields[0] = draw(msgpack_values.filter(lambda tag: not (isinstance(tag, str) and tag in VALID_TAGS)))
+    return [msgspec.msgpack.encode(fields)]
 
 
 @st.composite
 def wrong_field_types(draw):
-    kind = draw(st.sampled_from([RequestType.ADD, RequestType.UTILITY, RequestType.SHUTDOWN]))
-    fields = msgspec.msgpack.decode(VALID[kind][1])
-    path = [draw(st.integers(0, len(fields)))]  # one past the end appends an extra field
+    tag = draw(st.sampled_from(["add", "utility", "shutdown", "abort"]))
+    fields = msgspec.msgpack.decode(VALID[tag][0])
+    path = [draw(st.integers(1, len(fields)))]  # one past the end appends an extra field
     target = fields
-    if (
-        path[0] < len(fields)
-        and isinstance(fields[path[0]], list)
-        and fields[path[0]]
-        and draw(st.booleans())
-    ):
-        target = fields[path[0]]  # a nested field (sampling params, token ids)
+    if path[0] < len(fields) and isinstance(fields[path[0]], list) and fields[path[0]] and draw(st.booleans()):
+        target = fields[path[0]]  # a nested field (sampling params, token ids, request ids)
         path.append(draw(st.integers(0, len(target) - 1)))
     value = draw(msgspec_values_not_like(target[path[-1]] if path[-1] < len(target) else None))
     if path[-1] < len(target):
         target[path[-1]] = value
     else:
         target.append(value)
-    return [kind.value, msgspec.msgpack.encode(fields)]
+    return [msgspec.msgpack.encode(fields)]
 
 
 def msgspec_values_not_like(original):
@@ -217,47 +219,54 @@ def bad_tensor_fields(draw):
     index = draw(st.integers(-2, 5) | st.text(max_size=2) | st.none())
     extra = draw(st.lists(st.binary(max_size=48), max_size=3))
     tensor = draw(st.sampled_from([[dtype, shape, index], [dtype, shape], "tensor", 7]))
-    fields = [*msgspec.msgpack.decode(VALID[RequestType.ADD][1])[:4], tensor]  # prompt_embeds is 5th
-    return [RequestType.ADD.value, msgspec.msgpack.encode(fields), *extra]
+    fields = [*msgspec.msgpack.decode(VALID["add"][0])[:5], tensor]  # prompt_embeds is the 6th field
+    return [msgspec.msgpack.encode(fields), *extra]
 
 
-def dropped(strategy):
-    return messages_of(strategy).filter(lambda messages: not any(decodes(m) for m in messages))
+def hostile(strategy):
+    """Lists of messages the engine cannot accept as they are (it must drop or reject each)."""
+    return messages_of(strategy).filter(lambda messages: all(classify(m) != "accepted" for m in messages))
 
 
 @FUZZ
-@given(messages=dropped(random_bytes()))
+@given(messages=hostile(random_bytes()))
 def test_random_bytes(target, messages):
     target.attack(messages)
 
 
 @FUZZ
-@given(messages=dropped(truncated_msgpack()))
+@given(messages=hostile(truncated_msgpack()))
 def test_truncated_msgpack(target, messages):
     target.attack(messages)
 
 
 @FUZZ
-@given(messages=dropped(unknown_type()))
-def test_unknown_request_types(target, messages):
+@given(messages=hostile(unknown_tag()))
+def test_unknown_message_tags(target, messages):
     target.attack(messages)
 
 
 @FUZZ
-@given(messages=dropped(wrong_field_types()))
+@given(messages=hostile(wrong_field_types()))
 def test_wrong_field_types(target, messages):
     target.attack(messages)
 
 
 @FUZZ
-@given(messages=dropped(bad_tensor_fields()))
+@given(messages=hostile(bad_tensor_fields()))
 def test_malformed_tensor_fields(target, messages):
     target.attack(messages)
 
 
-def test_internal_request_types_are_refused_from_the_socket(target):
-    # EXECUTOR_FAILED would stop the engine if the socket could send it; WAKEUP takes no body.
-    target.attack([[RequestType.EXECUTOR_FAILED.value, b"\x90"], [RequestType.WAKEUP.value, b"\x90"]])
+def test_internal_messages_are_refused_from_the_socket(target):
+    # ExecutorFailed would stop the engine and InvalidRequest answer for another id, if the socket could send
+    # them; they exist only inside the engine process.
+    target.attack(
+        [
+            [msgspec.msgpack.encode(["executor_failed", "from a rogue"])],
+            [msgspec.msgpack.encode(["invalid", "x", ["ValueError", "no"]])],
+        ]
+    )
 
 
 def test_well_typed_requests_the_engine_cannot_serve_are_rejected(target):
@@ -273,7 +282,19 @@ def test_well_typed_requests_the_engine_cannot_serve_are_rejected(target):
         EngineCoreRequest("embeds-rows", [0, 0, 0], params, prompt_embeds=torch.zeros(2, HIDDEN_SIZE)),
         EngineCoreRequest("embeds-flat", [0, 0], params, prompt_embeds=torch.zeros(2 * HIDDEN_SIZE)),
     ]
-    messages = [[RequestType.ADD.value, *(bytes(f) for f in encoder.encode(r))] for r in requests]
+    messages = [[bytes(f) for f in encoder.encode(r)] for r in requests]
+    target.attack(messages, rejected=len(messages))
+
+
+def test_adds_that_cannot_be_decoded_are_answered_under_their_id(target):
+    # Bad sampling values, as the facade would refuse them: the engine refuses them under the request's id.
+    fields = msgspec.msgpack.decode(VALID["add"][0])
+    messages = []
+    for index, value in ((3, 2.0), (1, True), (7, "no"), (0, True)):  # top_k, temperature, ignore_eos, max_tokens
+        bad = [*fields[:3], list(fields[3]), *fields[4:]]
+        bad[3][index] = value
+        bad[1] = f"bad-params-{index}"
+        messages.append([msgspec.msgpack.encode(bad)])
     target.attack(messages, rejected=len(messages))
 
 
@@ -290,13 +311,9 @@ class Touch:
 def test_pickle_payloads_are_never_unpickled(target, tmp_path):
     marker = tmp_path / "unpickled"
     payload = pickle.dumps(Touch(marker), protocol=pickle.HIGHEST_PROTOCOL)
-    embeds = [
-        RequestType.ADD.value,
-        msgspec.msgpack.encode(["p", [0], [], 0.0, ["float32", [1], 1]]),
-        payload,
-    ]
-    messages = [[kind, payload] for kind in sorted(VALID_TYPES - {RequestType.WAKEUP.value})]
-    messages += [[payload], [payload, payload], embeds]
+    embeds = [msgspec.msgpack.encode(["add", "p", [0], [], 0.0, ["float32", [1], 1]]), payload]
+    messages = [[payload], [payload, payload], embeds]
+    messages += [[msgspec.msgpack.encode([tag, payload])] for tag in sorted(VALID_TAGS)]
     target.attack(messages)
     assert not marker.exists()
     # The payload is armed: unpickling it here does create its marker.
@@ -308,13 +325,12 @@ def test_pickle_payloads_are_never_unpickled(target, tmp_path):
 def test_oversized_frames(target):
     huge = os.urandom(32 * 2**20)
     claims_4g_items = b"\xdd\xff\xff\xff\xff"  # a msgpack array header announcing 2**32 - 1 elements
-    add = RequestType.ADD.value
     target.attack(
         [
-            [add, huge],
-            [RequestType.UTILITY.value, claims_4g_items],
-            [add, b"\x9f" + claims_4g_items * 8],
-            [add, msgspec.msgpack.encode(["big", [1], [], 0.0, ["float32", [2**31, 2**31], 1]]), huge],
+            [huge],
+            [b"\xdd\xff\xff\xff\xff"],
+            [b"\x9f" + claims_4g_items * 8],
+            [msgspec.msgpack.encode(["add", "big", [1], [], 0.0, ["float32", [2**31, 2**31], 1]]), huge],
             [huge[:1024], *([b"x"] * 10_000)],
         ]
     )

@@ -61,6 +61,7 @@ class MPClient(EngineCoreClient):
         self.identity = engine_identity(engine_index)
         self._closed = False
         self._dead_error: EngineDeadError | None = None
+        self._dead_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineOutput)
@@ -222,7 +223,7 @@ class MPClient(EngineCoreClient):
             logger.warning("dropped a malformed output message: %s", error)
             return None
         if isinstance(message, EngineDead):
-            self._mark_dead(f"the engine core reported a fatal error ({message.reason})")
+            self._on_engine_dead(f"the engine core reported a fatal error ({message.reason})")
             return None
         for answer in message.utility_outputs:
             self._pending.resolve(answer)
@@ -231,19 +232,32 @@ class MPClient(EngineCoreClient):
     def _on_process_exit(self) -> None:
         self._mark_dead("the engine process died")
 
+    def _on_engine_dead(self, reason: str) -> None:
+        if _running_loop() is None:
+            self._mark_dead(reason)
+        else:  # NOTE: describing the death waits for the exit (up to a second): never on a running loop
+            threading.Thread(
+                target=self._mark_dead, args=(reason,), name="enginekit-engine-exit", daemon=True
+            ).start()
+
     def _mark_dead(self, reason: str) -> None:
-        if self._dead_error is not None or self._closed:
-            return
-        status = self.process.describe_exit()
-        tail = "\n".join(self.process.error_tail().splitlines()[-12:]) if not self.process.is_alive() else ""
-        self._dead_error = EngineDeadError(
-            f"{reason}; {status}. Call engine.restart() to start a new engine."
-            + (f"\nLast engine output:\n{tail}" if tail else "")
-        )
+        with self._dead_lock:
+            if self._dead_error is not None or self._closed:
+                return
+            self._dead_error = self._describe_death(reason)
         logger.info("%s", self._dead_error)
         self._pending.fail_all(self._dead_error)
         if self.receiver is not None:
             self.receiver.mark_dead()
+
+    def _describe_death(self, reason: str) -> EngineDeadError:
+        self.process.wait_dead(1.0)  # it usually exits right after its last message
+        status = self.process.describe_exit()
+        tail = "\n".join(self.process.error_tail().splitlines()[-12:]) if not self.process.is_alive() else ""
+        return EngineDeadError(
+            f"{reason}; {status}. Call engine.restart() to start a new engine."
+            + (f"\nLast engine output:\n{tail}" if tail else "")
+        )
 
     @property
     def is_alive(self) -> bool:
@@ -309,3 +323,10 @@ def _last_error_line(tail: str) -> str:
         ):
             return line.strip()
     return ""
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -54,6 +54,7 @@ class EngineCoreProc(EngineCore):
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.max_output_queue_depth = 0  # deepest the output queue has been (back-pressure check)
         self._debug_kill_io: str | None = None
+        self.closing = False  # set when the process tears down: IO threads then die quietly
         self._startup_reports: queue.SimpleQueue[PhaseReport | ReadyMessage] = queue.SimpleQueue()
         self._input_thread_ready = threading.Event()
         self._zmq = zmq.Context(io_threads=1)
@@ -174,7 +175,7 @@ class EngineCoreProc(EngineCore):
         try:
             loop()
         except Exception as error:
-            if self.is_done:
+            if self.is_done or self.closing:
                 return
             logger.exception("%s died", threading.current_thread().name)
             # An IO thread that dies after startup is an engine death, not something to ignore.

@@ -59,6 +59,7 @@ def run_engine_core(args: EngineProcArgs) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if engine is not None:
+            engine.closing = True
             engine.shutdown()
             gc.unfreeze()
             _terminate(engine._zmq)

@@ -55,6 +55,7 @@ class EngineProcess:
         self._status_lock = threading.Lock()
         self._tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
+        self._stopped = False
 
     def ipc_address(self, name: str) -> str:
         return f"ipc://{os.path.join(self.run_dir, name)}"
@@ -133,7 +134,8 @@ class EngineProcess:
             return True
         if self.pidfd is not None:
             return _readable(self.pidfd, timeout)
-        assert self._popen is not None
+        if self._popen is None:
+            return True  # stopped already: its pidfd is closed
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._popen.wait(timeout)
         return self._popen.poll() is not None
@@ -213,7 +215,10 @@ class EngineProcess:
                     os.kill(self.pid, signum)
 
     def stop(self, timeout: float) -> None:
-        """Wait for a requested exit, then SIGTERM, then SIGKILL; always reaps and cleans up."""
+        """Wait for a requested exit, then SIGTERM, then SIGKILL; always reaps and cleans up (once)."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self.pid > 0 and not self.wait_dead(timeout):
             log = logger.warning if timeout > 0 else logger.debug
             log("engine process %d did not exit in %.1fs; terminating", self.pid, timeout)

@@ -50,6 +50,8 @@ __all__ = [
 ]
 
 _MESSAGE = {"array_like": True, "omit_defaults": True, "gc": False}
+# What the engine accepts from a socket is strict: a message with extra fields is malformed, not truncated.
+_REQUEST = {**_MESSAGE, "forbid_unknown_fields": True}
 
 
 class FinishReason(str, enum.Enum):
@@ -68,7 +70,7 @@ class RequestError(msgspec.Struct, **_MESSAGE):
     message: str
 
 
-class EngineCoreRequest(msgspec.Struct, tag="add", **_MESSAGE):
+class EngineCoreRequest(msgspec.Struct, tag="add", **_REQUEST):
     """Add a request (already tokenized)."""
 
     request_id: str
@@ -78,11 +80,11 @@ class EngineCoreRequest(msgspec.Struct, tag="add", **_MESSAGE):
     prompt_embeds: torch.Tensor | None = None
 
 
-class AbortRequest(msgspec.Struct, tag="abort", **_MESSAGE):
+class AbortRequest(msgspec.Struct, tag="abort", **_REQUEST):
     request_ids: list[str]
 
 
-class UtilityRequest(msgspec.Struct, tag="utility", **_MESSAGE):
+class UtilityRequest(msgspec.Struct, tag="utility", **_REQUEST):
     """Call ``EngineCore.utility_<method_name>(*args)``; answered by a ``UtilityOutput`` with ``call_id``."""
 
     call_id: int
@@ -90,13 +92,13 @@ class UtilityRequest(msgspec.Struct, tag="utility", **_MESSAGE):
     args: list[Any] = []
 
 
-class ShutdownRequest(msgspec.Struct, tag="shutdown", **_MESSAGE):
+class ShutdownRequest(msgspec.Struct, tag="shutdown", **_REQUEST):
     """Stop taking work: abort every request now (``timeout == 0``) or let them finish up to ``timeout``."""
 
     timeout: float = 0.0
 
 
-class WakeupRequest(msgspec.Struct, tag="wakeup", **_MESSAGE):
+class WakeupRequest(msgspec.Struct, tag="wakeup", **_REQUEST):
     """Does nothing; unblocks a loop waiting on its input queue."""
 
 
