@@ -40,7 +40,7 @@ def _sleep_command(seconds: int) -> list[str]:
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.returncode() is None:
+    if process.poll() is None:
         process.kill()
     process.wait(timeout=10)
 
@@ -324,10 +324,12 @@ def test_rss_and_cuda_growth_are_reported() -> None:
 
 def test_wait_until_clean_returns_clean_once_thread_ends() -> None:
     baseline = snapshot()
-    thread = threading.Thread(target=time.sleep, args=(0.2,), name="diagnostics-test-short", daemon=True)
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, name="diagnostics-test-short", daemon=True)
     thread.start()
     try:
         assert "diagnostics-test-short" in baseline.diff(snapshot()).new_thread_names
+        threading.Timer(0.2, release.set).start()  # the thread ends while wait_until_clean waits
         diff = wait_until_clean(baseline, timeout=10)
         assert diff.leaks() == []
         assert diff.before is baseline

@@ -55,6 +55,10 @@ def _states(count: int) -> list[RequestState]:
     return [RequestState(f"req-{i}", f"prompt {i}", [1, 2, 3], False) for i in range(count)]
 
 
+def outputs_of(states: list[RequestState]) -> list:
+    return [state.output for state in states]
+
+
 def _token(state: RequestState, text: str = "x", finish: FinishReason | None = None) -> None:
     state.apply(EngineCoreOutput(state.output.request_id, [7], text, finish))
 
@@ -88,7 +92,7 @@ def test_no_widget_updates_more_than_ten_times_a_second_with_64_requests() -> No
     clock = FakeClock()
     viewer = _widget_viewer(clock)
     states = _states(64)
-    watch = viewer.attach(FakeEngine(), states)
+    watch = viewer.attach(FakeEngine(), outputs_of(states))
     counts: dict = {}
     _count_changes(viewer._view.panel, counts, "panel")
     for row in viewer.rows:
@@ -105,7 +109,7 @@ def test_a_render_touches_only_the_rows_whose_request_changed() -> None:
     clock = FakeClock()
     viewer = _widget_viewer(clock)
     states = _states(8)
-    viewer.attach(FakeEngine(), states)
+    viewer.attach(FakeEngine(), outputs_of(states))
     counts: dict = {}
     for row in viewer.rows:
         _count_changes(viewer._view._row_widgets[id(row)][2], counts, row.request_id)
@@ -119,7 +123,7 @@ def test_close_renders_the_final_state_even_inside_the_throttle_window() -> None
     clock = FakeClock()
     viewer = _widget_viewer(clock)
     (state,) = _states(1)
-    watch = viewer.attach(FakeEngine(), [state])
+    watch = viewer.attach(FakeEngine(), outputs_of([state]))
     _token(state, text="last words", finish=FinishReason.LENGTH)
     watch.close()
     html = viewer._view._row_widgets[id(viewer.rows[0])][2].value
@@ -130,7 +134,7 @@ def test_engine_stats_are_requested_at_most_once_per_stats_interval() -> None:
     clock = FakeClock()
     viewer = _widget_viewer(clock, stats_interval_s=0.5)
     engine = FakeEngine()
-    watch = viewer.attach(engine, _states(4))
+    watch = viewer.attach(engine, outputs_of(_states(4)))
     for _ in range(1000):  # 1 s of updates
         clock.now += 0.001
         watch.update()
@@ -144,7 +148,7 @@ def test_a_row_shows_text_tokens_speed_and_finish_reason() -> None:
     clock = FakeClock()
     viewer = _widget_viewer(clock)
     (state,) = _states(1)
-    watch = viewer.attach(FakeEngine(), [state])
+    watch = viewer.attach(FakeEngine(), outputs_of([state]))
     for _ in range(4):
         _token(state, text="ab")
     clock.now += 2.0
@@ -158,7 +162,7 @@ def test_a_row_shows_text_tokens_speed_and_finish_reason() -> None:
 def test_a_row_shows_only_the_tail_of_a_long_text() -> None:
     viewer = _widget_viewer(FakeClock(), max_chars=10)
     (state,) = _states(1)
-    watch = viewer.attach(FakeEngine(), [state])
+    watch = viewer.attach(FakeEngine(), outputs_of([state]))
     _token(state, text="HEAD" + "-" * 50 + "0123456789")
     watch.close()
     html = viewer._view._row_widgets[id(viewer.rows[0])][2].value
@@ -167,14 +171,14 @@ def test_a_row_shows_only_the_tail_of_a_long_text() -> None:
 
 def test_the_final_panel_drops_the_engine_load_of_a_past_moment() -> None:
     viewer = _widget_viewer(FakeClock())
-    viewer.attach(FakeEngine(), _states(1)).close()
+    viewer.attach(FakeEngine(), outputs_of(_states(1))).close()
     panel = viewer._view.panel.value
     assert "running 3" not in panel and "KV cache" not in panel and "prefix-cache hits 50%" in panel
 
 
 def test_the_panel_shows_engine_mode_pid_and_stats() -> None:
     viewer = _widget_viewer(FakeClock())
-    viewer.attach(FakeEngine(), _states(2))
+    viewer.attach(FakeEngine(), outputs_of(_states(2)))
     panel = viewer._view.panel.value
     for expected in ("inproc", "4242", "running 3", "waiting 1", "KV cache 25%", "prefix-cache hits 50%"):
         assert expected in panel
@@ -183,7 +187,7 @@ def test_the_panel_shows_engine_mode_pid_and_stats() -> None:
 def test_the_abort_button_aborts_its_own_request() -> None:
     viewer = _widget_viewer(FakeClock())
     engine = FakeEngine()
-    viewer.attach(engine, _states(3))
+    viewer.attach(engine, outputs_of(_states(3)))
     viewer._view._row_widgets[id(viewer.rows[1])][1].click()
     assert engine.aborted == ["req-1"]
 
@@ -192,7 +196,7 @@ def test_stop_all_aborts_only_the_unfinished_requests() -> None:
     viewer = _widget_viewer(FakeClock())
     engine = FakeEngine()
     states = _states(3)
-    viewer.attach(engine, states)
+    viewer.attach(engine, outputs_of(states))
     _token(states[0], finish=FinishReason.LENGTH)
     viewer._view.stop_all.click()
     assert engine.aborted == ["req-1", "req-2"]
@@ -202,7 +206,7 @@ def test_a_failing_abort_is_shown_not_raised() -> None:
     viewer = _widget_viewer(FakeClock())
     engine = FakeEngine()
     engine.abort = lambda request_ids: (_ for _ in ()).throw(EngineShutdownError("the engine is shut down"))
-    viewer.attach(engine, _states(1))
+    viewer.attach(engine, outputs_of(_states(1)))
     viewer.abort_all()
     assert "abort failed: EngineShutdownError" in viewer._view.panel.value
 
@@ -222,7 +226,7 @@ def test_without_ipywidgets_the_viewer_says_so_once_and_prints_text(monkeypatch:
     stream = io.StringIO()
     for _ in range(2):
         viewer = Viewer(stream=stream)
-        viewer.attach(FakeEngine(), _states(1)).close()
+        viewer.attach(FakeEngine(), outputs_of(_states(1))).close()
     assert viewer.kind == "text"
     assert stream.getvalue().count("ipywidgets is not installed (pip install ipywidgets)") == 1
 
@@ -239,7 +243,7 @@ def test_text_progress_lines_are_throttled() -> None:
     viewer = Viewer(kind="text", text_interval_s=2.0, stream=stream)
     viewer._clock = clock
     states = _states(4)
-    watch = viewer.attach(FakeEngine(), states)
+    watch = viewer.attach(FakeEngine(), outputs_of(states))
     for _ in range(3000):  # 3 s of updates
         clock.now += 0.001
         _token(states[0])
@@ -284,24 +288,31 @@ def test_widget_viewer_follows_a_real_generate_to_the_end(enginekit_engine, gree
     assert outputs[0].text.replace("&", "&amp;").replace("<", "&lt;") in first
 
 
-def test_async_mode_viewer_gets_stats_without_reentering_the_loop(
+def test_async_mode_viewer_gets_stats_without_blocking_or_reentering_a_loop(
     async_engine: Engine, greedy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import enginekit.engine as engine_module
+    sync_calls, async_calls = [], []
+    real_call_utility, real_acall_utility = async_engine.call_utility, async_engine.acall_utility
 
-    sync_calls, async_stats_calls = [], []
-    real_run_sync, real_acall_utility = engine_module.run_sync, async_engine.acall_utility
+    def call_utility(*args, **kw):
+        with pytest.raises(RuntimeError):
+            asyncio.get_running_loop()  # a blocking stats call never runs on a loop
+        sync_calls.append(args)
+        return real_call_utility(*args, **kw)
+
+    monkeypatch.setattr(async_engine, "call_utility", call_utility)
     monkeypatch.setattr(
-        engine_module, "run_sync", lambda coro: sync_calls.append(coro) or real_run_sync(coro)
+        async_engine, "acall_utility", lambda *args, **kw: async_calls.append(args) or real_acall_utility(*args, **kw)
     )
-    monkeypatch.setattr(
-        async_engine,
-        "acall_utility",
-        lambda *args, **kw: async_stats_calls.append(args) or real_acall_utility(*args, **kw),
-    )
-    async_engine.generate([f"p{i}" for i in range(4)], greedy(8), viewer=Viewer(kind="widget"))
-    assert len(sync_calls) == 1  # generate's own
-    assert async_stats_calls and all(args == ("get_stats",) for args in async_stats_calls)
+    prompts = [f"p{i}" for i in range(4)]
+
+    async def main():
+        return await async_engine.agenerate(prompts, greedy(8), viewer=Viewer(kind="widget"))
+
+    asyncio.run(main())
+    assert async_calls and all(args == ("get_stats",) for args in async_calls) and not sync_calls
+    async_engine.generate(prompts, greedy(8), viewer=Viewer(kind="widget"))  # no loop: a plain blocking call
+    assert sync_calls and all(args == ("get_stats",) for args in sync_calls)
 
 
 # ---- background generation --------------------------------------------------------------------------

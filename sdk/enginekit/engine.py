@@ -16,7 +16,7 @@ from enginekit.errors import EngineShutdownError
 from enginekit.logs import show_logs
 from enginekit.model.loader import ModelSpec, load_model_spec
 from enginekit.model.tokenizer import Tokenizer
-from enginekit.notebook import GenerationHandle, make_watcher, start_background
+from enginekit.notebook import GenerationHandle, start_background, watcher_for
 from enginekit.output_processor import RequestState
 from enginekit.output_router import OutputRouter
 from enginekit.outputs import RequestOutput
@@ -203,8 +203,9 @@ class Engine:
 
         Raises ``KeyboardInterrupt`` after aborting this call's requests when interrupted.
         """
+        attach_watcher = watcher_for(progress, viewer)
         states = self._submit(prompts, params)
-        watcher = make_watcher(self, [s.output for s in states], progress, viewer)
+        watcher = attach_watcher(self, [s.output for s in states])
         try:
             self._router.wait(states, watcher)
         except BaseException:
@@ -245,8 +246,9 @@ class Engine:
 
         Bad prompts raise here, before anything is sent. Cancelling the awaiting task aborts the requests.
         """
+        attach_watcher = watcher_for(progress, viewer)
         states = self._submit(prompts, params)
-        return self._collect(states, make_watcher(self, [s.output for s in states], progress, viewer))
+        return self._collect(states, attach_watcher(self, [s.output for s in states]))
 
     async def _collect(self, states: list[RequestState], watcher: Any) -> list[RequestOutput]:
         try:

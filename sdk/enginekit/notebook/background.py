@@ -13,7 +13,7 @@ from typing import Any
 
 from enginekit.notebook.loop import run_sync
 from enginekit.notebook.viewer import Viewer, check_viewer_argument
-from enginekit.notebook.watch import make_watcher
+from enginekit.notebook.watch import watcher_for
 from enginekit.outputs import RequestOutput
 
 __all__ = ["GenerationHandle", "start_background"]
@@ -136,7 +136,7 @@ class _Recorder:
 
     def attach(self, engine: Any, outputs: list[RequestOutput]) -> Any:
         self.outputs = outputs
-        self.watch = make_watcher(engine, outputs, self._progress, self._viewer or None)
+        self.watch = watcher_for(self._progress, self._viewer)(engine, outputs)
         return self.watch
 
 

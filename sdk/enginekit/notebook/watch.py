@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from enginekit.notebook.viewer import Viewer, check_viewer_argument
@@ -16,14 +17,21 @@ class NoWatcher:
         pass
 
 
-def make_watcher(engine: Any, outputs: list[RequestOutput], progress: bool | None, viewer: Any) -> Any:
-    """A viewer's hold on these live outputs (``viewer=True`` builds a new ``Viewer``), else a progress bar
-    (``progress=True``, or 16 prompts and more when ``progress`` is ``None``), else nothing."""
-    check_viewer_argument(viewer)
-    if viewer is not None and viewer is not False:
-        return (Viewer() if viewer is True else viewer).attach(engine, outputs)
-    if progress or (progress is None and len(outputs) >= 16):
-        from enginekit.notebook.progress import ProgressWatcher
+def watcher_for(progress: bool | None, viewer: Any) -> Callable[[Any, list[RequestOutput]], Any]:
+    """Check the arguments now (before anything is submitted); the result attaches to the live outputs.
 
-        return ProgressWatcher(outputs)
-    return NoWatcher()
+    A viewer (``viewer=True`` builds a new ``Viewer``) holds the outputs' rows; else a progress bar watches
+    them (``progress=True``, or 16 prompts and more when ``progress`` is ``None``); else nothing does.
+    """
+    check_viewer_argument(viewer)
+
+    def attach(engine: Any, outputs: list[RequestOutput]) -> Any:
+        if viewer is not None and viewer is not False:
+            return (Viewer() if viewer is True else viewer).attach(engine, outputs)
+        if progress or (progress is None and len(outputs) >= 16):
+            from enginekit.notebook.progress import ProgressWatcher
+
+            return ProgressWatcher(outputs)
+        return NoWatcher()
+
+    return attach
