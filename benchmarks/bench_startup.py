@@ -30,7 +30,7 @@ engine.shutdown()
 def run(ctx: Context, report: SectionReport) -> None:
     repeats = ctx.pick(2, 5)
     report.method = f"""
-`Engine(mode="mp")` returns once the engine process has reported READY (model loaded, KV cache allocated),
+`Engine("builtin", mode="mp")` returns once the engine process has reported READY (model loaded, KV cache allocated),
 so its wall time is the time to a usable engine. *restart* is `engine.restart()` on a running engine
 (shutdown, then start). *first start* runs in a fresh interpreter (`python -c`, enginekit and torch already
 imported there, timer around `Engine(...)` only): what the first engine of a new notebook kernel costs.

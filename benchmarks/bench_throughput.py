@@ -62,7 +62,7 @@ def run(ctx: Context, report: SectionReport) -> None:
     limit = max(matmul["default"], matmul["single_thread"], key=lambda s: s.median)
     prompt_len, output_len = size["equal"]
     report.method = f"""
-Every engine figure is `Engine(mode="inproc", num_threads={threads})` running `generate` on a batch of
+Every engine figure is `Engine("builtin", mode="inproc", num_threads={threads})` running `generate` on a batch of
 *N* requests submitted at once; every transformers figure is `model.generate` on one batch of the same *N*
 requests (same lengths, left-padded, same weights, float32, {threads} torch threads). Greedy, EOS ignored, so
 token counts are fixed. Engine and transformers samples alternate run by run (interleaved), and the ratio is

@@ -70,7 +70,7 @@ def check_mp(device: str, restarts: int) -> dict[str, Any]:
     engine_pids: list[int] = []
     seen_on_gpu: set[int] = set()
     started = time.perf_counter()
-    engine = Engine(mode="mp", device=device)
+    engine = Engine("builtin", mode="mp", device=device)
     try:
         for _ in range(restarts):
             assert engine.generate("hello", _params())[0].finished
@@ -115,13 +115,13 @@ def check_inproc(device: str, restarts: int) -> dict[str, Any]:
     from enginekit import Engine
     from enginekit.diagnostics import snapshot, wait_until_clean
 
-    with Engine(mode="inproc", device=device) as warm:
+    with Engine("builtin", mode="inproc", device=device) as warm:
         assert warm.generate("warm up", _params())[0].finished
     baseline = snapshot()
     allocated_before = _allocated(torch, device)
     peak_running = 0
     started = time.perf_counter()
-    engine = Engine(mode="inproc", device=device)
+    engine = Engine("builtin", mode="inproc", device=device)
     for _ in range(restarts):
         assert engine.generate("hello", _params())[0].finished
         peak_running = max(peak_running, _allocated(torch, device))

@@ -13,7 +13,7 @@ def test_unknown_option_names_the_closest():
 
 def test_engine_rejects_unknown_option_before_starting():
     with pytest.raises(TypeError, match="did you mean 'block_size'"):
-        Engine(mode="inproc", blok_size=16)
+        Engine("builtin", mode="inproc", blok_size=16)
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,10 @@ def test_engine_rejects_unknown_option_before_starting():
         ({"num_kv_blocks": 1}, "num_kv_blocks must be at least 2"),
         ({"address": "http://x"}, "address must start with tcp:// or ipc://"),
         ({"device": "tpu"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
-        ({"dtype": "float8"}, "engine option dtype must be one of 'float32', 'float16', 'bfloat16' or None, got 'float8'"),
+        (
+            {"dtype": "float8"},
+            "engine option dtype must be one of 'float32', 'float16', 'bfloat16' or None, got 'float8'",
+        ),
     ],
 )
 def test_invalid_option_values(options, message):

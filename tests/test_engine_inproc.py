@@ -10,7 +10,7 @@ PROMPTS = ["Hello, world", "The quick brown fox jumps", "a", "Paged attention ke
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(mode="inproc", num_kv_blocks=512) as engine:
+    with Engine("builtin", mode="inproc", num_kv_blocks=512) as engine:
         yield engine
 
 
@@ -198,7 +198,7 @@ def test_all_blocks_return_to_the_pool(engine, greedy):
 
 
 def test_prefix_cache_hit_is_reused_and_counted(greedy):
-    with Engine(mode="inproc", num_kv_blocks=64, block_size=16) as engine:
+    with Engine("builtin", mode="inproc", num_kv_blocks=64, block_size=16) as engine:
         prefix = "A shared system prompt that is long enough to fill several KV blocks. " * 2
         first = engine.generate(prefix + "First question?", greedy(8))[0]
         second = engine.generate(prefix + "Second one!", greedy(8))[0]
@@ -206,7 +206,7 @@ def test_prefix_cache_hit_is_reused_and_counted(greedy):
         assert first.num_cached_tokens == 0
         assert second.num_cached_tokens >= 16 * (len(engine.tokenizer.encode(prefix)) // 16) - 16
         assert second.num_cached_tokens > 0 and stats["prefix_cache_hits"] == second.num_cached_tokens
-        uncached = Engine(mode="inproc", enable_prefix_caching=False)
+        uncached = Engine("builtin", mode="inproc", enable_prefix_caching=False)
         try:
             expected = uncached.generate(prefix + "Second one!", greedy(8))[0]
         finally:
@@ -216,10 +216,10 @@ def test_prefix_cache_hit_is_reused_and_counted(greedy):
 
 def test_chunked_prefill_gives_the_same_tokens(greedy):
     prompt = "Chunked prefill splits a long prompt over several steps. " * 3
-    with Engine(mode="inproc", max_num_batched_tokens=16) as chunked:
+    with Engine("builtin", mode="inproc", max_num_batched_tokens=16) as chunked:
         small = chunked.generate([prompt, "short"], greedy(10))
         steps = chunked.get_stats()["num_steps"]
-    with Engine(mode="inproc") as whole:
+    with Engine("builtin", mode="inproc") as whole:
         big = whole.generate([prompt, "short"], greedy(10))
     assert steps > len(prompt) // 16
     assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in big]
@@ -227,10 +227,10 @@ def test_chunked_prefill_gives_the_same_tokens(greedy):
 
 def test_preemption_recomputes_to_the_same_output(greedy):
     prompts = [f"Request number {i} asks for a long answer" for i in range(6)]
-    with Engine(mode="inproc", num_kv_blocks=24, block_size=16, max_model_len=256) as tight:
+    with Engine("builtin", mode="inproc", num_kv_blocks=24, block_size=16, max_model_len=256) as tight:
         squeezed = tight.generate(prompts, greedy(60))
         stats = tight.get_stats()
-    with Engine(mode="inproc") as roomy:
+    with Engine("builtin", mode="inproc") as roomy:
         expected = roomy.generate(prompts, greedy(60))
     assert stats["num_preemptions"] > 0
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
@@ -238,7 +238,7 @@ def test_preemption_recomputes_to_the_same_output(greedy):
 
 
 def test_max_model_len_ends_with_length(greedy):
-    with Engine(mode="inproc", max_model_len=32) as engine:
+    with Engine("builtin", mode="inproc", max_model_len=32) as engine:
         out = engine.generate("0123456789", greedy(100))[0]
         assert out.outputs[0].finish_reason == "length"
         assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 32

@@ -89,7 +89,7 @@ def run_until_fault(engine, operation, *, in_flight, inject):
 
 @pytest.fixture(scope="module", params=["mp", "async"])
 def engine(request):
-    with Engine(mode=request.param) as engine:
+    with Engine("builtin", mode=request.param) as engine:
         yield engine
 
 
@@ -120,7 +120,7 @@ EXECUTOR_FAILURE = r"engine core reported a fatal error(.|\n)*Executor failed(.|
 
 
 def test_executor_failure_fails_a_stream_and_a_pending_utility_call():
-    with Engine(mode="mp", fail_at_step=200) as engine:
+    with Engine("builtin", mode="mp", fail_at_step=200) as engine:
         pending = {}
 
         def wait_idle():
@@ -150,7 +150,7 @@ def test_executor_failure_fails_astream_and_a_pending_async_utility_call():
         with pytest.raises(EngineDeadError, match=EXECUTOR_FAILURE):
             await asyncio.wait_for(waiter, DEATH_DEADLINE_S)
 
-    with Engine(mode="async", fail_at_step=200) as engine:
+    with Engine("builtin", mode="async", fail_at_step=200) as engine:
         asyncio.run(scenario(engine))
         engine.restart(fail_at_step=None)
         assert engine.ping()

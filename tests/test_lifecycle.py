@@ -30,8 +30,8 @@ import pytest
 
 import process_support
 from enginekit import Engine, EngineShutdownError, SamplingParams
-from enginekit.runtime.launcher import Launcher
 from enginekit.diagnostics import ProcessSnapshot, snapshot, wait_until_clean
+from enginekit.runtime.launcher import Launcher
 
 MODES = ["inproc", "mp", "async"]
 OPTIONS = {"num_kv_blocks": 64}
@@ -50,13 +50,13 @@ def long_params(engine: Engine) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def expected_tokens() -> list[int]:
-    with Engine(mode="inproc", **OPTIONS) as engine:
+    with Engine("builtin", mode="inproc", **OPTIONS) as engine:
         return engine.generate("hello", SHORT)[0].outputs[0].token_ids
 
 
 def warm_baseline(mode: str) -> ProcessSnapshot:
     """Start and stop one engine first, so that one-time costs (imports, the launcher) are in the baseline."""
-    with Engine(mode=mode, **OPTIONS) as engine:
+    with Engine("builtin", mode=mode, **OPTIONS) as engine:
         engine.generate("warm up", SHORT)
     return snapshot()
 
@@ -108,7 +108,7 @@ def test_thirty_restarts_leak_nothing(mode, expected_tokens):
     baseline = warm_baseline(mode)
     if mode != "inproc":
         assert launcher_pid() in baseline.child_pids  # the one child a background engine leaves running
-    engine = Engine(mode=mode, **OPTIONS)
+    engine = Engine("builtin", mode=mode, **OPTIONS)
     pids = set()
     running = []
     for restart in range(NUM_RESTARTS):
@@ -134,7 +134,7 @@ def test_async_mode_restarts_on_a_loop_that_keeps_running(expected_tokens):
     # or the next engine, reusing the fd numbers, never hears from its socket.
     # NOTE: only awaits on the running loop here; a sync call would apply nest-asyncio to this process.
     async def restart_forever() -> None:
-        engine = Engine(mode="async", **OPTIONS)
+        engine = Engine("builtin", mode="async", **OPTIONS)
         for _ in range(NUM_RESTARTS):
             outputs = await asyncio.wait_for(engine.agenerate("hello", SHORT), 30)
             assert outputs[0].outputs[0].token_ids == expected_tokens
@@ -153,7 +153,7 @@ def test_async_mode_sync_calls_do_not_accumulate_event_loops():
         return sum(1 for obj in gc.get_objects() if issubclass(type(obj), asyncio.AbstractEventLoop))
 
     before = live_loops()  # earlier tests in this process may still hold a loop of their own
-    with Engine(mode="async", **OPTIONS) as engine:
+    with Engine("builtin", mode="async", **OPTIONS) as engine:
         for _ in range(20):
             engine.generate("hello", SHORT)
         assert live_loops() <= before + 1
@@ -168,7 +168,7 @@ def test_inproc_engine_leaves_the_gc_freeze_count_as_before():
         gc.freeze()  # a user heap that is partly frozen already: the engine must not change it
     try:
         before = gc.get_freeze_count()
-        with Engine(mode="inproc", **OPTIONS) as engine:
+        with Engine("builtin", mode="inproc", **OPTIONS) as engine:
             engine.generate("hello", SHORT)
         assert gc.get_freeze_count() == before
     finally:
@@ -184,7 +184,7 @@ def test_engine_installs_no_signal_handler_and_restores_the_previous_one(mode):
     previous = signal.signal(signal.SIGTERM, user_handler)  # not SIG_DFL: a restore to "default" shows
     try:
         before = signal_handlers()
-        engine = Engine(mode=mode, **OPTIONS)
+        engine = Engine("builtin", mode=mode, **OPTIONS)
         engine.generate("hello", SHORT)
         list(engine.stream("hello", SHORT))
         while_running = signal_handlers()
@@ -202,7 +202,7 @@ def test_engine_built_from_a_non_main_thread_works(mode, expected_tokens):
 
     def run() -> None:
         try:
-            with Engine(mode=mode, **OPTIONS) as engine:
+            with Engine("builtin", mode=mode, **OPTIONS) as engine:
                 result["generate"] = engine.generate("hello", SHORT)[0].outputs[0].token_ids
                 result["stream"] = list(engine.stream("hello", SHORT))[-1].outputs[0].token_ids
         except BaseException as error:
@@ -222,7 +222,7 @@ def test_engine_built_from_a_non_main_thread_works(mode, expected_tokens):
 
 @pytest.fixture(scope="module", params=MODES)
 def engine(request):
-    with Engine(mode=request.param, **OPTIONS) as engine:
+    with Engine("builtin", mode=request.param, **OPTIONS) as engine:
         yield engine
 
 
@@ -345,7 +345,7 @@ def front_end():
 @pytest.mark.parametrize("start_method", ["launcher", "spawn"])
 def test_engine_process_survives_sigint_to_the_front_ends_process_group(front_end, start_method):
     script = front_end(f"""
-        engine = Engine(mode="mp", num_kv_blocks=64, start_method={start_method!r})
+        engine = Engine("builtin", mode="mp", num_kv_blocks=64, start_method={start_method!r})
         pid = engine.engine_pid
         params = SamplingParams(max_tokens=engine.max_model_len - 16, temperature=0, ignore_eos=True)
         when(lambda: any(s.version for s in list(engine._router.processor.states.values())),
@@ -369,7 +369,7 @@ def test_engine_process_survives_sigint_to_the_front_ends_process_group(front_en
 @pytest.mark.parametrize("start_method", ["launcher", "spawn"])
 def test_engine_process_exits_when_its_front_end_is_killed(front_end, start_method):
     script = front_end(f"""
-        engine = Engine(mode="mp", num_kv_blocks=64, start_method={start_method!r})
+        engine = Engine("builtin", mode="mp", num_kv_blocks=64, start_method={start_method!r})
         engine.generate("hello", SamplingParams(max_tokens=4))
         print("pids", descendants(), flush=True)
         sys.stdin.read()
@@ -387,7 +387,7 @@ def test_engine_process_exits_when_its_front_end_is_killed_during_model_load(fro
             return any(getattr(obj, "phase", None) == "model load"
                        for obj in gc.get_objects() if type(obj) is EngineProcess)
         when(loading, lambda: print("loading", descendants(), flush=True))
-        Engine(mode="mp", num_kv_blocks=64, start_method={start_method!r}, debug_load_delay_s=30)
+        Engine("builtin", mode="mp", num_kv_blocks=64, start_method={start_method!r}, debug_load_delay_s=30)
         print("loaded: too late", flush=True)
     """)
     pids = [int(pid) for pid in script.expect("loading")]
@@ -398,7 +398,7 @@ def test_engine_process_exits_when_its_front_end_is_killed_during_model_load(fro
 
 def test_interpreter_exit_without_shutdown_releases_every_engine(front_end):
     script = front_end("""
-        engines = [Engine(mode=mode, num_kv_blocks=64) for mode in ("inproc", "mp", "async", "mp")]
+        engines = [Engine("builtin", mode=mode, num_kv_blocks=64) for mode in ("inproc", "mp", "async", "mp")]
         for engine in engines:
             engine.generate("bye", SamplingParams(max_tokens=4))
         print("pids", descendants(), flush=True)
@@ -440,7 +440,7 @@ def teardown_by_context_manager(engine: Engine) -> None:
 @pytest.mark.parametrize("teardown", [teardown_by_shutdown, teardown_by_context_manager])
 def test_teardown_releases_everything_and_reports_no_death(mode, teardown, engine_log):
     baseline = warm_baseline(mode)
-    engine = Engine(mode=mode, **OPTIONS)
+    engine = Engine("builtin", mode=mode, **OPTIONS)
     engine.generate("hello", SHORT)
     teardown(engine)
     assert not engine.is_running
@@ -453,7 +453,7 @@ def test_teardown_releases_everything_and_reports_no_death(mode, teardown, engin
 @pytest.mark.parametrize("mode", MODES)
 def test_del_engine_releases_everything(mode, engine_log):
     baseline = warm_baseline(mode)
-    engine = Engine(mode=mode, **OPTIONS)
+    engine = Engine("builtin", mode=mode, **OPTIONS)
     engine.generate("hello", SHORT)
     list(engine.stream("hello", SHORT))
     pid = engine.engine_pid

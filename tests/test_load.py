@@ -27,7 +27,7 @@ PARAMS = [SamplingParams(max_tokens=8 + 3 * (i % 11), temperature=0) for i in ra
 @pytest.fixture(scope="module")
 def engine():
     # 48 blocks of 16 tokens cannot hold 128 running requests: the scheduler preempts under this load.
-    with Engine(mode="mp", num_kv_blocks=48) as engine:
+    with Engine("builtin", mode="mp", num_kv_blocks=48) as engine:
         yield engine
 
 
@@ -99,7 +99,7 @@ def wait_until_stalled(process):
 
 
 def test_a_reader_that_stops_reading_stalls_the_engine_instead_of_growing_it():
-    with Engine(mode="mp") as engine:
+    with Engine("builtin", mode="mp") as engine:
         client = engine.client
         released = threading.Event()
         handle_frames = client._handle_frames
@@ -127,7 +127,9 @@ def test_a_reader_that_stops_reading_stalls_the_engine_instead_of_growing_it():
         # The output queue filled up to the bound, and never past it.
         assert queue["max_depth"] == queue["max_pending_outputs"] == 64
         time.sleep(0.5)
-        assert engine.call_utility("get_stats")["num_steps"] > steps_when_released  # it resumed with the reader
+        assert (
+            engine.call_utility("get_stats")["num_steps"] > steps_when_released
+        )  # it resumed with the reader
         engine.abort(engine.call_utility("get_request_ids"))
         generation.join(30)
         assert not generation.is_alive()

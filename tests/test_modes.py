@@ -30,19 +30,23 @@ def run_workload(engine):
         "async": asyncio.run(engine.agenerate(PROMPTS[1:3], greedy)),
     }
     return {
-        key: [(o.outputs[0].token_ids, o.text, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outs]
+        key: [
+            (o.outputs[0].token_ids, o.text, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outs
+        ]
         for key, outs in results.items()
     }
 
 
 def without_logprob_values(results):
-    return {key: [(*out[:3], [sorted(e) for e in out[3] or []]) for out in outs] for key, outs in results.items()}
+    return {
+        key: [(*out[:3], [sorted(e) for e in out[3] or []]) for out in outs] for key, outs in results.items()
+    }
 
 
 def test_same_tokens_and_text_in_every_mode():
     results = {}
     for mode in MODES:
-        with Engine(mode=mode) as engine:
+        with Engine("builtin", mode=mode) as engine:
             results[mode] = run_workload(engine)
     # Tokens, text and which tokens got logprobs are identical; the values themselves may differ in the last
     # bits, because the engine process and this one run torch with different thread counts by default.
@@ -58,7 +62,7 @@ def test_same_tokens_and_text_in_every_mode():
 
 @pytest.fixture(scope="module", params=["mp", "async"])
 def engine(request):
-    with Engine(mode=request.param) as engine:
+    with Engine("builtin", mode=request.param) as engine:
         yield engine
 
 
@@ -121,7 +125,7 @@ def test_utility_timeout(engine):
 
 
 def test_prompt_embeds_cross_the_process_boundary(engine):
-    with Engine(mode="inproc") as local:
+    with Engine("builtin", mode="inproc") as local:
         ids = local.tokenizer.encode("Embeddings travel as tensor frames")
         weight = local.client.core.runner.model.embed_tokens.weight
         embeds = weight[torch.tensor(ids)].clone()
@@ -136,11 +140,11 @@ def test_wakeup_does_nothing(engine):
 
 
 def test_ipc_sockets_in_a_private_directory_removed_on_shutdown():
-    engine = Engine(mode="mp")
+    engine = Engine("builtin", mode="mp")
     run_dir = engine.client.process.run_dir
     assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
     assert sorted(os.listdir(run_dir)) == ["input.sock", "output.sock"]
-    other = Engine(mode="mp")
+    other = Engine("builtin", mode="mp")
     assert other.client.process.run_dir != run_dir
     other.shutdown()
     engine.shutdown()
@@ -148,7 +152,7 @@ def test_ipc_sockets_in_a_private_directory_removed_on_shutdown():
 
 
 def test_calls_after_shutdown_raise_shutdown_error():
-    engine = Engine(mode="mp")
+    engine = Engine("builtin", mode="mp")
     engine.shutdown()
     engine.shutdown()  # idempotent
     with pytest.raises(EngineShutdownError, match=r"call engine.restart\(\)"):
@@ -160,7 +164,7 @@ def test_calls_after_shutdown_raise_shutdown_error():
 
 @pytest.mark.parametrize("mode", ["mp", "async"])
 def test_injected_executor_failure_is_an_engine_death(mode):
-    engine = Engine(mode=mode, fail_at_step=3)
+    engine = Engine("builtin", mode=mode, fail_at_step=3)
     try:
         with pytest.raises(EngineDeadError, match=r"fatal error.*exited with code 1") as info:
             engine.generate("die", SamplingParams(max_tokens=20))
@@ -194,7 +198,7 @@ def add(client, request_id, max_tokens):
 
 
 def test_shutdown_with_timeout_zero_aborts_every_request():
-    client = SyncMPClient(EngineConfig())
+    client = SyncMPClient(EngineConfig(model="builtin"))
     try:
         for i in range(3):
             add(client, f"r{i}", 10_000)
@@ -208,7 +212,7 @@ def test_shutdown_with_timeout_zero_aborts_every_request():
 
 
 def test_shutdown_with_timeout_drains_and_rejects_new_work():
-    client = SyncMPClient(EngineConfig())
+    client = SyncMPClient(EngineConfig(model="builtin"))
     try:
         add(client, "running", 30)
         client.get_output(timeout=30)
@@ -236,7 +240,7 @@ def test_a_slow_stream_consumer_still_gets_the_final_output(mode):
             await asyncio.sleep(0.02)  # the request finishes while the consumer holds a snapshot
         return last
 
-    with Engine(mode=mode) as engine:
+    with Engine("builtin", mode=mode) as engine:
         last = asyncio.run(consume(engine))
         streamed = list(engine.stream("slow consumer", SamplingParams(max_tokens=12, temperature=0)))
     assert last.finished and len(last.outputs[0].token_ids) == 12
@@ -252,7 +256,7 @@ def test_many_concurrent_agenerate_calls_all_finish(mode):
 
         return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(48)]), 120)
 
-    with Engine(mode=mode) as engine:
+    with Engine("builtin", mode=mode) as engine:
         results = asyncio.run(many(engine))
         alone = engine.generate("prompt 7", SamplingParams(max_tokens=6, temperature=0))[0]
     assert all(r[0].finished and len(r[0].outputs[0].token_ids) == 6 for r in results)
@@ -263,8 +267,8 @@ def test_sync_streams_in_async_mode_never_lose_a_token():
     # Outside a loop each chunk of a sync stream runs on a fresh asyncio.run, which cancels the output task
     # at its end: a cancelled receive must never drop a message it had already taken off the socket.
     params = SamplingParams(max_tokens=12, temperature=0)
-    with Engine(mode="inproc") as engine:
+    with Engine("builtin", mode="inproc") as engine:
         expected = engine.generate(PROMPTS[0], params)[0].outputs[0].token_ids
-    with Engine(mode="async") as engine:
+    with Engine("builtin", mode="async") as engine:
         for _ in range(40):
             assert list(engine.stream(PROMPTS[0], params))[-1].outputs[0].token_ids == expected

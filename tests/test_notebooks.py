@@ -104,18 +104,18 @@ params = SamplingParams(max_tokens=4, temperature=0.0)
 prompts = [f"p{i}" for i in range(16)]
 print(in_jupyter())""",
     "quiet_engine": """\
-engine = Engine(num_kv_blocks=64)
+engine = Engine("builtin", num_kv_blocks=64)
 engine.generate(prompts, params, progress=False)
 engine.shutdown()""",
     "dying_engine": """\
-engine = Engine(num_kv_blocks=64, fail_at_step=2)
+engine = Engine("builtin", num_kv_blocks=64, fail_at_step=2)
 try:
     engine.generate("hi", SamplingParams(max_tokens=8))
 except EngineDeadError:
     pass
 engine.shutdown()""",
     "progress_bar": """\
-engine = Engine(mode="inproc", num_kv_blocks=64)
+engine = Engine("builtin", mode="inproc", num_kv_blocks=64)
 _ = engine.generate(prompts, params)""",
     "no_progress_bar": """\
 _ = engine.generate(prompts, params, progress=False)""",
@@ -129,7 +129,7 @@ _ = engine.generate(prompts[:2], params, viewer=viewer)
 engine.shutdown()
 print(viewer.kind)""",
     "verbose_engine": """\
-loud = Engine(num_kv_blocks=64, log_level="info")
+loud = Engine("builtin", num_kv_blocks=64, log_level="info")
 loud.generate("hi", params)
 loud.shutdown()""",
 }

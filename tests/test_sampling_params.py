@@ -27,9 +27,21 @@ BAD_VALUES = [
     ({"stop_token_ids": [1.0]}, TypeError, r"SamplingParams.stop_token_ids must be a list of integers"),
     ({"ignore_eos": "no"}, TypeError, r"SamplingParams.ignore_eos must be True or False, got 'no' \(str\)"),
     ({"logprobs": 50}, ValueError, r"SamplingParams.logprobs must be in \[0, 20\], got 50"),
-    ({"min_tokens": 9, "max_tokens": 4}, ValueError, r"SamplingParams.min_tokens must be in \[0, max_tokens=4\]"),
-    ({"temprature": 0}, TypeError, r"SamplingParams got an unknown option 'temprature'; did you mean 'temperature'\?"),
-    ({"frobnicate": 1}, TypeError, r"SamplingParams got an unknown option 'frobnicate'\. Its options are: max_tokens"),
+    (
+        {"min_tokens": 9, "max_tokens": 4},
+        ValueError,
+        r"SamplingParams.min_tokens must be in \[0, max_tokens=4\]",
+    ),
+    (
+        {"temprature": 0},
+        TypeError,
+        r"SamplingParams got an unknown option 'temprature'; did you mean 'temperature'\?",
+    ),
+    (
+        {"frobnicate": 1},
+        TypeError,
+        r"SamplingParams got an unknown option 'frobnicate'\. Its options are: max_tokens",
+    ),
 ]
 
 

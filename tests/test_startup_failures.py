@@ -14,11 +14,11 @@ import time
 import pytest
 
 from enginekit import Engine, EngineStartupError
-from enginekit.runtime.engine_process import EngineProcess
-from enginekit.runtime.launcher import Launcher, LauncherError
 from enginekit.client import SyncMPClient
 from enginekit.config import EngineConfig
 from enginekit.diagnostics import snapshot, wait_until_clean
+from enginekit.runtime.engine_process import EngineProcess
+from enginekit.runtime.launcher import Launcher, LauncherError
 from hf_checkpoints import build_checkpoint, corrupt_safetensors
 
 
@@ -41,7 +41,10 @@ def test_missing_model_folder_fails_before_any_process_starts(baseline, tmp_path
     started = []
     monkeypatch.setattr(EngineProcess, "start", lambda process, args: started.append(process))
     missing = tmp_path / "no-such-model"
-    with pytest.raises(EngineStartupError, match=r"model folder .*no-such-model' does not exist") as info:
+    with pytest.raises(
+        EngineStartupError,
+        match=r"model '.*no-such-model' is not a local folder or file, and enginekit never downloads",
+    ) as info:
         Engine(str(missing), mode="mp")
     assert info.value.phase == "model load"
     assert started == []
@@ -53,8 +56,8 @@ def test_model_folder_missing_in_the_engine_process(baseline, tmp_path):
     with pytest.raises(EngineStartupError, match=r"failed during model load: .* exited with code 1") as info:
         SyncMPClient(EngineConfig(model=str(missing)))
     assert info.value.phase == "model load"
-    assert "gone' does not exist" in info.value.error_tail
-    assert "gone' does not exist" in str(info.value)
+    assert "gone' is not a local folder or file" in info.value.error_tail
+    assert str(info.value).startswith("enginekit.errors.EngineStartupError: model '")  # the cause leads
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -92,7 +95,7 @@ def test_engine_process_crashing_during_load(baseline, monkeypatch):
     crasher = threading.Thread(target=crash_while_loading)
     crasher.start()
     with pytest.raises(EngineStartupError, match=r"failed during model load: .* killed by SIGSEGV") as info:
-        Engine(mode="mp", debug_load_delay_s=60)
+        Engine("builtin", mode="mp", debug_load_delay_s=60)
     crasher.join()
     assert info.value.phase == "model load"
     assert "Fatal Python error: Segmentation fault" in info.value.error_tail
@@ -103,7 +106,7 @@ def test_engine_process_hanging_past_the_startup_deadline(baseline):
         EngineStartupError,
         match=r"did not report READY within startup_timeout=1\.0s \(stuck in model load\); .* was killed",
     ) as info:
-        Engine(mode="mp", debug_load_delay_s=60, startup_timeout=1.0)
+        Engine("builtin", mode="mp", debug_load_delay_s=60, startup_timeout=1.0)
     assert info.value.phase == "model load"
 
 
@@ -115,5 +118,5 @@ def test_launcher_that_cannot_fork(baseline, monkeypatch):
     with pytest.raises(
         EngineStartupError, match=r"cannot start the engine process: .*could not fork"
     ) as info:
-        Engine(mode="mp")
+        Engine("builtin", mode="mp")
     assert info.value.phase == "spawn"

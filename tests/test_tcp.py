@@ -30,14 +30,14 @@ ROGUE_WAIT_MS = 500
 
 @pytest.fixture(scope="module")
 def reference():
-    with Engine(mode="mp") as engine:  # private IPC sockets
+    with Engine("builtin", mode="mp") as engine:  # private IPC sockets
         long = engine.generate(PROMPTS[1], LONG)[0].outputs[0].token_ids
         return [out.outputs[0].token_ids for out in engine.generate(PROMPTS, GREEDY)], long
 
 
 @pytest.fixture(scope="module")
 def tcp_engine():
-    with Engine(mode="mp", address="tcp://127.0.0.1:0") as engine:
+    with Engine("builtin", mode="mp", address="tcp://127.0.0.1:0") as engine:
         yield engine
 
 
@@ -68,7 +68,7 @@ def test_tcp_mode_serves_like_ipc(tcp_engine, reference):
 
 
 def test_an_address_without_host_binds_loopback_only():
-    with Engine(mode="mp", address="tcp://:0") as engine:
+    with Engine("builtin", mode="mp", address="tcp://:0") as engine:
         ports = {port_of(engine.client.sockets.input_address), port_of(engine.client.sockets.output_address)}
         hosts = listening_hosts(ports)
         assert hosts and all(ipaddress.ip_address(host).is_loopback for host in hosts), hosts

@@ -38,5 +38,5 @@ def test_requests_left_running_are_cleaned_after_a_test(pytester):
 
 def test_enginekit_mode_env_makes_every_engine_inprocess(monkeypatch):
     monkeypatch.setenv("ENGINEKIT_MODE", "inproc")
-    with Engine() as engine:
+    with Engine("builtin") as engine:
         assert engine.mode == "inproc" and engine.engine_pid == os.getpid()

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 from enginekit import Engine, EngineShutdownError
-from enginekit.wire.messages import EngineCoreOutput, FinishReason
 from enginekit.notebook import GenerationHandle, Viewer, in_jupyter, text_view
 from enginekit.notebook import viewer as viewer_module
 from enginekit.output_processor import RequestState
+from enginekit.wire.messages import EngineCoreOutput, FinishReason
 
 STATS = {
     "num_running_requests": 3,
@@ -80,7 +80,7 @@ def _count_changes(widget, counts: dict, key: object) -> None:
 
 @pytest.fixture
 def async_engine() -> Iterator[Engine]:
-    engine = Engine(mode="async", num_kv_blocks=128)
+    engine = Engine("builtin", mode="async", num_kv_blocks=128)
     yield engine
     engine.shutdown()
 
@@ -302,7 +302,9 @@ def test_async_mode_viewer_gets_stats_without_blocking_or_reentering_a_loop(
 
     monkeypatch.setattr(async_engine, "call_utility", call_utility)
     monkeypatch.setattr(
-        async_engine, "acall_utility", lambda *args, **kw: async_calls.append(args) or real_acall_utility(*args, **kw)
+        async_engine,
+        "acall_utility",
+        lambda *args, **kw: async_calls.append(args) or real_acall_utility(*args, **kw),
     )
     prompts = [f"p{i}" for i in range(4)]
 

@@ -114,7 +114,7 @@ def target():
     level = logger.level
     logger.setLevel(logging.DEBUG)
     logger.addHandler(log)
-    engine = Engine(mode="mp")
+    engine = Engine("builtin", mode="mp")
     try:
         target = Target(engine, log)
         # A long request runs while the fuzzers attack; the last test checks that nothing disturbed it.
@@ -197,7 +197,12 @@ def wrong_field_types(draw):
     fields = msgspec.msgpack.decode(VALID[tag][0])
     path = [draw(st.integers(1, len(fields)))]  # one past the end appends an extra field
     target = fields
-    if path[0] < len(fields) and isinstance(fields[path[0]], list) and fields[path[0]] and draw(st.booleans()):
+    if (
+        path[0] < len(fields)
+        and isinstance(fields[path[0]], list)
+        and fields[path[0]]
+        and draw(st.booleans())
+    ):
         target = fields[path[0]]  # a nested field (sampling params, token ids, request ids)
         path.append(draw(st.integers(0, len(target) - 1)))
     value = draw(msgspec_values_not_like(target[path[-1]] if path[-1] < len(target) else None))
@@ -290,7 +295,12 @@ def test_adds_that_cannot_be_decoded_are_answered_under_their_id(target):
     # Bad sampling values, as the facade would refuse them: the engine refuses them under the request's id.
     fields = msgspec.msgpack.decode(VALID["add"][0])
     messages = []
-    for index, value in ((3, 2.0), (1, True), (7, "no"), (0, True)):  # top_k, temperature, ignore_eos, max_tokens
+    for index, value in (
+        (3, 2.0),
+        (1, True),
+        (7, "no"),
+        (0, True),
+    ):  # top_k, temperature, ignore_eos, max_tokens
         bad = [*fields[:3], list(fields[3]), *fields[4:]]
         bad[3][index] = value
         bad[1] = f"bad-params-{index}"

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
@@ -20,13 +17,14 @@ from enginekit.notebook import GenerationHandle, start_background, watcher_for
 from enginekit.output_processor import RequestState
 from enginekit.output_router import OutputRouter
 from enginekit.outputs import RequestOutput
-from enginekit.prompts import normalize_params, normalize_prompts, prepare_request
+from enginekit.prompts import RequestBuilder
 from enginekit.runtime import exit_hooks
 from enginekit.sampling_params import SamplingParams
 
 __all__ = ["Engine"]
 
 logger = logging.getLogger("enginekit")
+Params = SamplingParams | list[SamplingParams] | None
 
 
 class Engine:
@@ -35,18 +33,19 @@ class Engine:
     Parameters
     ----------
     model
-        A local Hugging Face checkpoint folder, or ``None`` for the built-in tiny model.
+        ``None`` for the default model (SmolLM2-135M-Instruct), a local Hugging Face folder, a ``.gguf`` file,
+        or a model name: ``"smollm2-135m-instruct"``, ``"builtin"`` (a tiny random model for fast tests).
     mode
         ``"inproc"`` (this process), ``"mp"`` (a background process; the default) or ``"async"`` (a
         background process driven from the caller's asyncio loop). ``None`` reads ``ENGINEKIT_MODE``.
     **options
         Engine options, see :class:`enginekit.EngineConfig` (e.g. ``max_model_len``, ``num_kv_blocks``,
-        ``max_num_seqs``). An unknown option raises ``TypeError`` naming the closest valid one.
+        ``dtype``). An unknown option raises ``TypeError`` naming the closest valid one.
 
     Examples
     --------
-    >>> with Engine(mode="inproc") as engine:
-    ...     out = engine.generate("Hello", SamplingParams(max_tokens=8, temperature=0))
+    >>> with Engine() as engine:
+    ...     print(engine.chat([{"role": "user", "content": "Hi!"}])[0].text)
     """
 
     def __init__(self, model: str | None = None, *, mode: EngineMode | None = None, **options: Any) -> None:
@@ -54,8 +53,6 @@ class Engine:
         self.mode: EngineMode = resolve_mode(mode)
         self._spec: ModelSpec | None = None
         self._client: EngineCoreClient | None = None
-        self._request_counter = itertools.count()
-        self._id_prefix = uuid.uuid4().hex[:6]
         self._start()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -67,7 +64,9 @@ class Engine:
         self._router = OutputRouter(self._client)
         self.max_model_len = self._client.max_model_len
         config = self._spec.config
-        self._limits = RequestLimits(config.vocab_size, config.hidden_size, self.max_model_len)
+        self._requests = RequestBuilder(
+            self._spec, RequestLimits(config.vocab_size, config.hidden_size, self.max_model_len)
+        )
         exit_hooks.register(self)
         logger.info("engine started: mode=%s pid=%s", self.mode, self._client.engine_pid)
 
@@ -89,7 +88,7 @@ class Engine:
         return self._client
 
     def get_tokenizer(self) -> Tokenizer:
-        """The tokenizer the engine encodes prompts with (``encode(text)``, ``decode(ids)``)."""
+        """The tokenizer prompts are encoded with: ``encode(text)`` and ``decode(token_ids)``."""
         assert self._spec is not None
         return self._spec.tokenizer
 
@@ -132,34 +131,20 @@ class Engine:
 
     def __repr__(self) -> str:
         state = "running" if self.is_running else "stopped"
-        return f"Engine(mode={self.mode!r}, model={self.config.model or 'builtin'!r}, {state}, pid={self.engine_pid})"
+        return f"Engine(mode={self.mode!r}, model={self.config.model!r}, {state}, pid={self.engine_pid})"
 
     # ---- requests -----------------------------------------------------------------------------------
     def _submit(self, prompts: Any, params: Any, *, single: str = "") -> list[RequestState]:
-        """Validate every prompt, then send them all; nothing is sent if one is bad."""
-        items = normalize_prompts(prompts)
-        if single and len(items) != 1:
-            raise ValueError(f"{single} takes one prompt; use generate for a batch")
-        all_params = normalize_params(params, len(items))
-        client, tokenizer, now = self.client, self.get_tokenizer(), time.time()
-        requests = []
-        for item, item_params in zip(items, all_params):
-            request_id = f"{self._id_prefix}-{next(self._request_counter)}"
-            requests.append(prepare_request(item, item_params, request_id, tokenizer, self._limits, now))
-        states = []
+        """Build and check every request, then send them all; nothing is sent if one is bad."""
+        requests, client, states = self._requests.build(prompts, params, single=single), self.client, []
         try:
             for request, text in requests:
-                state = RequestState(
-                    request.request_id,
-                    text,
-                    request.prompt_token_ids,
-                    request.sampling_params.logprobs is not None,
-                )
-                self._router.track(state)
-                states.append(state)
+                want_logprobs = request.sampling_params.logprobs is not None
+                states.append(RequestState(request.request_id, text, request.prompt_token_ids, want_logprobs))
+                self._router.track(states[-1])
                 client.add_request(request)
         except BaseException:
-            self._abort(states)
+            self._router.abort_unfinished(states)
             raise
         return states
 
@@ -170,129 +155,116 @@ class Engine:
             raise TypeError(f"request_id must be a string or a list of strings, got {request_id!r}")
         self.client.abort_requests(ids)
 
-    def _abort(self, states: list[RequestState]) -> None:
-        """Forget and abort this call's unfinished requests (it was interrupted, cancelled or left early)."""
-        ids = self._router.forget(states)
-        if ids and self._client is not None and self._client.is_alive:
-            try:
-                self._client.abort_requests(ids)
-            except Exception:
-                logger.debug("abort after interrupt failed", exc_info=True)
-
     def generate(
-        self,
-        prompts: Any,
-        params: SamplingParams | list[SamplingParams] | None = None,
-        *,
-        progress: bool | None = None,
-        viewer: Any = None,
+        self, prompts: Any, params: Params = None, *, progress: bool | None = None, viewer: Any = None
     ) -> list[RequestOutput]:
         """Generate for one prompt or a batch; returns one finished ``RequestOutput`` per prompt, in order.
 
-        Parameters
-        ----------
-        prompts
-            A string, a list of strings, a list of token ids, a list of token-id lists, or dicts with one
-            of ``"prompt"``, ``"prompt_token_ids"``, ``"prompt_embeds"`` (a ``[num_tokens, hidden]`` tensor).
-        params
-            One ``SamplingParams`` for all prompts, or one per prompt.
-        progress
-            Show a progress bar; ``None`` shows one for batches of 16 or more prompts.
-        viewer
-            ``True`` or a ``Viewer`` to watch the requests live (a widget in Jupyter, text elsewhere).
-
-        Raises ``KeyboardInterrupt`` after aborting this call's requests when interrupted.
+        ``prompts``: a string, token ids, or a dict with one of ``"prompt"``, ``"prompt_token_ids"``,
+        ``"prompt_embeds"`` (a ``[num_tokens, hidden]`` tensor); or a list of these. ``params``: one
+        ``SamplingParams`` for all, or one per prompt. ``progress``: a progress bar (``None``: for 16 prompts or
+        more). ``viewer``: ``True`` or a ``Viewer`` to watch live. Interrupted, it aborts its requests.
         """
         attach_watcher = watcher_for(progress, viewer)
         states = self._submit(prompts, params)
-        watcher = attach_watcher(self, [s.output for s in states])
-        try:
-            self._router.wait(states, watcher)
-        except BaseException:
-            self._abort(states)
-            raise
-        finally:
-            watcher.close()
-        return [state.output for state in states]
+        return self._router.collect(states, attach_watcher(self, [s.output for s in states]))
 
     def stream(self, prompt: Any, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's cumulative ``RequestOutput`` each time new text arrives; the last is finished.
 
         Leaving the loop early (``break``, an exception, ``KeyboardInterrupt``) aborts the request.
         """
-        (state,) = self._submit(prompt, params, single="stream")
-        seen = 0
-        try:
-            while True:
-                self._router.wait_update(state, seen)
-                seen = state.version
-                snapshot = state.snapshot()
-                yield snapshot
-                if snapshot.finished:  # NOTE: not state.finished, which may have changed while we yielded
-                    return
-        finally:
-            if not state.finished:
-                self._abort([state])
+        return self._router.stream(*self._submit(prompt, params, single="stream"))
 
     def agenerate(
-        self,
-        prompts: Any,
-        params: SamplingParams | list[SamplingParams] | None = None,
-        *,
-        progress: bool | None = None,
-        viewer: Any = None,
+        self, prompts: Any, params: Params = None, *, progress: bool | None = None, viewer: Any = None
     ) -> Coroutine[Any, Any, list[RequestOutput]]:
-        """Async ``generate``: submits now, and returns a coroutine to await for the outputs (any mode).
+        """Async ``generate``: submits now (bad prompts raise here) and returns a coroutine to await (any mode).
 
-        Bad prompts raise here, before anything is sent. Cancelling the awaiting task aborts the requests.
+        Cancelling the task that awaits it aborts the requests.
         """
         attach_watcher = watcher_for(progress, viewer)
         states = self._submit(prompts, params)
-        return self._collect(states, attach_watcher(self, [s.output for s in states]))
+        return self._router.collect_async(states, attach_watcher(self, [s.output for s in states]))
 
-    async def _collect(self, states: list[RequestState], watcher: Any) -> list[RequestOutput]:
-        try:
-            await self._router.wait_async(states, watcher)
-        except BaseException:
-            self._abort(states)
-            raise
-        finally:
-            watcher.close()
-        return [state.output for state in states]
-
-    async def astream(
-        self, prompt: Any, params: SamplingParams | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    def astream(self, prompt: Any, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Async ``stream``: yields cumulative outputs as tokens arrive; cancelling aborts the request."""
-        (state,) = self._submit(prompt, params, single="astream")
-        seen = 0
-        try:
-            while True:
-                await self._router.wait_update_async(state, seen)
-                seen = state.version
-                snapshot = state.snapshot()
-                yield snapshot
-                if snapshot.finished:
-                    return
-        finally:
-            if not state.finished:
-                self._abort([state])
+        return self._router.stream_async(*self._submit(prompt, params, single="astream"))
 
     def generate_background(
-        self,
-        prompts: Any,
-        params: SamplingParams | list[SamplingParams] | None = None,
-        *,
-        progress: bool | None = None,
-        viewer: Any = None,
+        self, prompts: Any, params: Params = None, *, progress: bool | None = None, viewer: Any = None
     ) -> GenerationHandle:
-        """Start generating on this thread's running asyncio loop and return a handle at once.
+        """Start generating on this thread's running asyncio loop (mode ``"async"``); returns a handle at once.
 
-        In a notebook the cell returns immediately; the kernel's loop runs the generation between and during
-        later cells, and a viewer keeps updating. ``await handle`` (or ``handle.result()``) gives one finished
-        ``RequestOutput`` per prompt; ``handle.cancel()`` aborts. See ``enginekit.notebook.GenerationHandle``.
+        In a notebook the cell returns; the kernel's loop runs the generation during later cells. ``await
+        handle`` (or ``handle.result()``) gives the outputs; ``handle.cancel()`` aborts. See ``GenerationHandle``.
         """
         return start_background(self, prompts, params, progress=progress, viewer=viewer)
+
+    # ---- chat: a conversation (or a list of them) rendered with the model's chat template ----------------
+    def chat(
+        self,
+        messages: Any,
+        params: Params = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        progress: bool | None = None,
+        viewer: Any = None,
+    ) -> list[RequestOutput]:
+        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) or a list of them, like vLLM's ``LLM.chat``.
+
+        The model's chat template renders it (or ``chat_template``, Jinja source); generation stops at the
+        template's end-of-turn token. Raises ``ValueError`` if the model has no template and none is given.
+        """
+        prompts, params = self._requests.chat(
+            messages, params, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+        )
+        return self.generate(prompts, params, progress=progress, viewer=viewer)
+
+    def achat(
+        self,
+        messages: Any,
+        params: Params = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        progress: bool | None = None,
+        viewer: Any = None,
+    ) -> Coroutine[Any, Any, list[RequestOutput]]:
+        """Async ``chat``, as ``agenerate`` is to ``generate``."""
+        prompts, params = self._requests.chat(
+            messages, params, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+        )
+        return self.agenerate(prompts, params, progress=progress, viewer=viewer)
+
+    def stream_chat(
+        self,
+        messages: Any,
+        params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> Iterator[RequestOutput]:
+        """Streaming ``chat`` of one conversation, as ``stream`` is to ``generate``."""
+        prompts, (params,) = self._requests.chat(
+            messages, params, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+        )
+        return self.stream(prompts, params)
+
+    def astream_chat(
+        self,
+        messages: Any,
+        params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Async streaming ``chat`` of one conversation, as ``astream`` is to ``generate``."""
+        prompts, (params,) = self._requests.chat(
+            messages, params, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+        )
+        return self.astream(prompts, params)
 
     # ---- utilities ----------------------------------------------------------------------------------
     def call_utility(self, method_name: str, *args: Any, timeout: float | None = 30.0) -> Any:
@@ -311,9 +283,7 @@ class Engine:
 
     def get_stats(self) -> dict[str, Any]:
         """Engine statistics: running and waiting requests, KV-cache usage, prefix-cache hit rate, ..."""
-        stats = self.call_utility("get_stats")
-        stats.update(mode=self.mode, engine_pid=self.engine_pid)
-        return stats
+        return {**self.call_utility("get_stats"), "mode": self.mode, "engine_pid": self.engine_pid}
 
     def ping(self) -> bool:
         """A cheap liveness check through the whole request path."""

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, Protocol
 
 from enginekit.client.base import EngineCoreClient
 from enginekit.errors import EngineError
 from enginekit.output_processor import OutputProcessor, RequestState
+from enginekit.outputs import RequestOutput
+
+logger = logging.getLogger("enginekit")
 
 _POLL_S = 0.05  # how long a blocking wait sleeps before it re-checks its own request
 
@@ -65,6 +69,64 @@ class OutputRouter:
                 return False
             self.processor.process(batch)
             return True
+
+    def abort_unfinished(self, states: list[RequestState]) -> None:
+        """Forget and abort a call's unfinished requests (it was interrupted, cancelled or left early)."""
+        ids = self.forget(states)
+        if ids and self.client.is_alive:
+            try:
+                self.client.abort_requests(ids)
+            except Exception:
+                logger.debug("abort after interrupt failed", exc_info=True)
+
+    # ---- what the facade's calls wait with ----------------------------------------------------------
+    def collect(self, states: list[RequestState], watcher: Watcher) -> list[RequestOutput]:
+        """Until every request has ended; their final outputs. Interrupted, it aborts them."""
+        try:
+            self.wait(states, watcher)
+        except BaseException:
+            self.abort_unfinished(states)
+            raise
+        finally:
+            watcher.close()
+        return [state.output for state in states]
+
+    async def collect_async(self, states: list[RequestState], watcher: Watcher) -> list[RequestOutput]:
+        try:
+            await self.wait_async(states, watcher)
+        except BaseException:
+            self.abort_unfinished(states)
+            raise
+        finally:
+            watcher.close()
+        return [state.output for state in states]
+
+    def stream(self, state: RequestState) -> Iterator[RequestOutput]:
+        """A snapshot of the output at each update; the last one is finished. Left early, it aborts."""
+        seen = 0
+        try:
+            while True:
+                self.wait_update(state, seen)
+                seen, snapshot = state.version, state.snapshot()
+                yield snapshot
+                if snapshot.finished:  # NOTE: not state.finished, which may have changed while we yielded
+                    return
+        finally:
+            if not state.finished:
+                self.abort_unfinished([state])
+
+    async def stream_async(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+        seen = 0
+        try:
+            while True:
+                await self.wait_update_async(state, seen)
+                seen, snapshot = state.version, state.snapshot()
+                yield snapshot
+                if snapshot.finished:
+                    return
+        finally:
+            if not state.finished:
+                self.abort_unfinished([state])
 
     # ---- blocking waits -----------------------------------------------------------------------------
     def wait(self, states: list[RequestState], watcher: Watcher | None = None) -> None:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+import time
+import uuid
 from typing import Any
 
+import msgspec
 import torch
 
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
+from enginekit.model.chat_template import ChatTemplate
+from enginekit.model.loader import ModelSpec
 from enginekit.model.tokenizer import Tokenizer
 from enginekit.sampling_params import SamplingParams
 from enginekit.wire.messages import EngineCoreRequest
@@ -80,18 +86,21 @@ def _text(text: Any, tokenizer: Tokenizer) -> tuple[str, list[int], None]:
 def _from_dict(
     prompt: dict[str, Any], tokenizer: Tokenizer, hidden_size: int
 ) -> tuple[str | None, list[int], Any]:
-    keys = set(prompt)
+    keys = set(prompt) - ({"prompt"} if "prompt_token_ids" in prompt else set())
     if len(keys) != 1 or not keys <= {"prompt", "prompt_token_ids", "prompt_embeds"}:
         raise ValueError(
             "a dict prompt needs exactly one of 'prompt', 'prompt_token_ids' or 'prompt_embeds', "
-            f"got {sorted(map(str, keys))}"
+            f"got {sorted(map(str, prompt))}"
         )
+    if "prompt_token_ids" in prompt:  # with an optional "prompt": the text the ids stand for, for display
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else None, _token_ids(prompt["prompt_token_ids"]), None
     if "prompt" in prompt:
         return _text(prompt["prompt"], tokenizer)
-    if "prompt_token_ids" in prompt:
-        return None, _token_ids(prompt["prompt_token_ids"]), None
     embeds = prompt["prompt_embeds"]
-    check_prompt_embeds(embeds, hidden_size)
+    if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2:
+        check_prompt_embeds(embeds, hidden_size)  # raises: without rows there are no tokens to count
+    # The rest (width, dtype) is checked with the request, as the engine checks it.
     # NOTE: a copy, so that the caller changing its tensor after submission cannot change the request.
     embeds = embeds.detach().to("cpu", copy=True).contiguous()
     return None, [0] * embeds.shape[0], embeds
@@ -105,3 +114,75 @@ def _token_ids(ids: Any) -> list[int]:
         if not isinstance(token, int) or isinstance(token, bool):
             raise TypeError(f"token ids must be integers, got {token!r} ({type(token).__name__})")
     return ids
+
+
+class RequestBuilder:
+    """Makes the engine requests of one engine's calls: ids, tokenization, the same checks the engine runs."""
+
+    def __init__(self, spec: ModelSpec, limits: RequestLimits) -> None:
+        self.spec = spec
+        self.limits = limits
+        self._prefix = uuid.uuid4().hex[:6]
+        self._counter = itertools.count()
+
+    def build(
+        self, prompts: Any, params: Any, *, single: str = ""
+    ) -> list[tuple[EngineCoreRequest, str | None]]:
+        """One checked request per prompt (``single`` names a method that takes exactly one)."""
+        items = normalize_prompts(prompts)
+        if single and len(items) != 1:
+            raise ValueError(f"{single} takes one prompt; use generate for a batch")
+        all_params = normalize_params(params, len(items))
+        tokenizer, now = self.spec.tokenizer, time.time()
+        return [
+            prepare_request(
+                item, item_params, f"{self._prefix}-{next(self._counter)}", tokenizer, self.limits, now
+            )
+            for item, item_params in zip(items, all_params)
+        ]
+
+    def chat(
+        self, conversations: Any, params: Any, *, chat_template: str | None, add_generation_prompt: bool
+    ) -> tuple[list[dict[str, Any]], Any]:
+        """The prompts and params ``generate`` needs for a conversation or a list of them."""
+        template = self._template(chat_template)
+        batch = conversations if _is_batch(conversations) else [conversations]
+        prompts = []
+        for conversation in batch:
+            text = template.render(conversation, add_generation_prompt=add_generation_prompt)
+            # NOTE: the template writes the special tokens itself (a BOS too, if the model wants one).
+            prompts.append(
+                {
+                    "prompt_token_ids": self.spec.tokenizer.encode(text, add_special_tokens=False),
+                    "prompt": text,
+                }
+            )
+        return prompts, self._stop_at_end_of_turn(normalize_params(params, len(prompts)))
+
+    def _template(self, source: str | None) -> ChatTemplate:
+        if source is not None:
+            return ChatTemplate(source, bos_token=None, eos_token=None, origin="the chat_template argument")
+        if self.spec.chat_template is None:
+            raise ValueError(
+                f"model {self.spec.source.name!r} has no chat template; pass chat_template='...' (Jinja source), "
+                "or build the prompt yourself and call generate"
+            )
+        return self.spec.chat_template
+
+    def _stop_at_end_of_turn(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        extra = tuple(i for i in self.spec.end_of_turn_token_ids if i not in self.spec.config.eos_token_ids)
+        if not extra:
+            return params
+        return [
+            p if p.ignore_eos else msgspec.structs.replace(p, stop_token_ids=p.stop_token_ids + extra)
+            for p in params
+        ]
+
+
+def _is_batch(conversations: Any) -> bool:
+    """A list of conversations (lists of messages), rather than one conversation."""
+    return (
+        isinstance(conversations, (list, tuple))
+        and bool(conversations)
+        and isinstance(conversations[0], (list, tuple))
+    )

@@ -25,7 +25,7 @@ __all__ = ["enginekit_engine", "make_test_engine"]
 def make_test_engine(**options: object) -> Engine:
     """A small in-process engine on the built-in model (options as for ``Engine``)."""
     options.setdefault("num_kv_blocks", 256)
-    return Engine(None, mode="inproc", **options)
+    return Engine("builtin", mode="inproc", **options)
 
 
 @pytest.fixture(scope="session")

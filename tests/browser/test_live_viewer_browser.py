@@ -29,7 +29,7 @@ def _expected_first_text() -> str:
     from enginekit import Engine
 
     prompts, params = _notebook_prompts()
-    with Engine(mode="inproc", num_kv_blocks=256, max_num_seqs=8) as engine:
+    with Engine("builtin", mode="inproc", num_kv_blocks=256, max_num_seqs=8) as engine:
         (output,) = engine.generate(prompts[0], params)
     # innerText of the row: the longest line of the text, without surrounding spaces.
     return max(output.text.split("\n"), key=len).strip()

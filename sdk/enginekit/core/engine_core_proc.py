@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -55,7 +56,8 @@ class EngineCoreProc(EngineCore):
         self.max_output_queue_depth = 0  # deepest the output queue has been (back-pressure check)
         self._debug_kill_io: str | None = None
         self.closing = False  # set when the process tears down: IO threads then die quietly
-        self._startup_reports: queue.SimpleQueue[PhaseReport | ReadyMessage] = queue.SimpleQueue()
+        self._startup_reports: queue.SimpleQueue[PhaseReport | ReadyMessage | None] = queue.SimpleQueue()
+        self._startup_flushed = threading.Event()
         self._input_thread_ready = threading.Event()
         self._zmq = zmq.Context(io_threads=1)
         self.input_thread = threading.Thread(
@@ -67,7 +69,13 @@ class EngineCoreProc(EngineCore):
         self.input_thread.start()
         self.output_thread.start()
         self.report_phase("model load")
-        super().__init__(args.config, engine_index=args.engine_index)
+        try:
+            super().__init__(args.config, engine_index=args.engine_index)
+        except BaseException:
+            # NOTE: the phase reports must reach the front end before we exit: it names the failing phase.
+            self._startup_reports.put_nowait(None)
+            self._startup_flushed.wait(2.0)
+            raise
         self.report_phase("handshake")
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self._input_thread_ready.wait(0.1):
@@ -162,6 +170,10 @@ class EngineCoreProc(EngineCore):
             raise ValueError(f"name must be 'input' or 'output', got {name!r}")
         self._debug_kill_io = name
 
+    def utility_debug_sys_path(self) -> list[str]:
+        """The engine process's ``sys.path`` (a forked engine must get the front end's)."""
+        return list(sys.path)
+
     def utility_debug_output_queue(self) -> dict[str, int]:
         """Depth of the output queue now and at its deepest, and the bound the busy loop keeps it under."""
         return {
@@ -196,17 +208,23 @@ class EngineCoreProc(EngineCore):
         socket.connect(self.args.input_address)
         try:
             self._input_thread_ready.set()
-            self._send_startup_reports(socket)
-            self._serve_input(socket)
+            if self._send_startup_reports(socket):
+                self._serve_input(socket)
+            else:  # startup failed: deliver the reports already sent, then stop
+                socket.close(linger=1000)
+                self._startup_flushed.set()
         finally:
             socket.close(linger=0)
 
-    def _send_startup_reports(self, socket: zmq.Socket) -> None:
+    def _send_startup_reports(self, socket: zmq.Socket) -> bool:
+        """Send phase reports until READY (True), or until startup failed (False)."""
         while True:
             report = self._startup_reports.get()
+            if report is None:
+                return False
             socket.send(msgspec.msgpack.encode(report))
             if isinstance(report, ReadyMessage):
-                return
+                return True
 
     def _serve_input(self, socket: zmq.Socket) -> None:
         decoder = MsgpackDecoder(EngineRequest)

@@ -1,9 +1,11 @@
-"""Tokenizers: the built-in byte-level one and Hugging Face ``tokenizer.json`` through ``tokenizers``."""
+"""Tokenizers: the built-in byte-level one, and any ``tokenizers.Tokenizer`` (from tokenizer.json or a GGUF)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Protocol
+
+from tokenizers import Tokenizer as RustTokenizer
 
 from enginekit.errors import EngineStartupError
 
@@ -13,7 +15,7 @@ class Tokenizer(Protocol):
     bos_token_id: int | None
     eos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -26,8 +28,9 @@ class ByteTokenizer:
     bos_token_id = 1
     eos_token_id = 2
 
-    def encode(self, text: str) -> list[int]:
-        return [1, *(b + self.NUM_SPECIAL for b in text.encode("utf-8"))]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [b + self.NUM_SPECIAL for b in text.encode("utf-8")]
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, token_ids: list[int]) -> str:
         data = bytes(t - self.NUM_SPECIAL for t in token_ids if t >= self.NUM_SPECIAL and t < 259)
@@ -35,30 +38,32 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` loaded with the ``tokenizers`` library."""
+    """A ``tokenizers.Tokenizer``: ``encode`` adds the model's special tokens, ``decode`` drops them.
 
-    def __init__(self, path: Path, *, bos_token_id: int | None, eos_token_id: int | None) -> None:
-        from tokenizers import Tokenizer as RustTokenizer
+    ``backend`` is the ``tokenizers.Tokenizer`` itself, for what this small interface does not cover.
+    """
 
-        self._tokenizer = RustTokenizer.from_file(str(path))
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    def __init__(self, backend: RustTokenizer, *, bos_token_id: int | None, eos_token_id: int | None) -> None:
+        self.backend = backend
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.backend.decode(token_ids, skip_special_tokens=True)
 
 
 def load_tokenizer(
     folder: Path, *, bos_token_id: int | None = None, eos_token_id: int | None = None
-) -> Tokenizer:
+) -> HFTokenizer:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise EngineStartupError(f"model folder {folder} has no tokenizer.json", phase="model load")
     try:
-        return HFTokenizer(path, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        backend = RustTokenizer.from_file(str(path))
     except Exception as error:
         raise EngineStartupError(f"cannot read {path}: {error}", phase="model load") from error
+    return HFTokenizer(backend, bos_token_id=bos_token_id, eos_token_id=eos_token_id)

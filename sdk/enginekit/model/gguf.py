@@ -1,0 +1,248 @@
+"""A GGUF model (llama.cpp's format): its config from the metadata, its weights in Hugging Face layout.
+
+Tensor data is dequantized with ``gguf.quants.dequantize``, one tensor at a time, so the peak memory is the
+output plus one float32 tensor. The header itself is parsed by :mod:`enginekit.model.gguf_header`.
+"""
+
+from __future__ import annotations
+
+import functools
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from enginekit.model.config import ModelConfig
+from enginekit.model.gguf_header import GGUFHeader, GGUFTensorInfo, gguf_error, read_gguf_header
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
+    """The architecture numbers of a GGUF model, from its metadata.
+
+    Parameters
+    ----------
+    source
+        The ``.gguf`` file (or its parsed header); ``general.architecture`` must be in ``SUPPORTED_ARCHITECTURES``.
+
+    Raises
+    ------
+    EngineStartupError
+        The file is unreadable, of an unsupported architecture or rope scaling, or lacks a metadata key.
+    """
+    header = source if isinstance(source, GGUFHeader) else read_gguf_header(source)
+    meta = header.metadata
+    arch = _required(header, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise gguf_error(
+            header.path,
+            f"unsupported architecture {arch!r}; supported: llama (Llama and Mistral files), qwen2",
+        )
+    num_heads = _required_int(header, f"{arch}.attention.head_count")
+    hidden_size = _required_int(header, f"{arch}.embedding_length")
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+    head_dim = head_dim or hidden_size // num_heads
+    _check_rope(header, arch, head_dim)
+    max_positions = _required_int(header, f"{arch}.context_length")
+    sliding_window = meta.get(f"{arch}.attention.sliding_window")
+    if sliding_window:
+        # NOTE: no sliding-window attention kernel: cap the context where full attention is exact.
+        max_positions = min(max_positions, sliding_window)
+    eos_ids = (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=_vocab_size(header, arch),
+        hidden_size=hidden_size,
+        intermediate_size=_required_int(header, f"{arch}.feed_forward_length"),
+        num_layers=_required_int(header, f"{arch}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=_required_int(header, f"{arch}.attention.head_count_kv", default=num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=_float32(_required(header, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_float32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings="output.weight" not in header.tensors,
+        attention_bias="blk.0.attn_q.bias" in header.tensors,
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+    )
+
+
+def read_gguf_weights(
+    source: Path | GGUFHeader, config: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Dequantize a GGUF model's weights into Hugging Face checkpoint names and shapes.
+
+    Parameters
+    ----------
+    source
+        The ``.gguf`` file, or its parsed header.
+    config
+        Its config, from :func:`read_gguf_config`; it says which tensors to expect and their shapes.
+    dtype
+        The dtype of the returned tensors.
+
+    Returns
+    -------
+    dict[str, torch.Tensor]
+        ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ... ``lm_head.weight``
+        (absent when tied), with llama.cpp's rotary permutation of q and k undone for ``llama``.
+
+    Raises
+    ------
+    EngineStartupError
+        A tensor is missing, of the wrong shape, or stored in a type ``gguf`` cannot dequantize; every tensor
+        is checked before any is dequantized.
+    """
+    header = source if isinstance(source, GGUFHeader) else read_gguf_header(source)
+    plan = _weight_plan(config)
+    _check_tensors(header, plan)
+    data = np.memmap(header.path, dtype=np.uint8, mode="r")
+    weights = {}
+    for gguf_name, hf_name, _, rotary_heads in plan:
+        tensor = _dequantize(header, data, header.tensors[gguf_name])
+        if rotary_heads and config.architecture == "llama":
+            tensor = _undo_rotary_permutation(tensor, rotary_heads)
+        weights[hf_name] = tensor.to(dtype)
+    return weights
+
+
+@functools.cache
+def dequantizable_types() -> frozenset[GGMLQuantizationType]:
+    """The ggml types the installed ``gguf`` package can dequantize, found by trying one zero block of each."""
+    found = set()
+    for quant_type, (_, type_size) in GGML_QUANT_SIZES.items():
+        try:
+            with np.errstate(all="ignore"):
+                dequantize(np.zeros((1, type_size), dtype=np.uint8), quant_type)
+        except NotImplementedError:
+            continue
+        found.add(quant_type)
+    return frozenset(found)
+
+
+def _required(header: GGUFHeader, key: str) -> Any:
+    if key not in header.metadata:
+        raise gguf_error(header.path, f"missing metadata key {key!r}")
+    return header.metadata[key]
+
+
+def _required_int(header: GGUFHeader, key: str, default: int | None = None) -> int:
+    value = header.metadata.get(key, default) if default is not None else _required(header, key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise gguf_error(header.path, f"metadata key {key!r} is {value!r}, expected one integer")
+    return value
+
+
+def _float32(value: float) -> float:
+    """The shortest decimal that reads back as this float32 (``1e-05``, not ``9.999999747378752e-06``)."""
+    return float(str(np.float32(value)))
+
+
+def _vocab_size(header: GGUFHeader, arch: str) -> int:
+    size = header.metadata.get(f"{arch}.vocab_size")
+    if size is None and isinstance(header.metadata.get("tokenizer.ggml.tokens"), list):
+        size = len(header.metadata["tokenizer.ggml.tokens"])
+    if size is None:
+        raise gguf_error(
+            header.path, f"missing metadata key {arch}.vocab_size (and no tokenizer.ggml.tokens)"
+        )
+    return size
+
+
+def _check_rope(header: GGUFHeader, arch: str, head_dim: int) -> None:
+    meta = header.metadata
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear", 1.0))
+    if scaling not in ("none", "linear") or factor not in (0.0, 1.0):
+        raise gguf_error(
+            header.path,
+            f"unsupported rope scaling {scaling!r} (factor {factor}); only unscaled rotary embeddings",
+        )
+    if "rope_freqs.weight" in header.tensors:
+        raise gguf_error(header.path, "unsupported rope scaling: per-frequency factors (rope_freqs.weight)")
+    rotary_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if rotary_dims != head_dim:
+        raise gguf_error(
+            header.path, f"unsupported partial rotary embedding ({rotary_dims} of {head_dim} dims)"
+        )
+
+
+_Plan = list[tuple[str, str, tuple[int, ...], int]]
+
+
+def _weight_plan(config: ModelConfig) -> _Plan:
+    """(GGUF name, Hugging Face name, Hugging Face shape, heads of a rotary permutation or 0) per tensor."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    plan = [
+        ("token_embd.weight", "model.embed_tokens.weight", (config.vocab_size, hidden), 0),
+        ("output_norm.weight", "model.norm.weight", (hidden,), 0),
+    ]
+    if not config.tie_word_embeddings:
+        plan.append(("output.weight", "lm_head.weight", (config.vocab_size, hidden), 0))
+    layer = [
+        ("attn_norm.weight", "input_layernorm.weight", (hidden,), 0),
+        ("ffn_norm.weight", "post_attention_layernorm.weight", (hidden,), 0),
+        ("attn_q.weight", "self_attn.q_proj.weight", (q_size, hidden), config.num_heads),
+        ("attn_k.weight", "self_attn.k_proj.weight", (kv_size, hidden), config.num_kv_heads),
+        ("attn_v.weight", "self_attn.v_proj.weight", (kv_size, hidden), 0),
+        ("attn_output.weight", "self_attn.o_proj.weight", (hidden, q_size), 0),
+        ("ffn_gate.weight", "mlp.gate_proj.weight", (inter, hidden), 0),
+        ("ffn_up.weight", "mlp.up_proj.weight", (inter, hidden), 0),
+        ("ffn_down.weight", "mlp.down_proj.weight", (hidden, inter), 0),
+    ]
+    if config.attention_bias:
+        layer += [
+            ("attn_q.bias", "self_attn.q_proj.bias", (q_size,), config.num_heads),
+            ("attn_k.bias", "self_attn.k_proj.bias", (kv_size,), config.num_kv_heads),
+            ("attn_v.bias", "self_attn.v_proj.bias", (kv_size,), 0),
+        ]
+    for i in range(config.num_layers):
+        plan += [(f"blk.{i}.{g}", f"model.layers.{i}.{h}", shape, heads) for g, h, shape, heads in layer]
+    return plan
+
+
+def _check_tensors(header: GGUFHeader, plan: _Plan) -> None:
+    for gguf_name, _, shape, _ in plan:
+        info = header.tensors.get(gguf_name)
+        if info is None:
+            raise gguf_error(header.path, f"missing tensor {gguf_name}")
+        if info.shape != shape:
+            raise gguf_error(
+                header.path,
+                f"tensor {gguf_name} has shape {list(info.shape)}, the config needs {list(shape)}",
+            )
+        if info.quant_type not in dequantizable_types():
+            supported = ", ".join(sorted(t.name for t in dequantizable_types()))
+            raise gguf_error(
+                header.path,
+                f"tensor {gguf_name} is stored as {info.quant_type.name}, which cannot be dequantized; "
+                f"supported types: {supported}",
+            )
+
+
+def _dequantize(header: GGUFHeader, data: np.ndarray, info: GGUFTensorInfo) -> torch.Tensor:
+    raw = data[info.offset : info.offset + info.num_bytes].reshape(
+        -1, info.num_bytes // prod(info.shape[:-1])
+    )
+    try:
+        values = dequantize(raw, info.quant_type)
+    except Exception as error:
+        raise gguf_error(header.path, f"cannot dequantize tensor {info.name}: {error}") from error
+    values = np.asarray(values, dtype=np.float32)
+    if not values.flags.writeable:  # F32 comes back as a view of the read-only file map
+        values = values.copy()
+    return torch.from_numpy(values).reshape(info.shape)
+
+
+def _undo_rotary_permutation(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves the two rotary halves of each head's rows; put them back in halves."""
+    rows = tensor.shape[0]
+    pairs = tensor.reshape(num_heads, rows // num_heads // 2, 2, *tensor.shape[1:])
+    return pairs.transpose(1, 2).reshape(tensor.shape).contiguous()

@@ -1,0 +1,108 @@
+"""The package's shape: no import cycles (deferred imports count), layers import only downwards, a small facade."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sdk" / "enginekit"
+
+# Which top-level parts may import which (besides the shared public types at the package root: config,
+# errors, sampling_params, outputs, logs). The facade is on top; notebook/ sits beside it, used by it, and uses
+# an engine only through the public API it is handed.
+ALLOWED = {
+    "facade": {"package", "client", "core", "model", "notebook", "runtime", "wire"},
+    "notebook": set(),
+    "client": {"core", "model", "runtime", "wire"},
+    "runtime": {"core", "wire"},
+    "core": {"model", "wire"},
+    "model": set(),
+    "wire": set(),
+}
+SHARED = {"config", "errors", "sampling_params", "outputs", "logs"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imports(path: Path) -> set[str]:
+    """Every enginekit module this one imports, anywhere in it, except under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text())
+    type_checking = {
+        id(child)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for child in ast.walk(node)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_checking:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else node.module)
+    return {name for name in found if name in MODULES and name != module_name(path)}
+
+
+GRAPH = {name: imports(path) for name, path in MODULES.items()}
+
+
+def part(module: str) -> str:
+    pieces = module.split(".")
+    if len(pieces) == 1:
+        return "package"
+    if pieces[1] in ALLOWED:
+        return pieces[1]
+    return "shared" if pieces[1] in SHARED else "facade"
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    cycles = []
+    for module, targets in GRAPH.items():
+        for target in targets:
+            if _reaches(target, module):
+                cycles.append(f"{module} -> {target}")
+    assert cycles == []
+
+
+def _reaches(start: str, goal: str) -> bool:
+    seen, stack = set(), [start]
+    while stack:
+        node = stack.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            stack.extend(GRAPH.get(node, ()))
+    return False
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_each_layer_imports_only_those_below_it(module):
+    layer = part(module)
+    if layer in ("package", "shared"):
+        return
+    wrong = sorted(
+        target
+        for target in GRAPH[module]
+        if part(target) not in ("shared", layer) and part(target) not in ALLOWED[layer]
+    )
+    assert wrong == [], f"{module} ({layer}) imports {wrong}"
+
+
+def test_the_facade_stays_small():
+    assert len((PACKAGE / "engine.py").read_text().splitlines()) <= 300
+
+
+def test_the_model_layer_knows_nothing_of_the_engine_core():
+    for module, targets in GRAPH.items():
+        if module.startswith("enginekit.model"):
+            assert not any(t.startswith(("enginekit.core", "enginekit.client")) for t in targets), module

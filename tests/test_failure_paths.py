@@ -1,0 +1,262 @@
+"""Failure paths that used to hang, leak or raise the wrong error — each done for real, in every mode it concerns."""
+
+import asyncio
+import gc
+import os
+import socket
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+
+from enginekit import Engine, EngineShutdownError, EngineStartupError, SamplingParams
+from enginekit.diagnostics import snapshot, wait_until_clean
+from enginekit.errors import EngineDeadError
+from enginekit.runtime.launcher import Launcher
+
+MODES = ["inproc", "mp", "async"]
+DEADLINE_S = 5.0
+LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=6, temperature=0)
+
+
+def generating(engine) -> bool:
+    return any(state.version for state in list(engine._router.processor.states.values()))
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def in_thread(function):
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(function())
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_wait_idle_returns_when_the_last_requests_end_by_abort(mode):
+    with Engine("builtin", mode=mode, num_kv_blocks=64) as engine:
+        # In-process, the generating thread and the waiting one share the core under the client's lock.
+        worker, _ = in_thread(lambda: engine.generate(["a", "b"], LONG))
+        wait_for(lambda: generating(engine))
+        waiter, stats = in_thread(lambda: engine.call_utility("wait_idle", timeout=60))
+        time.sleep(0.2)
+        engine.abort(engine.call_utility("get_request_ids"))
+        waiter.join(DEADLINE_S)
+        assert not waiter.is_alive(), "wait_idle still waits after every request was aborted"
+        assert stats[0]["num_running_requests"] == 0
+        worker.join(DEADLINE_S)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shutdown_from_another_thread_during_generate_is_not_a_death(mode):
+    engine = Engine("builtin", mode=mode, num_kv_blocks=64)
+    worker, outcome = in_thread(lambda: engine.generate("stop me", LONG))
+    wait_for(lambda: generating(engine))
+    engine.shutdown()
+    worker.join(DEADLINE_S)
+    assert not worker.is_alive()
+    assert isinstance(outcome[0], EngineShutdownError), repr(outcome[0])
+    assert not isinstance(outcome[0], EngineDeadError)
+
+
+def test_a_failed_in_process_engine_frees_its_model_and_cache_even_if_the_error_is_kept():
+    engine = Engine("builtin", mode="inproc", num_kv_blocks=64, fail_at_step=3)
+    core = engine.client.core
+    refs = [
+        weakref.ref(core.runner.model.embed_tokens.weight),
+        *(weakref.ref(t) for t in core.runner.kv_caches),
+    ]
+    del core
+    with pytest.raises(EngineDeadError, match="injected executor failure") as info:
+        engine.generate("fail", SHORT)
+    kept = info.value  # as IPython keeps sys.last_value and sys.last_traceback
+    kept_traceback = kept.__traceback__
+    engine.shutdown()
+    gc.collect()
+    assert all(ref() is None for ref in refs), "the model or the KV cache outlived the failure"
+    del kept, kept_traceback
+    engine.restart(fail_at_step=None)
+    assert engine.generate("alive", SHORT)[0].finished
+    engine.shutdown()
+
+
+def test_an_engine_core_that_fails_partway_frees_what_it_built(monkeypatch):
+    from enginekit.core import engine_core
+
+    built = []
+    real_load_model = engine_core.load_model
+
+    def load_model(*args, **kwargs):
+        model = real_load_model(*args, **kwargs)
+        built.append(weakref.ref(model.embed_tokens.weight))
+        return model
+
+    def no_cache(*args, **kwargs):
+        raise RuntimeError("no memory for the KV cache")
+
+    monkeypatch.setattr(engine_core, "load_model", load_model)
+    monkeypatch.setattr(engine_core, "ModelRunner", no_cache)
+    with pytest.raises(RuntimeError, match="no memory for the KV cache") as info:
+        Engine("builtin", mode="inproc")
+    kept = info.value  # noqa: F841  (kept alive, as a notebook would)
+    gc.collect()
+    assert built and built[0]() is None
+
+
+def test_concurrent_prompt_embeds_submissions_never_lose_a_tensor_frame():
+    with Engine("builtin", mode="inproc") as local:
+        weight = local.client.core.runner.model.embed_tokens.weight
+        prompts = [local.tokenizer.encode(f"embedding prompt {i}") for i in range(8)]
+        embeds = [weight[torch.tensor(ids)].clone() for ids in prompts]
+        expected = [local.generate(ids, SHORT)[0].outputs[0].token_ids for ids in prompts]
+    with Engine("builtin", mode="mp") as engine:
+
+        def submit(offset):
+            return [engine.generate({"prompt_embeds": embeds[i]}, SHORT)[0] for i in range(offset, 8, 2)]
+
+        results = {}
+        threads = [
+            threading.Thread(target=lambda o=o: results.update({o: submit(o) + submit(o)})) for o in (0, 1)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a request hangs"
+        for offset, outputs in results.items():
+            tokens = [o.outputs[0].token_ids for o in outputs]
+            assert tokens == [expected[i] for i in range(offset, 8, 2)] * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_embeds_are_copied_at_submission(mode):
+    with Engine("builtin", mode=mode) as engine:
+        ids = engine.tokenizer.encode("copy my embeddings")
+        if mode == "inproc":
+            weight = engine.client.core.runner.model.embed_tokens.weight
+        else:
+            with Engine("builtin", mode="inproc") as local:
+                weight = local.client.core.runner.model.embed_tokens.weight.clone()
+        embeds = weight[torch.tensor(ids)].clone()
+        expected = engine.generate({"prompt_embeds": embeds}, SHORT)[0].outputs[0].token_ids
+
+        async def submit_then_change():
+            pending = engine.agenerate({"prompt_embeds": embeds}, SHORT)  # submitted now
+            embeds.zero_()  # the caller reuses its tensor
+            return await pending
+
+        assert asyncio.run(submit_then_change())[0].outputs[0].token_ids == expected
+
+
+def test_a_port_in_use_is_a_startup_error():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(
+            EngineStartupError, match=rf"cannot bind the engine's sockets at tcp://127.0.0.1:{port}"
+        ):
+            Engine("builtin", mode="mp", address=f"tcp://127.0.0.1:{port}")
+    finally:
+        taken.close()
+
+
+def test_a_failing_pidfd_open_leaks_no_pipe(monkeypatch):
+    Launcher.shared()
+    before = snapshot()
+
+    def no_pidfd(pid, flags=0):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    with pytest.raises(EngineStartupError, match="Too many open files"):
+        Engine("builtin", mode="mp")
+    monkeypatch.undo()
+    diff = wait_until_clean(before, timeout=15)
+    assert not diff.leaks(), diff.leaks()
+
+
+@pytest.mark.parametrize(
+    ("options", "exception", "message"),
+    [
+        (
+            {"max_num_seq": 3},
+            TypeError,
+            r"unknown engine option 'max_num_seq'; did you mean 'max_num_seqs'\?",
+        ),
+        ({"mode": "bogus"}, ValueError, r"mode must be one of 'inproc', 'mp', 'async', got 'bogus'"),
+        ({"num_kv_blocks": -5}, ValueError, r"num_kv_blocks must be at least 2, got -5"),
+        (
+            {"dtype": "fp16"},
+            ValueError,
+            r"engine option dtype must be one of 'float32', 'float16', 'bfloat16' or None",
+        ),
+    ],
+)
+def test_restart_with_a_bad_argument_keeps_the_running_engine(options, exception, message):
+    with Engine("builtin", mode="mp") as engine:
+        pid = engine.engine_pid
+        with pytest.raises(exception, match=message):
+            engine.restart(**options)
+        assert engine.is_running and engine.engine_pid == pid
+        assert engine.generate("still here", SHORT)[0].finished
+
+
+def test_async_mode_serves_blocking_calls_from_two_threads():
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompts = [f"thread prompt {i}" for i in range(15)]
+    with Engine("builtin", mode="inproc") as local:
+        expected = [o.outputs[0].token_ids for o in local.generate(prompts, params)]
+    with Engine("builtin", mode="async") as engine:
+        results = [[], []]
+
+        def run(index):
+            for prompt in prompts:
+                results[index].append(engine.generate(prompt, params)[0].outputs[0].token_ids)
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads), "a thread hangs"
+        assert results == [expected, expected]
+
+
+def test_async_mode_refuses_a_blocking_call_while_another_threads_loop_drives_it():
+    with Engine("builtin", mode="async") as engine:
+        started = threading.Event()
+
+        async def drive():
+            pending = engine.agenerate(
+                "the loop's own request", SamplingParams(max_tokens=300, ignore_eos=True)
+            )
+            started.set()
+            return await pending
+
+        loop_thread, outcome = in_thread(lambda: asyncio.run(drive()))
+        started.wait(30)
+        wait_for(lambda: generating(engine))
+        with pytest.raises(
+            RuntimeError, match=r"driven by an asyncio loop running in another thread.*mode='mp'"
+        ):
+            engine.generate("from another thread", SHORT)
+        loop_thread.join(120)
+        assert outcome[0][0].finished
+        assert engine.generate("the loop is gone: this thread may drive it now", SHORT)[0].finished

@@ -1,0 +1,185 @@
+"""The launcher: engines live and die without it, a dead one is replaced, and a forked engine is a spawned one.
+
+Every scenario does the damage for real: SIGKILL to the launcher, to the engine, to both; closing the
+launcher while engines run; a launcher that cannot start. Each ends within about a second in
+``EngineDeadError`` or in service that goes on, and ``restart()`` works afterwards.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+import enginekit
+from enginekit import Engine, EngineDeadError, EngineStartupError, SamplingParams
+from enginekit.runtime import launcher as launcher_module
+from enginekit.runtime.launcher import Launcher
+from process_support import wait_gone
+
+DEADLINE_S = 5.0  # "about a second", with room for a loaded 2-core CI machine
+LONG = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=4, temperature=0)
+
+
+@pytest.fixture
+def engine():
+    engine = Engine("builtin", mode="mp", num_kv_blocks=64)
+    yield engine
+    engine.shutdown()
+
+
+def generating(engine) -> bool:
+    return any(state.version for state in list(engine._router.processor.states.values()))
+
+
+def generate_in_thread(engine):
+    """Run a long generate on a thread; returns (thread, outcome list) once it produces tokens."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(engine.generate("keep going", LONG)[0])
+        except BaseException as error:
+            outcome.append(error)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not generating(engine) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return worker, outcome
+
+
+def test_killing_the_launcher_during_generate_does_not_disturb_the_engine(engine):
+    launcher = Launcher.shared()
+    worker, outcome = generate_in_thread(engine)
+    os.kill(launcher.pid, signal.SIGKILL)
+    worker.join(120)
+    assert not worker.is_alive() and outcome[0].outputs[0].finish_reason == "length"
+    assert engine.ping()
+    engine.restart()  # a new launcher, started without the user noticing
+    assert engine.generate("again", SHORT)[0].finished
+    assert Launcher.shared().pid != launcher.pid
+
+
+def test_killing_the_engine_fails_the_call_within_a_second(engine):
+    pid = engine.engine_pid
+    worker, outcome = generate_in_thread(engine)
+    os.kill(pid, signal.SIGKILL)
+    worker.join(DEADLINE_S)
+    assert not worker.is_alive(), "generate still hangs after the engine was killed"
+    with pytest.raises(EngineDeadError, match=rf"pid {pid}\) was killed by SIGKILL"):
+        raise outcome[0]
+    engine.restart()
+    assert engine.generate("again", SHORT)[0].finished
+
+
+def test_killing_the_engine_and_the_launcher_fails_the_call_then_restart_works(engine):
+    pid, launcher_pid = engine.engine_pid, Launcher.shared().pid
+    worker, outcome = generate_in_thread(engine)
+    os.kill(launcher_pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+    worker.join(DEADLINE_S)
+    assert not worker.is_alive(), "generate still hangs after the engine and the launcher were killed"
+    # Whether the launcher could still report the exit depends on which died first; either way it is a death.
+    with pytest.raises(
+        EngineDeadError, match=rf"pid {pid}\) (was killed by SIGKILL|exited; its exit status is unknown)"
+    ):
+        raise outcome[0]
+    engine.restart()
+    assert engine.generate("again", SHORT)[0].finished
+
+
+def test_closing_the_launcher_while_engines_run(engine):
+    other = Engine("builtin", mode="async", num_kv_blocks=64)
+    try:
+        run_dirs = [engine.client.process.run_dir, other.client.process.run_dir]
+        enginekit.shutdown_launcher()
+        assert engine.generate("still here", SHORT)[0].finished
+        assert other.generate("still here", SHORT)[0].finished
+        pids = [engine.engine_pid, other.engine_pid]
+        engine.shutdown()
+        other.shutdown()
+        assert wait_gone(pids, 10) == []
+        assert not any(os.path.exists(path) for path in run_dirs)
+        engine.restart()
+        assert engine.generate("again", SHORT)[0].finished
+    finally:
+        other.shutdown()
+
+
+def test_a_launcher_that_cannot_start_raises_startup_error_with_its_output(monkeypatch):
+    enginekit.shutdown_launcher()
+    failing = [
+        sys.executable,
+        "-c",
+        "import sys; sys.stderr.write('launcher exploded: no torch here'); sys.exit(3)",
+    ]
+    monkeypatch.setattr(Launcher, "command", failing)
+    with pytest.raises(
+        EngineStartupError, match=r"launcher did not start: launcher exploded: no torch here"
+    ) as info:
+        Engine("builtin", mode="mp")
+    assert info.value.phase == "spawn"
+    monkeypatch.undo()
+    with Engine("builtin", mode="mp") as engine:
+        assert engine.ping()
+
+
+def test_an_idle_launcher_exits_by_itself_and_is_replaced(monkeypatch):
+    enginekit.shutdown_launcher()
+    monkeypatch.setattr(launcher_module, "IDLE_TIMEOUT_S", 0.5)
+    with Engine("builtin", mode="mp") as engine:
+        launcher = Launcher.shared()
+        time.sleep(1.0)  # an engine is running: the launcher is not idle
+        assert launcher.is_alive()
+        engine.shutdown()
+        deadline = time.monotonic() + 10
+        while launcher.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not launcher.is_alive()
+        engine.restart()
+        assert engine.ping() and Launcher.shared().pid != launcher.pid
+    enginekit.shutdown_launcher()
+
+
+def test_a_forked_engine_gets_the_front_ends_environment_cwd_and_sys_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINEKIT_TEST_MARKER", "before")
+    with Engine("builtin", mode="mp") as engine:
+        monkeypatch.setenv("ENGINEKIT_TEST_MARKER", "after")
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path / "extra"))
+        engine.restart()
+        process = psutil.Process(engine.engine_pid)
+        environ = process.environ()
+        assert environ["ENGINEKIT_TEST_MARKER"] == "after"
+        assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        assert process.cwd() == str(tmp_path)
+        assert str(tmp_path / "extra") in engine.call_utility("debug_sys_path")
+
+
+def test_the_launcher_refuses_to_fork_once_cuda_is_initialised(monkeypatch):
+    import socket
+
+    import torch
+
+    from enginekit.runtime.launcher_server import LauncherServer
+    from enginekit.wire.messages import LauncherFailure, SpawnRequest
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    read_end, write_end = os.pipe()
+    try:
+        reply = LauncherServer(theirs, 1.0)._spawn(SpawnRequest({}, "/", []), [read_end, write_end])
+    finally:
+        ours.close()
+        theirs.close()
+    assert isinstance(reply, LauncherFailure) and "initialised CUDA" in reply.message
+    for fd in (read_end, write_end):  # the launcher closed them
+        with pytest.raises(OSError):
+            os.fstat(fd)

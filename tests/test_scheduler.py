@@ -1,0 +1,96 @@
+"""Scheduler: continuous batching, chunked prefill under the token budget, max_num_seqs, preemption."""
+
+from enginekit.core.kv_cache import KVCacheManager
+from enginekit.core.request import Request, RequestStatus
+from enginekit.core.scheduler import Scheduler
+from enginekit.sampling_params import SamplingParams
+from enginekit.wire.messages import EngineCoreRequest, FinishReason
+
+BLOCK = 4
+
+
+def make(num_blocks=32, max_num_seqs=8, budget=64, prefix=False) -> Scheduler:
+    cache = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix)
+    return Scheduler(cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+
+
+def add(scheduler: Scheduler, request_id: str, num_tokens: int) -> Request:
+    req = Request(
+        EngineCoreRequest(request_id, list(range(1, num_tokens + 1)), SamplingParams()), detokenizer=None
+    )
+    scheduler.add_request(req)
+    return req
+
+
+def run(scheduler: Scheduler) -> dict[str, int]:
+    """Schedule one step and apply it as the engine core would (one new token per finished prefill)."""
+    output = scheduler.schedule()
+    for req, num_new in output.scheduled:
+        req.num_computed_tokens += num_new
+        scheduler.kv_cache.cache_full_blocks(req)
+        if req.num_computed_tokens == req.num_tokens:
+            req.all_token_ids.append(7)
+    return {req.request_id: num_new for req, num_new in output.scheduled}
+
+
+def test_waiting_requests_join_and_running_ones_decode_one_token():
+    scheduler = make()
+    add(scheduler, "a", 5)
+    assert run(scheduler) == {"a": 5}
+    add(scheduler, "b", 3)
+    assert run(scheduler) == {"a": 1, "b": 3}
+    assert run(scheduler) == {"a": 1, "b": 1}
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget():
+    scheduler = make(budget=8)
+    add(scheduler, "long", 20)
+    assert [run(scheduler) for _ in range(3)] == [{"long": 8}, {"long": 8}, {"long": 4}]
+    assert run(scheduler) == {"long": 1}
+
+
+def test_the_budget_is_shared_and_running_requests_come_first():
+    scheduler = make(budget=6)
+    add(scheduler, "a", 4)
+    run(scheduler)
+    add(scheduler, "b", 10)
+    assert run(scheduler) == {"a": 1, "b": 5}
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    scheduler = make(max_num_seqs=2)
+    for name in "abc":
+        add(scheduler, name, 2)
+    assert set(run(scheduler)) == {"a", "b"}
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_when_blocks_run_out_the_newest_running_request_is_preempted():
+    scheduler = make(num_blocks=4, budget=64)
+    first, second = add(scheduler, "first", 8), add(scheduler, "second", 7)  # 2 blocks each
+    run(scheduler)
+    assert scheduler.kv_cache.pool.num_free_blocks == 0
+    scheduled = run(scheduler)  # "first" needs a third block: "second" gives its blocks back
+    assert scheduled == {"first": 1}
+    assert second.status is RequestStatus.PREEMPTED and second.num_computed_tokens == 0
+    assert scheduler.waiting[0] is second and scheduler.num_preemptions == 1
+    assert first.status is RequestStatus.RUNNING
+
+
+def test_finishing_a_request_frees_its_blocks_and_forgets_it():
+    scheduler = make()
+    req = add(scheduler, "a", 9)
+    run(scheduler)
+    scheduler.finish_request(req, FinishReason.ABORT)
+    assert scheduler.kv_cache.pool.num_free_blocks == 32
+    assert not scheduler.has_unfinished_requests() and req.is_finished
+    scheduler.finish_request(req, FinishReason.ABORT)  # idempotent
+
+
+def test_a_cached_prefix_is_not_computed_again():
+    scheduler = make(prefix=True)
+    add(scheduler, "a", 12)
+    run(scheduler)
+    b = add(scheduler, "b", 12)
+    assert run(scheduler)["b"] == 4  # two of its three blocks were cached; the last is recomputed
+    assert b.num_cached_tokens == 8
