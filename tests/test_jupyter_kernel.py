@@ -221,7 +221,7 @@ def test_interrupts_at_any_moment_never_wedge_the_async_engine(kernel_with_engin
 
 def test_kernel_restart_ends_the_old_engine_process(make_kernel):
     kernel = make_kernel()
-    kernel.check("engine = Engine("builtin", mode='mp', num_kv_blocks=64)\nengine.generate('hello', SHORT)")
+    kernel.check("engine = Engine('builtin', mode='mp', num_kv_blocks=64)\nengine.generate('hello', SHORT)")
     old_pid, processes = kernel.pid, kernel.descendants()
     assert len(processes) == 2  # the launcher and the engine process
     kernel.manager.restart_kernel(now=False)  # what the notebook's "Restart kernel" does
@@ -232,7 +232,7 @@ def test_kernel_restart_ends_the_old_engine_process(make_kernel):
 
 def test_killed_kernel_ends_the_engine_process(make_kernel):
     kernel = make_kernel()
-    kernel.check("engine = Engine("builtin", mode='mp', num_kv_blocks=64)\nengine.generate('hello', SHORT)")
+    kernel.check("engine = Engine('builtin', mode='mp', num_kv_blocks=64)\nengine.generate('hello', SHORT)")
     kernel_pid, processes = kernel.pid, kernel.descendants()
     assert len(processes) == 2
     os.kill(kernel_pid, signal.SIGKILL)

@@ -23,7 +23,7 @@ def test_single_prompts_and_lists_normalize_to_a_list():
     assert normalize_prompts(["a", [1, 2], {"prompt": "b"}]) == ["a", [1, 2], {"prompt": "b"}]
     with pytest.raises(ValueError, match="prompts is empty"):
         normalize_prompts([])
-    with pytest.raises(TypeError, match="prompts must be a string, .* not int"):
+    with pytest.raises(TypeError, match=r"prompts must be a string, .* not int"):
         normalize_prompts(5)
 
 
