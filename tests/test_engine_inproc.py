@@ -169,7 +169,7 @@ def test_prompt_embeds_match_token_prompt(engine, greedy):
             {"prompt_embeds": torch.zeros(3, 5)},
             None,
             ValueError,
-            r"prompt_embeds must be a \[num_tokens, 128\] tensor",
+            r"prompt_embeds must be a \[3, 128\] tensor, got \[3, 5\]",
         ),
         ({"text": "hi"}, None, ValueError, "a dict prompt needs exactly one of"),
         (42, None, TypeError, "prompts must be a string"),

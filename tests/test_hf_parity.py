@@ -82,7 +82,10 @@ def test_text_prompts_use_the_checkpoint_tokenizer(tmp_path):
 
 
 def test_missing_model_folder(tmp_path):
-    with pytest.raises(EngineStartupError, match=r"model folder .*nowhere' does not exist"):
+    with pytest.raises(
+        EngineStartupError,
+        match=r"model '.*nowhere' is not a local folder or file, and enginekit never downloads",
+    ):
         Engine(str(tmp_path / "nowhere"), mode="inproc")
 
 

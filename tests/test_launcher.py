@@ -150,17 +150,24 @@ def test_an_idle_launcher_exits_by_itself_and_is_replaced(monkeypatch):
 def test_a_forked_engine_gets_the_front_ends_environment_cwd_and_sys_path(tmp_path, monkeypatch):
     monkeypatch.setenv("ENGINEKIT_TEST_MARKER", "before")
     with Engine("builtin", mode="mp") as engine:
+        launcher = Launcher.shared()
         monkeypatch.setenv("ENGINEKIT_TEST_MARKER", "after")
-        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         monkeypatch.chdir(tmp_path)
         monkeypatch.syspath_prepend(str(tmp_path / "extra"))
         engine.restart()
-        process = psutil.Process(engine.engine_pid)
-        environ = process.environ()
-        assert environ["ENGINEKIT_TEST_MARKER"] == "after"
+        assert Launcher.shared() is launcher  # an ordinary variable needs no new launcher
+        inside = engine.call_utility("debug_process")
+        assert inside["environ"]["ENGINEKIT_TEST_MARKER"] == "after"
+        assert inside["cwd"] == str(tmp_path) == psutil.Process(engine.engine_pid).cwd()
+        assert str(tmp_path / "extra") in inside["sys_path"]
+        # What torch reads as it loads: a new launcher imports it under the new values; /proc shows them too.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        engine.restart()
+        assert Launcher.shared() is not launcher
+        environ = psutil.Process(engine.engine_pid).environ()
         assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-        assert process.cwd() == str(tmp_path)
-        assert str(tmp_path / "extra") in engine.call_utility("debug_sys_path")
+        assert environ["CUDA_VISIBLE_DEVICES"] == "" and environ["ENGINEKIT_TEST_MARKER"] == "after"
 
 
 def test_the_launcher_refuses_to_fork_once_cuda_is_initialised(monkeypatch):

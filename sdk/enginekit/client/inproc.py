@@ -83,9 +83,11 @@ class InprocClient(EngineCoreClient):
         await asyncio.sleep(0)  # let other tasks of this loop run between steps
 
     def _step(self) -> None:
+        core = self.core  # raises once the engine is shut down or dead: neither is a failure of this step
         try:
-            outputs, _ = self.core.step()
+            outputs, _ = core.step()
         except Exception as error:
+            del core
             self._fail(error)
             raise  # _fail raised already
         if outputs is None:

@@ -14,6 +14,7 @@ import enum
 import gc
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -67,8 +68,10 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         try:
             self._build(config, spec)
-        except BaseException:
-            # NOTE: free what was built before the failure now, not whenever the traceback dies.
+        except BaseException as error:
+            # NOTE: free what was built before the failure now, not whenever the traceback dies: a notebook
+            # keeps the last traceback, and its frames (the model in _build's locals) with it.
+            traceback.clear_frames(error.__traceback__)
             self.runner = None  # type: ignore[assignment]
             torch.set_num_threads(self._previous_num_threads)
             _release_device_memory(self.device)

@@ -170,9 +170,10 @@ class EngineCoreProc(EngineCore):
             raise ValueError(f"name must be 'input' or 'output', got {name!r}")
         self._debug_kill_io = name
 
-    def utility_debug_sys_path(self) -> list[str]:
-        """The engine process's ``sys.path`` (a forked engine must get the front end's)."""
-        return list(sys.path)
+    def utility_debug_process(self) -> dict[str, Any]:
+        """The engine process's environment, working directory and ``sys.path`` (a forked engine gets the
+        front end's)."""
+        return {"environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
 
     def utility_debug_output_queue(self) -> dict[str, int]:
         """Depth of the output queue now and at its deepest, and the bound the busy loop keeps it under."""

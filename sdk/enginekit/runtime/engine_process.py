@@ -112,12 +112,15 @@ class EngineProcess:
     def _fork(self, stdin_read: int, output_write: int) -> int:
         """Fork through the shared launcher; a launcher found dead on the way is replaced once."""
         for attempt in range(2):
-            self._launcher = Launcher.shared()
+            launcher = Launcher.shared()
             try:
-                return self._launcher.spawn(stdin_read, output_write)
+                pid = launcher.spawn(stdin_read, output_write)
             except LauncherError:
-                if attempt or self._launcher.is_alive():
+                if attempt or launcher.is_alive():
                     raise
+                continue
+            self._launcher = launcher
+            return pid
         raise AssertionError("unreachable")
 
     # ---- liveness -----------------------------------------------------------------------------------
@@ -234,8 +237,10 @@ class EngineProcess:
         if self._log_thread is not None:
             self._log_thread.join(timeout=2.0)
         self.returncode()  # record the exit status before the pidfd goes
-        if self._launcher is not None and isinstance(self._returncode, int):
-            self._launcher.forget(self.pid)
+        if self._launcher is not None:
+            if isinstance(self._returncode, int):
+                self._launcher.forget(self.pid)
+            Launcher.engine_stopped(self._launcher)
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None

@@ -3,7 +3,11 @@
 Importing torch costs seconds; an engine restart should not. The first background engine of a front-end
 process starts the launcher (``runtime/launcher_server.py``, its own session), which imports torch and
 enginekit once — never initialising CUDA, so forking it is safe — and then forks one engine process per
-request, with the front end's current environment, working directory and ``sys.path``.
+request, with the front end's current ``os.environ``, working directory and ``sys.path``, applied in the child
+before any of the engine runs. Variables that torch and its native libraries read as they load (``CUDA_*``,
+``PYTORCH_*``, ``OMP_*``, ``MKL_*``, ``LD_*``, ...) are fixed when the launcher imports torch: when one of them
+changes (``CUDA_VISIBLE_DEVICES`` set in a cell before a restart, say), the next start uses a new launcher,
+which imports torch again under it, exactly as a freshly spawned engine would.
 
 Engine liveness never depends on the launcher: the front end watches each engine through its pidfd and its
 output pipe, and asks the launcher only for the exit code of an engine that has already exited (the launcher
@@ -41,7 +45,21 @@ __all__ = ["Launcher", "LauncherError", "shutdown_launcher"]
 MAX_MESSAGE = 1 << 20  # a spawn request carries the whole environment
 STARTUP_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 30.0
-IDLE_TIMEOUT_S = 600.0  # see docs/lifecycle.md: keeps restarts fast for ten idle minutes, then frees the RSS
+IDLE_TIMEOUT_S = 600.0
+# CUDA_VISIBLE_DEVICES and PYTORCH_CUDA_ALLOC_CONF are read lazily, but only a fresh launcher also shows them
+# in /proc/<engine pid>/environ, where tools (and users) look.
+IMPORT_TIME_PREFIXES = (
+    "CUDA",
+    "PYTORCH",
+    "TORCH",
+    "OMP_",
+    "MKL",
+    "KMP_",
+    "GOMP",
+    "LD_",
+    "PYTHON",
+    "NCCL",
+)  # see docs/lifecycle.md: keeps restarts fast for ten idle minutes, then frees the RSS
 
 
 class LauncherError(RuntimeError):
@@ -53,27 +71,50 @@ class Launcher:
 
     command: ClassVar[list[str]] = [sys.executable, "-m", "enginekit.runtime.launcher_server"]
     _instance: ClassVar[Launcher | None] = None
+    _retired: ClassVar[list[Launcher]] = []  # replaced, kept until their engines have stopped
     _instance_lock = threading.Lock()
 
     @classmethod
     def shared(cls) -> Launcher:
+        """The launcher for the current environment; a dead one, or one started under other import-time
+        variables, is replaced (an engine must see the environment a spawned one would)."""
         with cls._instance_lock:
-            if cls._instance is None or not cls._instance.is_alive():
-                if cls._instance is not None:
-                    cls._instance.close()
-                cls._instance = cls()
-            return cls._instance
+            current = cls._instance
+            if current is None or not current.is_alive() or current.environ != import_time_environ():
+                if current is not None:
+                    cls._retire(current)
+                cls._instance = current = cls()
+            return current
+
+    @classmethod
+    def engine_stopped(cls, launcher: Launcher) -> None:
+        """One engine of ``launcher`` has stopped; a replaced launcher with none left is closed."""
+        with cls._instance_lock:
+            launcher.num_engines -= 1
+            if launcher in cls._retired and launcher.num_engines <= 0:
+                cls._retired.remove(launcher)
+                launcher.close()
+
+    @classmethod
+    def _retire(cls, launcher: Launcher) -> None:
+        if launcher.num_engines > 0 and launcher.is_alive():
+            cls._retired.append(launcher)  # it alone can report its engines' exit codes
+        else:
+            launcher.close()
 
     @classmethod
     def close_shared(cls) -> None:
-        """Stop the shared launcher; engines it started keep running and are watched as before."""
+        """Stop every launcher; engines they started keep running and are watched as before."""
         with cls._instance_lock:
-            instance, cls._instance = cls._instance, None
-        if instance is not None:
-            instance.close()
+            launchers = [launcher for launcher in (cls._instance, *cls._retired) if launcher is not None]
+            cls._instance, cls._retired = None, []
+        for launcher in launchers:
+            launcher.close()
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.environ = import_time_environ()
+        self.num_engines = 0
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._socket = ours
         try:
@@ -110,6 +151,8 @@ class Launcher:
         reply = self._call(request, [stdin_fd, output_fd], CALL_TIMEOUT_S)
         if not isinstance(reply, Spawned):
             raise LauncherError(f"the engine launcher could not fork: {_describe(reply)}")
+        with self._instance_lock:
+            self.num_engines += 1
         return reply.pid
 
     def exit_status(self, pid: int, timeout: float = 2.0) -> int | None:
@@ -170,6 +213,12 @@ class Launcher:
             self.proc.wait()
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+def import_time_environ() -> dict[str, str]:
+    """The variables torch and its native libraries read as they load or initialise, which a fork inherits
+    as they were when the launcher imported torch (so a change needs a new launcher)."""
+    return {name: value for name, value in os.environ.items() if name.startswith(IMPORT_TIME_PREFIXES)}
 
 
 def shutdown_launcher() -> None:
