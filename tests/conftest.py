@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -6,6 +9,11 @@ pytest_plugins = ["enginekit.testing", "pytester"]
 
 # Engine processes log into the front end's logger; keep test output readable.
 os.environ.setdefault("ENGINEKIT_TEST", "1")
+# The weight cache of this test run (engine processes and notebook kernels inherit it): tests never write into
+# the user's ~/.cache, and every run starts from a clean cache.
+if "ENGINEKIT_CACHE" not in os.environ:
+    os.environ["ENGINEKIT_CACHE"] = tempfile.mkdtemp(prefix="enginekit-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["ENGINEKIT_CACHE"], True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

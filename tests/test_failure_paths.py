@@ -260,3 +260,26 @@ def test_async_mode_refuses_a_blocking_call_while_another_threads_loop_drives_it
         loop_thread.join(120)
         assert outcome[0][0].finished
         assert engine.generate("the loop is gone: this thread may drive it now", SHORT)[0].finished
+
+
+def test_a_draining_shutdown_with_a_stalled_reader_ends_the_process():
+    from process_support import wait_gone
+
+    engine = Engine("builtin", mode="mp", num_kv_blocks=64, max_pending_outputs=4)
+    pid, receiver = engine.engine_pid, engine.client.receiver
+    released = threading.Event()
+    handle_frames = receiver._handle_frames
+
+    def stalled(frames):  # the front end stops reading outputs
+        released.wait()
+        return handle_frames(frames)
+
+    receiver._handle_frames = stalled
+    params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True, logprobs=20)
+    in_thread(lambda: engine.generate([f"stall {i}" for i in range(16)], params))
+    time.sleep(2.0)  # the engine fills its output queue and the socket, then waits for the reader
+    stopper, _ = in_thread(lambda: engine.shutdown(timeout=1.0))
+    stopper.join(60)
+    assert not stopper.is_alive(), "a draining shutdown hangs on a stalled reader"
+    released.set()
+    assert wait_gone([pid], 10) == []

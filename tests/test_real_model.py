@@ -55,6 +55,9 @@ def reference():
         for ids in prompts:
             out = model.generate(
                 torch.tensor([ids]),
+                # NOTE: explicit: the chat prompts hold <|im_end|>, which is also the pad token, and without a
+                # mask generate would take those positions for padding and mask them out.
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=NUM_TOKENS,
                 min_new_tokens=NUM_TOKENS,
                 do_sample=False,

@@ -72,11 +72,15 @@ class ThreadReceiver:
                 return
             if events.get(self._socket):
                 # Drain everything ready before looking at liveness: the last outputs come before death.
-                while True:
+                while not self._closed:
                     try:
                         frames = self._socket.recv_multipart(copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    except zmq.ZMQError:
+                        if self._closed:
+                            return  # shut down while this thread was busy: the socket is gone
+                        raise
                     batch = self._handle_frames(frames)
                     if batch is not None:
                         self._queue(batch)

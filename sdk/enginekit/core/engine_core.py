@@ -63,6 +63,9 @@ class EngineCore:
         self.config = config
         self.engine_index = engine_index
         self.device, self.dtype = resolve_device(config)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # NOTE: before anything is allocated, or a stray context appears on cuda:0.
+            torch.cuda.set_device(self.device)
         self._previous_num_threads = torch.get_num_threads()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
