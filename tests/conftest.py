@@ -12,7 +12,7 @@ os.environ.setdefault("ENGINEKIT_TEST", "1")
 # The weight cache of this test run (engine processes and notebook kernels inherit it): tests never write into
 # the user's ~/.cache, and every run starts from a clean cache.
 if "ENGINEKIT_CACHE" not in os.environ:
-    os.environ["ENGINEKIT_CACHE"] = tempfile.mkdtemp(prefix="enginekit-test-cache-")
+    os.environ["ENGINEKIT_CACHE"] = tempfile.mkdtemp(prefix="ektest-weights-")
     atexit.register(shutil.rmtree, os.environ["ENGINEKIT_CACHE"], True)
 
 
