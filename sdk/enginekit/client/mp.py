@@ -76,7 +76,7 @@ class MPClient(EngineCoreClient):
                 self.sockets.output, self.process, self._handle_frames, self._on_process_exit
             )
         except BaseException:
-            self._close_resources(kill=True)
+            self._close_resources()
             raise
 
     # ---- startup ------------------------------------------------------------------------------------
@@ -272,16 +272,15 @@ class MPClient(EngineCoreClient):
             with contextlib.suppress(Exception):
                 self._send(ShutdownRequest(timeout))
         self._closed = True  # from here on, the process exiting is not a death
-        self.process.stop(timeout + SHUTDOWN_GRACE_S)
         self._pending.fail_all(EngineShutdownError("the engine was shut down"))
-        self._close_resources()
+        self._close_resources(stop_timeout=timeout + SHUTDOWN_GRACE_S)
 
-    def _close_resources(self, kill: bool = False) -> None:
+    def _close_resources(self, *, stop_timeout: float = 0.0) -> None:
+        """Stop receiving, then stop the process (the receiver watches its pidfd), then close the sockets."""
         self._closed = True
-        if kill:
-            self.process.stop(0.0)
         if self.receiver is not None:
             self.receiver.close()
+        self.process.stop(stop_timeout)
         if self.sockets is not None:
             self.sockets.close()
 
