@@ -108,9 +108,9 @@ def test_streaming_and_async_chat(engine):
 
     async def both():
         outs = await engine.achat(conversation, SamplingParams(max_tokens=16, temperature=0))
-        last = None
-        async for last in engine.astream_chat(conversation, SamplingParams(max_tokens=16, temperature=0)):
-            pass
-        return outs[0].text, last.text
+        chunks = [
+            c async for c in engine.astream_chat(conversation, SamplingParams(max_tokens=16, temperature=0))
+        ]
+        return outs[0].text, chunks[-1].text
 
     assert asyncio.run(both()) == (expected, expected)
