@@ -216,11 +216,11 @@ def _core_rate(spec: ModelSpec, num_requests: int, rng: random.Random) -> float:
     try:
         t0 = time.perf_counter()
         for request in requests:
-            core.add_request(request)
+            core.handle(request)
         finished = 0
         while core.has_work():
             outputs, _ = core.step()
-            finished += sum(1 for o in outputs if o.finish_reason is not None)
+            finished += sum(1 for o in outputs.outputs if o.finish_reason is not None) if outputs else 0
         elapsed = time.perf_counter() - t0
     finally:
         core.shutdown()

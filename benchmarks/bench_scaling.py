@@ -54,7 +54,7 @@ class DecodeBench:
         for _ in range(batch):
             self._ids += 1
             prompt = self.spec.random_prompt(context, self.rng)
-            core.add_request(_request(f"scaling-{self._ids}", prompt, greedy(self.max_model_len - context)))
+            core.handle(_request(f"scaling-{self._ids}", prompt, greedy(self.max_model_len - context)))
         try:
             guard = 0
             while not self._steady(batch):

@@ -39,7 +39,7 @@ rounds after one warm-up round; the ratio is the median of per-round ratios.
 """
     runners: dict[str, Any] = {
         "torch": lambda: import_time("torch", repeats=1, warmup=0).median,
-        "enginekit": lambda: import_time("enginekit.core.engine_core_proc", repeats=1, warmup=0).median,
+        "enginekit": lambda: import_time("enginekit.runtime.engine_main", repeats=1, warmup=0).median,
     }
     engines = {}
     has_spawn = _has_option("start_method")
@@ -60,7 +60,7 @@ rounds after one warm-up round; the ratio is the median of per-round ratios.
     torch_s = samples["torch"]
     rows = [
         ['`python -c "import torch"`', fmt(summarize(torch_s).scaled(1e3), "ms", 0), "1.00x"],
-        _row('`python -c "import enginekit.core.engine_core_proc"`', samples["enginekit"], torch_s),
+        _row('`python -c "import enginekit.runtime.engine_main"`', samples["enginekit"], torch_s),
     ]
     for spec in ctx.models():
         name = _short(spec)
@@ -117,7 +117,7 @@ def _row(label: str, values: list[float], torch_s: list[float]) -> list[str]:
 
 
 def _short(spec: ModelSpec) -> str:
-    return "None" if spec.engine_model is None else "llama_dir"
+    return '"builtin"' if spec.engine_model == "builtin" else "llama_dir"
 
 
 def _timed(action: Any) -> float:
@@ -136,7 +136,7 @@ def _timed_start(spec: ModelSpec, mode: str, **options: Any) -> float:
 
 def _first_start(spec: ModelSpec) -> float:
     result = subprocess.run(
-        [sys.executable, "-c", _FIRST_START, spec.engine_model or ""],
+        [sys.executable, "-c", _FIRST_START, spec.engine_model],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

@@ -75,7 +75,7 @@ class ModelSpec:
 
     key: str
     label: str
-    engine_model: str | None  # None: the engine's built-in model
+    engine_model: str  # what Engine(...) takes: a name ("builtin") or a path
     hf_path: str
     config: Any  # enginekit ModelConfig
     token_range: tuple[int, int]  # prompt token ids are drawn from [lo, hi): no special tokens
@@ -87,16 +87,16 @@ class ModelSpec:
 
 def _builtin_model(folder: Path) -> ModelSpec:
     """The built-in model, plus the same weights written as a Hugging Face Llama folder for transformers."""
-    from enginekit.model import loader
+    from enginekit.model.builtin import BUILTIN_CONFIG, builtin_weights
     from enginekit.model.tokenizer import ByteTokenizer
 
-    config = loader.BUILTIN_CONFIG
-    weights = loader._builtin_weights(config, 0)  # seed 0 is the engine's default seed
+    config = BUILTIN_CONFIG
+    weights = builtin_weights(config, 0)  # seed 0 is the engine's default seed
     _save_hf_llama(folder, config, weights)
     return ModelSpec(
         key="builtin",
         label="built-in tiny model (hidden 128, 4 layers, 4 heads, 2 KV heads, vocab 259)",
-        engine_model=None,
+        engine_model="builtin",
         hf_path=str(folder),
         config=config,
         token_range=(ByteTokenizer.NUM_SPECIAL, ByteTokenizer.vocab_size),
@@ -137,13 +137,13 @@ def _save_hf_llama(folder: Path, config: Any, weights: dict) -> None:
 
 
 def _llama_model(folder: Path) -> ModelSpec:
-    from enginekit.model.loader import load_model_config
+    from enginekit.model.config import ModelConfig
 
     checkpoints = _import_file("hf_checkpoints", REPO_ROOT / "tests" / "hf_checkpoints.py")
     checkpoints.build_checkpoint(
         folder, "llama", max_position_embeddings=LLAMA_MAX_POSITIONS, seed=0, **LLAMA_SIZES
     )
-    config = load_model_config(str(folder))
+    config = ModelConfig.from_folder(folder)
     return ModelSpec(
         key="llama",
         label="tiny random Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocab 4096)",

@@ -97,7 +97,7 @@ def test_killing_the_engine_and_the_launcher_fails_the_call_then_restart_works(e
 def test_closing_the_launcher_while_engines_run(engine):
     other = Engine("builtin", mode="async", num_kv_blocks=64)
     try:
-        run_dirs = [engine.client.process.run_dir, other.client.process.run_dir]
+        run_dirs = [engine.client.sockets.run_dir, other.client.sockets.run_dir]
         enginekit.shutdown_launcher()
         assert engine.generate("still here", SHORT)[0].finished
         assert other.generate("still here", SHORT)[0].finished

@@ -141,11 +141,11 @@ def test_wakeup_does_nothing(engine):
 
 def test_ipc_sockets_in_a_private_directory_removed_on_shutdown():
     engine = Engine("builtin", mode="mp")
-    run_dir = engine.client.process.run_dir
+    run_dir = engine.client.sockets.run_dir
     assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
     assert sorted(os.listdir(run_dir)) == ["input.sock", "output.sock"]
     other = Engine("builtin", mode="mp")
-    assert other.client.process.run_dir != run_dir
+    assert other.client.sockets.run_dir != run_dir
     other.shutdown()
     engine.shutdown()
     assert not os.path.exists(run_dir)

@@ -34,10 +34,12 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.num_stats_calls = 0
 
-    def call_utility(self, method_name: str, *args: object, timeout: float | None = None) -> dict:
-        assert method_name == "get_stats"
+    def get_stats(self) -> dict:
         self.num_stats_calls += 1
         return dict(STATS)
+
+    async def aget_stats(self) -> dict:
+        return self.get_stats()
 
     def abort(self, request_ids: list[str]) -> None:
         self.aborted.extend(request_ids)
@@ -292,29 +294,25 @@ def test_async_mode_viewer_gets_stats_without_blocking_or_reentering_a_loop(
     async_engine: Engine, greedy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sync_calls, async_calls = [], []
-    real_call_utility, real_acall_utility = async_engine.call_utility, async_engine.acall_utility
+    real_get_stats, real_aget_stats = async_engine.get_stats, async_engine.aget_stats
 
-    def call_utility(*args, **kw):
+    def get_stats():
         with pytest.raises(RuntimeError):
             asyncio.get_running_loop()  # a blocking stats call never runs on a loop
-        sync_calls.append(args)
-        return real_call_utility(*args, **kw)
+        sync_calls.append(True)
+        return real_get_stats()
 
-    monkeypatch.setattr(async_engine, "call_utility", call_utility)
-    monkeypatch.setattr(
-        async_engine,
-        "acall_utility",
-        lambda *args, **kw: async_calls.append(args) or real_acall_utility(*args, **kw),
-    )
+    monkeypatch.setattr(async_engine, "get_stats", get_stats)
+    monkeypatch.setattr(async_engine, "aget_stats", lambda: async_calls.append(True) or real_aget_stats())
     prompts = [f"p{i}" for i in range(4)]
 
     async def main():
         return await async_engine.agenerate(prompts, greedy(8), viewer=Viewer(kind="widget"))
 
     asyncio.run(main())
-    assert async_calls and all(args == ("get_stats",) for args in async_calls) and not sync_calls
+    assert async_calls and not sync_calls
     async_engine.generate(prompts, greedy(8), viewer=Viewer(kind="widget"))  # no loop: a plain blocking call
-    assert sync_calls and all(args == ("get_stats",) for args in sync_calls)
+    assert sync_calls
 
 
 # ---- background generation --------------------------------------------------------------------------

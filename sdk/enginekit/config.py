@@ -67,6 +67,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         Test hook: the engine sleeps this long while loading the model (startup deadlines, orphans mid-load).
     max_pending_outputs
         Back-pressure bound: output batches the engine process may hold unsent before it stops stepping.
+    data_parallel_size
+        Engine core processes, each with its own replica of the model and KV cache (``"mp"`` and ``"async"``
+        modes). Rank r runs on ``cuda:r`` on CUDA; on CPU the torch threads are split between the ranks.
+    data_parallel_rank
+        Start only this rank of ``data_parallel_size`` (external load balancing: one front end per rank, and
+        you spread the requests); ``None`` starts every rank behind this front end (internal load balancing).
+    data_parallel_load_balancing
+        ``"internal"`` (the client sends each request to the rank with the fewest unfinished ones) or
+        ``"external"`` (needs ``data_parallel_rank``); ``None`` picks external exactly when a rank is given.
     """
 
     model: str | None = None
@@ -89,6 +98,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     fail_at_step: int | None = None
     debug_load_delay_s: float = 0.0
     max_pending_outputs: int = 64
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None
+    data_parallel_load_balancing: Literal["internal", "external"] | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -120,6 +132,33 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"address must start with tcp:// or ipc://, got {self.address!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        size, rank, balancing = (
+            self.data_parallel_size,
+            self.data_parallel_rank,
+            self.data_parallel_load_balancing,
+        )
+        _require(size >= 1, f"data_parallel_size must be at least 1, got {size}")
+        if rank is not None and not 0 <= rank < size:
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={size}), got {rank}")
+        if rank is not None and balancing == "internal":
+            raise ValueError(
+                f"data_parallel_rank={rank} starts one rank, which needs external load balancing; drop "
+                "data_parallel_load_balancing='internal', or drop the rank to start every rank here"
+            )
+        if rank is None and balancing == "external":
+            raise ValueError(
+                "data_parallel_load_balancing='external' runs one rank per front end: give data_parallel_rank"
+            )
+
+    @property
+    def data_parallel_ranks(self) -> list[int]:
+        """The ranks this front end starts: all of them, or just ``data_parallel_rank``."""
+        if self.data_parallel_rank is not None:
+            return [self.data_parallel_rank]
+        return list(range(self.data_parallel_size))
 
     @classmethod
     def from_options(cls, model: str | os.PathLike[str] | None = None, **options: Any) -> EngineConfig:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
-from enginekit.client import EngineCoreClient, make_client
+from enginekit.client import EngineCoreClient, check_client, make_client
 from enginekit.config import EngineConfig, EngineMode, resolve_mode
 from enginekit.core.validation import RequestLimits
 from enginekit.errors import EngineShutdownError
@@ -106,12 +107,11 @@ class Engine:
         client.shutdown(timeout)
 
     def restart(self, *, mode: EngineMode | None = None, **options: Any) -> None:
-        """Shut down (also after the engine died) and start again, optionally in another mode or config.
-
-        The new mode and options are checked first: a bad one raises and leaves the running engine alone.
-        """
+        """Shut down (also after the engine died) and start again, optionally in another mode or config; a bad
+        mode or option raises first and leaves the running engine alone."""
         new_mode = resolve_mode(mode) if mode is not None else self.mode
         new_config = self.config.replace(**options) if options else self.config
+        check_client(new_mode, new_config)
         self.shutdown()
         self.config, self.mode = new_config, new_mode
         self._start()
@@ -123,11 +123,9 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # NOTE: never raise from a finalizer
             if getattr(self, "_client", None) is not None:
                 self.shutdown()
-        except Exception:  # NOTE: never raise from a finalizer
-            pass
 
     def __repr__(self) -> str:
         state = "running" if self.is_running else "stopped"
@@ -194,14 +192,14 @@ class Engine:
     def generate_background(
         self, prompts: Any, params: Params = None, *, progress: bool | None = None, viewer: Any = None
     ) -> GenerationHandle:
-        """Start generating on this thread's running asyncio loop (mode ``"async"``); returns a handle at once.
-
-        In a notebook the cell returns; the kernel's loop runs the generation during later cells. ``await
-        handle`` (or ``handle.result()``) gives the outputs; ``handle.cancel()`` aborts. See ``GenerationHandle``.
-        """
+        """Start generating on this thread's running asyncio loop (mode ``"async"``); returns a
+        ``GenerationHandle`` at once: ``await handle`` for the outputs, ``handle.cancel()`` to abort."""
         return start_background(self, prompts, params, progress=progress, viewer=viewer)
 
     # ---- chat: a conversation (or a list of them) rendered with the model's chat template ----------------
+    def _chat(self, messages: Any, params: Any, template: str | None, add_prompt: bool) -> tuple[list, Any]:
+        return self._requests.chat(messages, params, chat_template=template, add_generation_prompt=add_prompt)
+
     def chat(
         self,
         messages: Any,
@@ -217,9 +215,7 @@ class Engine:
         The model's chat template renders it (or ``chat_template``, Jinja source); generation stops at the
         template's end-of-turn token. Raises ``ValueError`` if the model has no template and none is given.
         """
-        prompts, params = self._requests.chat(
-            messages, params, chat_template=chat_template, add_generation_prompt=add_generation_prompt
-        )
+        prompts, params = self._chat(messages, params, chat_template, add_generation_prompt)
         return self.generate(prompts, params, progress=progress, viewer=viewer)
 
     def achat(
@@ -233,9 +229,7 @@ class Engine:
         viewer: Any = None,
     ) -> Coroutine[Any, Any, list[RequestOutput]]:
         """Async ``chat``, as ``agenerate`` is to ``generate``."""
-        prompts, params = self._requests.chat(
-            messages, params, chat_template=chat_template, add_generation_prompt=add_generation_prompt
-        )
+        prompts, params = self._chat(messages, params, chat_template, add_generation_prompt)
         return self.agenerate(prompts, params, progress=progress, viewer=viewer)
 
     def stream_chat(
@@ -247,9 +241,7 @@ class Engine:
         add_generation_prompt: bool = True,
     ) -> Iterator[RequestOutput]:
         """Streaming ``chat`` of one conversation, as ``stream`` is to ``generate``."""
-        prompts, (params,) = self._requests.chat(
-            messages, params, chat_template=chat_template, add_generation_prompt=add_generation_prompt
-        )
+        prompts, (params,) = self._chat(messages, params, chat_template, add_generation_prompt)
         return self.stream(prompts, params)
 
     def astream_chat(
@@ -261,29 +253,37 @@ class Engine:
         add_generation_prompt: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Async streaming ``chat`` of one conversation, as ``astream`` is to ``generate``."""
-        prompts, (params,) = self._requests.chat(
-            messages, params, chat_template=chat_template, add_generation_prompt=add_generation_prompt
-        )
+        prompts, (params,) = self._chat(messages, params, chat_template, add_generation_prompt)
         return self.astream(prompts, params)
 
     # ---- utilities ----------------------------------------------------------------------------------
-    def call_utility(self, method_name: str, *args: Any, timeout: float | None = 30.0) -> Any:
+    def call_utility(
+        self, method_name: str, *args: Any, timeout: float | None = 30.0, rank: int | None = None
+    ) -> Any:
         """Call ``EngineCore.utility_<method_name>(*args)`` in the engine and return its result.
 
-        Raises ``UtilityCallError`` if the method is unknown or fails there (the engine keeps running),
-        ``TimeoutError`` past ``timeout`` seconds and ``EngineDeadError`` if the engine dies meanwhile.
+        With several data-parallel ranks it runs on each and returns a list, or on ``rank`` alone. Raises
+        ``UtilityCallError`` if the method is unknown or fails there (the engine keeps running), ``TimeoutError``
+        past ``timeout`` seconds and ``EngineDeadError`` if the engine dies meanwhile.
         """
         _check_method_name(method_name)
-        return self.client.call_utility(method_name, *args, timeout=timeout)
+        return self.client.call_utility(method_name, *args, timeout=timeout, rank=rank)
 
-    async def acall_utility(self, method_name: str, *args: Any, timeout: float | None = 30.0) -> Any:
+    async def acall_utility(
+        self, method_name: str, *args: Any, timeout: float | None = 30.0, rank: int | None = None
+    ) -> Any:
         """Async ``call_utility``."""
         _check_method_name(method_name)
-        return await self.client.call_utility_async(method_name, *args, timeout=timeout)
+        return await self.client.call_utility_async(method_name, *args, timeout=timeout, rank=rank)
 
     def get_stats(self) -> dict[str, Any]:
-        """Engine statistics: running and waiting requests, KV-cache usage, prefix-cache hit rate, ..."""
-        return {**self.call_utility("get_stats"), "mode": self.mode, "engine_pid": self.engine_pid}
+        """Engine statistics: running and waiting requests, KV-cache usage, prefix-cache hit rate, ...; with
+        several data-parallel ranks, their sums and a per-rank breakdown (``ranks``)."""
+        return {**self.client.get_stats(), "mode": self.mode, "engine_pid": self.engine_pid}
+
+    async def aget_stats(self) -> dict[str, Any]:
+        """Async ``get_stats``."""
+        return {**await self.client.get_stats_async(), "mode": self.mode, "engine_pid": self.engine_pid}
 
     def ping(self) -> bool:
         """A cheap liveness check through the whole request path."""

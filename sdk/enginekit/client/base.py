@@ -42,10 +42,22 @@ class EngineCoreClient(ABC):
     async def wait_for_output_async(self) -> None: ...
 
     @abstractmethod
-    def call_utility(self, method_name: str, *args: Any, timeout: float | None = None) -> Any: ...
+    def call_utility(
+        self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None
+    ) -> Any:
+        """Run ``utility_<method_name>`` on one rank (``rank``), or on each rank (a list of results)."""
 
     @abstractmethod
-    async def call_utility_async(self, method_name: str, *args: Any, timeout: float | None = None) -> Any: ...
+    async def call_utility_async(
+        self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None
+    ) -> Any: ...
+
+    def get_stats(self) -> dict[str, Any]:
+        """The engine's statistics; with several ranks, their sums and a per-rank breakdown."""
+        return merge_stats(self.call_utility("get_stats", timeout=30.0))
+
+    async def get_stats_async(self) -> dict[str, Any]:
+        return merge_stats(await self.call_utility_async("get_stats", timeout=30.0))
 
     @abstractmethod
     def shutdown(self, timeout: float | None = None) -> None: ...
@@ -53,3 +65,18 @@ class EngineCoreClient(ABC):
     @property
     @abstractmethod
     def is_alive(self) -> bool: ...
+
+
+def merge_stats(stats: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's stats as they are; several ranks' summed (ratios recomputed), with ``ranks`` beside."""
+    if isinstance(stats, dict):
+        return stats
+    total = {
+        key: sum(rank[key] for rank in stats) for key in stats[0] if isinstance(stats[0][key], (int, float))
+    }
+    total["kv_cache_usage"] = 1.0 - total["num_free_kv_blocks"] / total["num_kv_blocks"]
+    queries = total["prefix_cache_queries"]
+    total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
+    total["uptime_s"] = max(rank["uptime_s"] for rank in stats)
+    total["ranks"] = stats
+    return total

@@ -111,7 +111,11 @@ class InprocClient(EngineCoreClient):
         gc.collect()
         raise EngineDeadError(f"the in-process engine failed in a step: {self._failure}") from None
 
-    def call_utility(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
+    def call_utility(
+        self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None
+    ) -> Any:
+        if rank not in (None, 0):
+            raise ValueError(f"rank must be 0 (an in-process engine has one), got {rank!r}")
         call_id = next(self._call_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -126,8 +130,10 @@ class InprocClient(EngineCoreClient):
             raise UtilityCallError(answer.failure_message)
         return answer.result
 
-    async def call_utility_async(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
-        return self.call_utility(method_name, *args, timeout=timeout)
+    async def call_utility_async(
+        self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None
+    ) -> Any:
+        return self.call_utility(method_name, *args, timeout=timeout, rank=rank)
 
     def shutdown(self, timeout: float | None = None) -> None:
         with self._lock:

@@ -1,9 +1,11 @@
-"""MPClient: the front end of an engine process — sockets, handshake, sending, liveness, shutdown.
+"""MPClient: the front end of its engine processes — sockets, sending, liveness, death, shutdown.
 
-Front end ``ROUTER`` (bound) → engine ``DEALER`` carries requests (and, during startup, the engine's phase
-reports and READY the other way); engine ``PUSH`` → front end ``PULL`` (bound) carries outputs. Every message
-is ``[msgpack body, *tensor frames]`` (the ROUTER adds the engine's identity). Who reads the output socket is
-the receiver's business: a thread (``SyncMPClient``) or a task on the caller's loop (``AsyncMPClient``).
+Front end ``ROUTER`` (bound) → each engine's ``DEALER`` carries requests (and, during startup, the engines' phase
+reports and READY the other way); every engine's ``PUSH`` → the front end's one ``PULL`` (bound) carries outputs.
+Every message is ``[msgpack body, *tensor frames]`` (the ROUTER adds the engine's identity). With data
+parallelism there is one engine per rank behind the same two sockets, and a ``LoadBalancer`` picks each new
+request's rank. Who reads the output socket is the receiver's business: a thread (``SyncMPClient``) or a task on
+the caller's loop (``AsyncMPClient``).
 """
 
 from __future__ import annotations
@@ -19,28 +21,24 @@ from typing import Any, ClassVar
 import msgspec
 import zmq
 
+from enginekit.client.balancer import LoadBalancer
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.pending import PendingCalls
 from enginekit.client.receiver import LoopReceiver, ThreadReceiver
 from enginekit.client.sockets import EngineSockets
+from enginekit.client.startup import EngineRank, check_placement, start_engines
 from enginekit.config import EngineConfig
-from enginekit.errors import EngineDeadError, EngineShutdownError, EngineStartupError
+from enginekit.errors import EngineDeadError, EngineShutdownError
 from enginekit.model.loader import ModelSpec
 from enginekit.runtime.engine_process import EngineProcess
-from enginekit.runtime.launcher import LauncherError
 from enginekit.wire.messages import (
     AbortRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
     EngineOutput,
-    EngineProcArgs,
-    PhaseReport,
-    ReadyMessage,
     ShutdownRequest,
-    StartupReport,
     UtilityRequest,
-    engine_identity,
 )
 from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -50,15 +48,15 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 class MPClient(EngineCoreClient):
-    """Starts the engine process, owns its sockets; its receiver decides how outputs are awaited."""
+    """Starts the engine processes (one per data-parallel rank), owns their sockets; its receiver decides how
+    outputs are awaited."""
 
     receiver_type: ClassVar[type[ThreadReceiver] | type[LoopReceiver]]
 
-    def __init__(self, config: EngineConfig, spec: ModelSpec | None = None, *, engine_index: int = 0) -> None:
-        # ``spec`` is unused: the engine process reads the model itself.
+    def __init__(self, config: EngineConfig, spec: ModelSpec | None = None) -> None:
+        # ``spec`` is unused: each engine process reads the model itself.
+        check_placement(config)
         self.config = config
-        self.engine_index = engine_index
-        self.identity = engine_identity(engine_index)
         self._closed = False
         self._dead_error: EngineDeadError | None = None
         self._dead_lock = threading.Lock()
@@ -66,84 +64,60 @@ class MPClient(EngineCoreClient):
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineOutput)
         self._pending = PendingCalls()
-        self.process = EngineProcess(config.start_method)
+        ranks = config.data_parallel_ranks
+        self.engines = [EngineRank(rank, EngineProcess(config.start_method)) for rank in ranks]
+        self.balancer = LoadBalancer(ranks) if len(ranks) > 1 else None
         self.sockets: EngineSockets | None = None
         self.receiver: ThreadReceiver | LoopReceiver | None = None
         try:
-            self.sockets = EngineSockets(config, self.process)
-            self._start_engine()
+            self.sockets = EngineSockets(config)
+            start_engines(config, self.sockets, self.engines)
+            processes = [engine.process for engine in self.engines]
             self.receiver = self.receiver_type(
-                self.sockets.output, self.process, self._handle_frames, self._on_process_exit
+                self.sockets.output, processes, self._handle_frames, self._on_process_exit
             )
         except BaseException:
             self._close_resources()
             raise
-
-    # ---- startup ------------------------------------------------------------------------------------
-    def _start_engine(self) -> None:
-        assert self.sockets is not None
-        args = EngineProcArgs(
-            self.config,
-            self.sockets.input_address,
-            self.sockets.output_address,
-            self.engine_index,
-            *self.sockets.curve_client_keys,
+        ready = self.engines[0].ready
+        assert ready is not None
+        self.max_model_len, self.num_kv_blocks, self.engine_device = (
+            ready.max_model_len,
+            ready.num_gpu_blocks,
+            ready.device,
         )
-        try:
-            self.process.start(args)
-        except (OSError, LauncherError) as error:
-            raise EngineStartupError(f"cannot start the engine process: {error}", phase="spawn") from error
-        ready = self._wait_for_ready(time.monotonic() + self.config.startup_timeout)
-        self.max_model_len = ready.max_model_len
-        self.num_kv_blocks = ready.num_gpu_blocks
-        self.kv_cache_size_tokens = ready.kv_cache_size_tokens
-        self.engine_pid = ready.pid
-        self.engine_device = ready.device
+        self.engine_pids = [engine.ready.pid for engine in self.engines if engine.ready is not None]
+        self.engine_pid = self.engine_pids[0]
 
-    def _wait_for_ready(self, deadline: float) -> ReadyMessage:
-        assert self.sockets is not None
-        socket = self.sockets.input
-        decoder = msgspec.msgpack.Decoder(StartupReport)
-        while True:
-            if socket.poll(100):
-                frames = socket.recv_multipart()
-                report = _decode_report(decoder, frames, self.identity)
-                if isinstance(report, ReadyMessage):
-                    return report
-                if isinstance(report, PhaseReport):
-                    self.process.phase = report.phase
-                continue
-            if not self.process.is_alive():
-                raise self._startup_error(
-                    f"engine startup failed during {self.process.phase}: {self.process.describe_exit()}"
-                )
-            if time.monotonic() > deadline:
-                phase = self.process.phase
-                self.process.stop(0.0)
-                raise self._startup_error(
-                    f"engine did not report READY within startup_timeout={self.config.startup_timeout}s "
-                    f"(stuck in {phase}); the engine process was killed",
-                )
+    @property
+    def process(self) -> EngineProcess:
+        """The (first) engine process."""
+        return self.engines[0].process
 
-    def _startup_error(self, headline: str) -> EngineStartupError:
-        tail = self.process.error_tail()
-        cause = _last_error_line(tail)
-        message = f"{cause}\n{headline}." if cause else f"{headline}."
-        if tail:
-            message += f"\nLast engine output:\n{tail}"
-        return EngineStartupError(message, phase=self.process.phase, error_tail=tail)
+    @property
+    def ranks(self) -> list[int]:
+        return [engine.rank for engine in self.engines]
 
     # ---- sending ------------------------------------------------------------------------------------
-    def _send(self, message: Any) -> None:
+    def _send(self, message: Any, rank: int | None = None) -> None:
         self._check_usable()
         assert self.sockets is not None
+        identity = self._engine(rank).identity
         with self._send_lock:  # NOTE: encoding too: the encoder collects one message's tensor frames
-            frames = [self.identity, *self._encoder.encode(message)]
+            frames = [identity, *self._encoder.encode(message)]
             try:
                 self.sockets.input.send_multipart(frames, copy=False)
             except zmq.ZMQError as error:
                 self._check_usable()
                 raise EngineDeadError(f"cannot reach the engine process: {error}") from error
+
+    def _engine(self, rank: int | None) -> EngineRank:
+        if rank is None:
+            return self.engines[0]
+        for engine in self.engines:
+            if engine.rank == rank:
+                return engine
+        raise ValueError(f"rank must be one of {self.ranks}, got {rank!r}")
 
     def _check_usable(self) -> None:
         if self._dead_error is not None:
@@ -152,10 +126,23 @@ class MPClient(EngineCoreClient):
             raise EngineShutdownError("the engine has been shut down; call engine.restart()")
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(request)
+        rank = self.balancer.choose(request.request_id) if self.balancer is not None else None
+        try:
+            self._send(request, rank)
+        except BaseException:
+            if self.balancer is not None:
+                self.balancer.finished(request.request_id)
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self._send(AbortRequest(list(request_ids)))
+        if self.balancer is None:
+            self._send(AbortRequest(list(request_ids)))
+            return
+        for rank, ids in self.balancer.by_rank(request_ids).items():  # an abort follows its request
+            self._send(AbortRequest(ids), rank)
+
+    def _targets(self, rank: int | None) -> list[int]:
+        return [self._engine(rank).rank] if rank is not None or len(self.engines) == 1 else self.ranks
 
     def _utility_request(self, call_id: int, method_name: str, args: tuple[Any, ...]) -> UtilityRequest:
         try:
@@ -165,31 +152,50 @@ class MPClient(EngineCoreClient):
             raise TypeError(f"utility arguments must be msgpack-able: {error}") from None
         return UtilityRequest(call_id, method_name, list(args))
 
-    def call_utility(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
+    def call_utility(
+        self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None
+    ) -> Any:
+        """Call a utility on one rank; without ``rank`` and with several ranks, on each (a list of results)."""
         self._check_usable()
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        call_id = self._pending.add(future)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        calls = []
         try:
-            self._send(self._utility_request(call_id, method_name, args))
-            return self._receiver().wait_future(future, timeout)
+            for target in self._targets(rank):
+                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                call_id = self._pending.add(future)
+                calls.append((call_id, future))
+                self._send(self._utility_request(call_id, method_name, args), target)
+            results = []
+            for _, future in calls:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                results.append(self._receiver().wait_future(future, remaining))
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
         finally:
-            self._pending.discard(call_id)
+            for call_id, _ in calls:
+                self._pending.discard(call_id)
+        return results if rank is None and len(self.engines) > 1 else results[0]
 
-    async def call_utility_async(self, method_name: str, *args: Any, timeout: float | None = None) -> Any:
+    async def call_utility_async(
+        self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None
+    ) -> Any:
         self._check_usable()
         if isinstance(self.receiver, LoopReceiver):
             self.receiver.bind()  # someone must read the answer on this loop
-        future = asyncio.get_running_loop().create_future()
-        call_id = self._pending.add(future)
+        loop, calls = asyncio.get_running_loop(), []
         try:
-            self._send(self._utility_request(call_id, method_name, args))
-            return await asyncio.wait_for(future, timeout)
+            for target in self._targets(rank):
+                future = loop.create_future()
+                call_id = self._pending.add(future)
+                calls.append((call_id, future))
+                self._send(self._utility_request(call_id, method_name, args), target)
+            results = await asyncio.wait_for(asyncio.gather(*(future for _, future in calls)), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
         finally:
-            self._pending.discard(call_id)
+            for call_id, _ in calls:
+                self._pending.discard(call_id)
+        return list(results) if rank is None and len(self.engines) > 1 else results[0]
 
     # ---- receiving ----------------------------------------------------------------------------------
     def get_output(self, timeout: float | None = 0) -> EngineCoreOutputs | None:
@@ -223,64 +229,72 @@ class MPClient(EngineCoreClient):
             logger.warning("dropped a malformed output message: %s", error)
             return None
         if isinstance(message, EngineDead):
-            self._on_engine_dead(f"the engine core reported a fatal error ({message.reason})")
+            self._on_engine_dead(message)
             return None
         for answer in message.utility_outputs:
             self._pending.resolve(answer)
+        if self.balancer is not None:
+            for output in message.outputs:
+                if output.finish_reason is not None:
+                    self.balancer.finished(output.request_id)
         return message if message.outputs else None
 
-    def _on_process_exit(self) -> None:
-        self._mark_dead("the engine process died")
+    # ---- death --------------------------------------------------------------------------------------
+    def _on_process_exit(self, process: EngineProcess) -> None:
+        engine = next(engine for engine in self.engines if engine.process is process)
+        self._mark_dead(f"{self._who(engine)}the engine process died", engine)
 
-    def _on_engine_dead(self, reason: str) -> None:
+    def _on_engine_dead(self, message: EngineDead) -> None:
+        engine = next((e for e in self.engines if e.rank == message.engine_index), self.engines[0])
+        reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
         if _running_loop() is None:
-            self._mark_dead(reason)
+            self._mark_dead(reason, engine)
         else:  # NOTE: describing the death waits for the exit (up to a second): never on a running loop
-            threading.Thread(
-                target=self._mark_dead, args=(reason,), name="enginekit-engine-exit", daemon=True
-            ).start()
+            thread = threading.Thread(
+                target=self._mark_dead, args=(reason, engine), name="enginekit-engine-exit"
+            )
+            thread.daemon = True
+            thread.start()
 
-    def _mark_dead(self, reason: str) -> None:
+    def _who(self, engine: EngineRank) -> str:
+        return f"engine rank {engine.rank}: " if len(self.engines) > 1 or engine.rank else ""
+
+    def _mark_dead(self, reason: str, engine: EngineRank) -> None:
         with self._dead_lock:
             if self._dead_error is not None or self._closed:
                 return
-            self._dead_error = self._describe_death(reason)
+            self._dead_error = _describe_death(reason, engine.process)
         logger.info("%s", self._dead_error)
         self._pending.fail_all(self._dead_error)
         if self.receiver is not None:
             self.receiver.mark_dead()
 
-    def _describe_death(self, reason: str) -> EngineDeadError:
-        self.process.wait_dead(1.0)  # it usually exits right after its last message
-        status = self.process.describe_exit()
-        tail = "\n".join(self.process.error_tail().splitlines()[-12:]) if not self.process.is_alive() else ""
-        return EngineDeadError(
-            f"{reason}; {status}. Call engine.restart() to start a new engine."
-            + (f"\nLast engine output:\n{tail}" if tail else "")
-        )
-
     @property
     def is_alive(self) -> bool:
-        return not self._closed and self._dead_error is None and self.process.is_alive()
+        return (
+            not self._closed and self._dead_error is None and all(e.process.is_alive() for e in self.engines)
+        )
 
     # ---- shutdown -----------------------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> None:
         if self._closed:
             return
         timeout = self.config.shutdown_timeout if timeout is None else timeout
-        if self._dead_error is None and self.process.is_alive():
-            with contextlib.suppress(Exception):
-                self._send(ShutdownRequest(timeout))
-        self._closed = True  # from here on, the process exiting is not a death
+        for engine in self.engines:
+            if self._dead_error is None and engine.process.is_alive():
+                with contextlib.suppress(Exception):
+                    self._send(ShutdownRequest(timeout), engine.rank)
+        self._closed = True  # from here on, a process exiting is not a death
         self._pending.fail_all(EngineShutdownError("the engine was shut down"))
         self._close_resources(stop_timeout=timeout + SHUTDOWN_GRACE_S)
 
     def _close_resources(self, *, stop_timeout: float = 0.0) -> None:
-        """Stop receiving, then stop the process (the receiver watches its pidfd), then close the sockets."""
+        """Stop receiving, then stop the processes (the receiver watches their pidfds), then close the sockets."""
         self._closed = True
         if self.receiver is not None:
             self.receiver.close()
-        self.process.stop(stop_timeout)
+        for engine in self.engines:
+            engine.process.stop(stop_timeout)
         if self.sockets is not None:
             self.sockets.close()
 
@@ -291,37 +305,26 @@ class MPClient(EngineCoreClient):
 
 
 class SyncMPClient(MPClient):
-    """The engine in a background process; a thread receives its outputs (mode ``"mp"``)."""
+    """Engines in background processes; a thread receives their outputs (mode ``"mp"``)."""
 
     mode = "mp"
     receiver_type = ThreadReceiver
 
 
 class AsyncMPClient(MPClient):
-    """The engine in a background process; a task on the caller's loop receives its outputs (``"async"``)."""
+    """Engines in background processes; a task on the caller's loop receives their outputs (``"async"``)."""
 
     mode = "async"
     receiver_type = LoopReceiver
 
 
-def _decode_report(decoder: msgspec.msgpack.Decoder, frames: list[bytes], identity: bytes) -> Any:
-    if len(frames) == 2 and frames[0] == identity:
-        with contextlib.suppress(msgspec.MsgspecError):
-            return decoder.decode(frames[1])
-    logger.warning("ignored an unexpected message during the handshake")
-    return None
-
-
-def _last_error_line(tail: str) -> str:
-    """The exception line of a traceback in the engine's output, to lead the startup error with."""
-    for line in reversed(tail.splitlines()):
-        if (
-            line
-            and not line.startswith((" ", "\t", "Traceback"))
-            and ("Error" in line or "Exception" in line)
-        ):
-            return line.strip()
-    return ""
+def _describe_death(reason: str, process: EngineProcess) -> EngineDeadError:
+    process.wait_dead(1.0)  # it usually exits right after its last message
+    tail = "\n".join(process.error_tail().splitlines()[-12:]) if not process.is_alive() else ""
+    return EngineDeadError(
+        f"{reason}; {process.describe_exit()}. Call engine.restart() to start a new engine."
+        + (f"\nLast engine output:\n{tail}" if tail else "")
+    )
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

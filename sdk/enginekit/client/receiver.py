@@ -42,12 +42,12 @@ class ThreadReceiver:
     def __init__(
         self,
         socket: zmq.Socket,
-        process: EngineProcess,
+        processes: list[EngineProcess],
         handle_frames: HandleFrames,
-        on_exit: Callable[[], None],
+        on_exit: Callable[[EngineProcess], None],
     ) -> None:
         self._socket = socket
-        self._process = process
+        self._processes = processes
         self._handle_frames = handle_frames
         self._on_exit = on_exit
         self._batches: collections.deque[EngineCoreOutputs] = collections.deque()
@@ -63,11 +63,11 @@ class ThreadReceiver:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
-        pidfd = self._process.pidfd
-        if pidfd is not None:
-            poller.register(pidfd, zmq.POLLIN)
+        watched = [process for process in self._processes if process.pidfd is not None]
+        for process in watched:
+            poller.register(process.pidfd, zmq.POLLIN)
         while not self._closed:
-            events = dict(poller.poll(None if pidfd is not None else 200))
+            events = dict(poller.poll(None if len(watched) == len(self._processes) else 200))
             if self._closed:
                 return
             if events.get(self._socket):
@@ -84,9 +84,11 @@ class ThreadReceiver:
                     batch = self._handle_frames(frames)
                     if batch is not None:
                         self._queue(batch)
-            elif not self._process.is_alive():
-                self._on_exit()
-                return
+            else:
+                dead = next((process for process in self._processes if not process.is_alive()), None)
+                if dead is not None:
+                    self._on_exit(dead)
+                    return
             if self.dead:
                 return
 
@@ -142,12 +144,12 @@ class LoopReceiver:
     def __init__(
         self,
         socket: zmq.Socket,
-        process: EngineProcess,
+        processes: list[EngineProcess],
         handle_frames: HandleFrames,
-        on_exit: Callable[[], None],
+        on_exit: Callable[[EngineProcess], None],
     ) -> None:
         self._socket = socket
-        self._process = process
+        self._processes = processes
         self._handle_frames = handle_frames
         self._on_exit = on_exit
         self._batches: collections.deque[EngineCoreOutputs] = collections.deque()
@@ -187,21 +189,23 @@ class LoopReceiver:
         shadow = zmq.asyncio.Socket.shadow(self._socket.underlying)
         self._task = loop.create_task(_receive(weakref.ref(self), shadow), name="enginekit-async-output")
         self._watched_fds = [self._socket.FD]  # the shadow adds its reader on this fd
-        pidfd = self._process.pidfd
-        if pidfd is not None:
-            loop.add_reader(pidfd, self._on_pidfd)
-            self._watched_fds.append(pidfd)
+        for process in self._processes:
+            if process.pidfd is not None:
+                loop.add_reader(process.pidfd, self._on_pidfd, process)
+                self._watched_fds.append(process.pidfd)
         return self._arrived
 
-    def _on_pidfd(self) -> None:
+    def _on_pidfd(self, process: EngineProcess) -> None:
         assert self._loop is not None
-        self._loop.remove_reader(self._process.pidfd)
+        self._loop.remove_reader(process.pidfd)
         # Outputs sent just before the exit may still be in the socket: let the task drain them first. The
         # death is then described (its exit status may take a launcher round trip) off the loop.
-        self._loop.call_later(0.05, self._exit_off_loop)
+        self._loop.call_later(0.05, self._exit_off_loop, process)
 
-    def _exit_off_loop(self) -> None:
-        threading.Thread(target=self._on_exit, name="enginekit-engine-exit", daemon=True).start()
+    def _exit_off_loop(self, process: EngineProcess) -> None:
+        threading.Thread(
+            target=self._on_exit, args=(process,), name="enginekit-engine-exit", daemon=True
+        ).start()
 
     def read_ready(self) -> None:
         """Handle every message waiting on the socket (the receive task calls this when it is readable)."""
@@ -247,14 +251,16 @@ class LoopReceiver:
                 return
             poller = zmq.Poller()
             poller.register(self._socket, zmq.POLLIN)
-            pidfd = self._process.pidfd
-            if pidfd is not None:
-                poller.register(pidfd, zmq.POLLIN)
+            for process in self._processes:
+                if process.pidfd is not None:
+                    poller.register(process.pidfd, zmq.POLLIN)
             events = dict(poller.poll(int(timeout * 1000)))
             if events.get(self._socket):
                 self.read_ready()
-            elif pidfd is not None and events.get(pidfd):
-                self._on_exit()
+                return
+            dead = next((p for p in self._processes if p.pidfd is not None and events.get(p.pidfd)), None)
+            if dead is not None:
+                self._on_exit(dead)
         finally:
             self._read_lock.release()
 

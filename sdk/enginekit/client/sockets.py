@@ -1,23 +1,29 @@
-"""EngineSockets: the front end's two bound sockets for one engine, over private IPC or protected TCP.
+"""EngineSockets: the front end's two bound sockets, over private IPC or protected TCP, for all its engines.
 
-IPC sockets live in the engine process's private run folder (mode 0700), so no two engines collide and no
-other user can connect. TCP binds loopback unless an address names another host; then a per-engine CURVE key
-pair protects both sockets, and only the engine process receives the client keys.
+Every engine of one front end (one per data-parallel rank) connects to the same two sockets: requests go out
+through the ROUTER to the rank's identity, and every rank's outputs come back on the one PULL socket. IPC
+sockets live in a private run folder (mode 0700, removed when closed), so no two front ends collide and no other
+user can connect. TCP binds loopback unless an address names another host; then a per-engine CURVE key pair
+protects both sockets, and only the engine processes receive the client keys. With external load balancing
+(``data_parallel_rank=r``) a TCP port is offset by ``2 * r``, so the ranks' front ends can share one address.
 """
 
 from __future__ import annotations
+
+import shutil
+import tempfile
 
 import zmq
 
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineStartupError
-from enginekit.runtime.engine_process import EngineProcess
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
 class EngineSockets:
-    def __init__(self, config: EngineConfig, process: EngineProcess) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        self.run_dir = tempfile.mkdtemp(prefix="enginekit-")  # mode 0700: private to this user
         self.context = zmq.Context(io_threads=1)
         self.input = self.context.socket(zmq.ROUTER)
         self.output = self.context.socket(zmq.PULL)
@@ -28,12 +34,12 @@ class EngineSockets:
         self.curve_client_keys: tuple[bytes, bytes, bytes] = (b"", b"", b"")
         try:
             if config.address is None or config.address.startswith("ipc://"):
-                base = process.ipc_address("") if config.address is None else config.address
+                base = f"ipc://{self.run_dir}/" if config.address is None else config.address
                 self.input_address, self.output_address = base + "input.sock", base + "output.sock"
                 self.input.bind(self.input_address)
                 self.output.bind(self.output_address)
             else:
-                self._bind_tcp(config.address)
+                self._bind_tcp(config.address, 2 * (config.data_parallel_rank or 0))
         except zmq.ZMQError as error:
             self.close()
             raise EngineStartupError(
@@ -44,7 +50,7 @@ class EngineSockets:
             self.close()
             raise
 
-    def _bind_tcp(self, address: str) -> None:
+    def _bind_tcp(self, address: str, port_offset: int) -> None:
         host, colon, port = address.removeprefix("tcp://").rpartition(":")
         if colon and not host:
             host = "127.0.0.1"  # no host named: loopback, never every interface
@@ -68,6 +74,8 @@ class EngineSockets:
                 phase="spawn",
             )
         addresses = []
+        if port != "0":
+            port = str(int(port) + port_offset)
         for socket in (self.input, self.output):
             if port == "0":
                 bound = socket.bind_to_random_port(f"tcp://{host}")
@@ -82,3 +90,4 @@ class EngineSockets:
         for socket in (self.input, self.output):
             socket.close(linger=0)
         self.context.term()
+        shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -354,6 +354,7 @@ class EngineCore:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "uptime_s": time.monotonic() - self.start_time,
+            "data_parallel_rank": self.engine_index,
         }
 
     def utility_wait_idle(self) -> concurrent.futures.Future[dict[str, Any]]:

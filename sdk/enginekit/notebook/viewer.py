@@ -249,7 +249,7 @@ class Viewer:
         """Add rows for these live outputs and start watching them; ``close()`` the returned watch when done.
 
         ``engine`` is used through its public API only: ``mode``, ``engine_pid``, ``is_running``, ``abort``,
-        ``call_utility`` and ``acall_utility``.
+        ``get_stats`` and ``aget_stats``.
         """
         now = self._clock()
         new_rows = [RequestRow(output, engine, now) for output in outputs]
@@ -308,7 +308,7 @@ class Viewer:
             self._refresh_stats_in_task(engine)
             return
         try:
-            self._stats = engine.call_utility("get_stats", timeout=5.0)
+            self._stats = engine.get_stats()
             self._stats_error = None
         except Exception as error:
             self._stats_error = f"{type(error).__name__}: {error}"
@@ -317,9 +317,7 @@ class Viewer:
         if self._stats_task is not None and not self._stats_task.done():
             return
         loop = asyncio.get_running_loop()
-        self._stats_task = loop.create_task(
-            engine.acall_utility("get_stats", timeout=5.0), name="enginekit-viewer-stats"
-        )
+        self._stats_task = loop.create_task(engine.aget_stats(), name="enginekit-viewer-stats")
         self._stats_task.add_done_callback(self._on_stats)
 
     def _on_stats(self, task: asyncio.Task[Any]) -> None:

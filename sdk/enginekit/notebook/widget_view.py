@@ -131,6 +131,11 @@ def panel_html(summary: dict[str, Any]) -> str:
             f" · running {stats['num_running_requests']} · waiting {stats['num_waiting_requests']}"
             f" · KV cache {stats['kv_cache_usage']:.0%}"
         )
+        if "ranks" in stats:  # data parallel: each rank's load
+            engine += " · " + " ".join(
+                f"rank {i}: {rank['num_running_requests'] + rank['num_waiting_requests']}"
+                for i, rank in enumerate(stats["ranks"])
+            )
     if stats is not None:
         engine += f" · prefix-cache hits {stats['prefix_cache_hit_rate']:.0%}"
     if summary["stats_error"]:

@@ -22,11 +22,9 @@ import logging
 import os
 import re
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -42,7 +40,6 @@ UNKNOWN_STATUS = "unknown"
 
 class EngineProcess:
     def __init__(self, start_method: str = "launcher") -> None:
-        self.run_dir = tempfile.mkdtemp(prefix="enginekit-")  # mode 0700: private to this user
         self.start_method = start_method if hasattr(os, "pidfd_open") else "spawn"
         self.pid = -1
         self.pidfd: int | None = None
@@ -56,9 +53,6 @@ class EngineProcess:
         self._tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
         self._log_thread: threading.Thread | None = None
         self._stopped = False
-
-    def ipc_address(self, name: str) -> str:
-        return f"ipc://{os.path.join(self.run_dir, name)}"
 
     # ---- start --------------------------------------------------------------------------------------
     def start(self, args: EngineProcArgs) -> None:
@@ -244,7 +238,6 @@ class EngineProcess:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
-        shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 # A log line of the engine process, as its logging format writes it (runtime/engine_main.py). Used to forward

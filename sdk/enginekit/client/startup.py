@@ -1,0 +1,173 @@
+"""Starting a front end's engine processes — one per data-parallel rank — side by side, and the handshake.
+
+Every rank's process is started first; then the front end waits for each one's READY on the input socket, taking
+its phase reports on the way. A rank that dies or hangs fails the whole start with ``EngineStartupError`` naming
+the rank (when there are several), the phase and the child's own error first; the caller then stops every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from enginekit.client.sockets import EngineSockets
+from enginekit.config import EngineConfig
+from enginekit.errors import EngineStartupError
+from enginekit.runtime.engine_process import EngineProcess
+from enginekit.runtime.launcher import LauncherError
+from enginekit.wire.messages import EngineProcArgs, PhaseReport, ReadyMessage, StartupReport, engine_identity
+
+logger = logging.getLogger("enginekit.client")
+
+
+@dataclass
+class EngineRank:
+    """One engine process of a front end: its data-parallel rank, routing identity and handshake."""
+
+    rank: int
+    process: EngineProcess
+    ready: ReadyMessage | None = None
+
+    @property
+    def identity(self) -> bytes:
+        return engine_identity(self.rank)
+
+
+def start_engines(config: EngineConfig, sockets: EngineSockets, engines: list[EngineRank]) -> None:
+    """Start every rank's process, then wait until each has reported READY (or raise)."""
+    for engine in engines:
+        args = EngineProcArgs(
+            rank_config(config, engine.rank),
+            sockets.input_address,
+            sockets.output_address,
+            engine.rank,
+            *sockets.curve_client_keys,
+        )
+        try:
+            engine.process.start(args)
+        except (OSError, LauncherError) as error:
+            raise EngineStartupError(
+                f"{_who(engines, engine)}cannot start the engine process: {error}", phase="spawn"
+            ) from error
+    _wait_for_ready(config, sockets, engines, time.monotonic() + config.startup_timeout)
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config one rank runs with: its own GPU, and its share of the CPU's threads."""
+    num_ranks = (
+        config.data_parallel_size
+    )  # with external load balancing, the other ranks share the machine too
+    if num_ranks == 1:
+        return config
+    changes: dict[str, object] = {}
+    device = config.device or ("cuda" if _cuda_available() else "cpu")
+    if device == "cuda":
+        changes["device"] = f"cuda:{rank}"
+    if config.num_threads is None and not device.startswith("cuda"):
+        # NOTE: one core is left to the front end and the IO threads; the rest are shared out.
+        changes["num_threads"] = max(1, (usable_cores() - 1) // num_ranks)
+    return config.replace(**changes) if changes else config
+
+
+def check_placement(config: EngineConfig) -> None:
+    """Refuse more ranks than devices (GPUs on CUDA, cores on CPU), before anything starts."""
+    size = config.data_parallel_size
+    if size == 1:
+        return
+    device = config.device or ("cuda" if _cuda_available() else "cpu")
+    if device.startswith("cuda"):
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device != "cuda":
+            raise ValueError(
+                f"data_parallel_size={size} places rank r on cuda:r: give device='cuda', not {device!r}"
+            )
+        if visible < size:
+            raise ValueError(
+                f"data_parallel_size={size} needs {size} CUDA devices (rank r runs on cuda:r), {visible} visible"
+            )
+    elif size > usable_cores():
+        raise ValueError(
+            f"data_parallel_size={size} needs a CPU core per rank, and this process may use {usable_cores()}"
+        )
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _wait_for_ready(
+    config: EngineConfig, sockets: EngineSockets, engines: list[EngineRank], deadline: float
+) -> None:
+    by_identity = {engine.identity: engine for engine in engines}
+    decoder = msgspec.msgpack.Decoder(StartupReport)
+    while any(engine.ready is None for engine in engines):
+        if sockets.input.poll(100):
+            frames = sockets.input.recv_multipart()
+            engine = by_identity.get(frames[0]) if len(frames) == 2 else None
+            report = None
+            if engine is not None:
+                with contextlib.suppress(msgspec.MsgspecError):
+                    report = decoder.decode(frames[1])
+            if isinstance(report, ReadyMessage):
+                engine.ready = report
+            elif isinstance(report, PhaseReport):
+                engine.process.phase = report.phase
+            else:
+                logger.warning("ignored an unexpected message during the handshake")
+            continue
+        for engine in engines:
+            if engine.ready is None and not engine.process.is_alive():
+                process = engine.process
+                raise startup_error(
+                    f"{_who(engines, engine)}engine startup failed during {process.phase}: {process.describe_exit()}",
+                    process,
+                )
+        if time.monotonic() > deadline:
+            stuck = next(engine for engine in engines if engine.ready is None)
+            phase = stuck.process.phase
+            stuck.process.stop(0.0)
+            raise startup_error(
+                f"{_who(engines, stuck)}engine did not report READY within startup_timeout="
+                f"{config.startup_timeout}s (stuck in {phase}); the engine process was killed",
+                stuck.process,
+                phase,
+            )
+
+
+def startup_error(headline: str, process: EngineProcess, phase: str | None = None) -> EngineStartupError:
+    """The error leads with the child's own exception, then says what happened, then shows its output."""
+    tail = process.error_tail()
+    cause = _last_error_line(tail)
+    message = f"{cause}\n{headline}." if cause else f"{headline}."
+    if tail:
+        message += f"\nLast engine output:\n{tail}"
+    return EngineStartupError(message, phase=phase or process.phase, error_tail=tail)
+
+
+def _who(engines: list[EngineRank], engine: EngineRank) -> str:
+    return f"engine rank {engine.rank}: " if len(engines) > 1 or engine.rank else ""
+
+
+def _last_error_line(tail: str) -> str:
+    """The exception line of a traceback in the engine's output, to lead the startup error with."""
+    for line in reversed(tail.splitlines()):
+        if (
+            line
+            and not line.startswith((" ", "\t", "Traceback"))
+            and ("Error" in line or "Exception" in line)
+        ):
+            return line.strip()
+    return ""
