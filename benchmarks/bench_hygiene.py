@@ -10,7 +10,7 @@ from .report import SectionReport
 from .stats import fmt, summarize
 
 TITLE = "Restart hygiene"
-MODES = ("inproc", "mp", "async")
+MODES = ("inproc", "mp", "async", "mp, data_parallel_size=2")
 _MIB = 2**20
 
 
@@ -18,6 +18,7 @@ def run(ctx: Context, report: SectionReport) -> None:
     from enginekit.diagnostics import snapshot, wait_until_clean
 
     restarts = ctx.pick(5, 50)
+    dp_restarts = ctx.pick(5, 20)
     spec = ctx.model("builtin")
     report.method = f"""
 Per mode: one warm-up cycle (start, generate, shut down) loads what any first engine loads once (modules,
@@ -31,20 +32,23 @@ process; in mp and async modes each engine process is new and its exit is checke
 """
     rows = []
     one_time = []
-    for mode in MODES:
-        ctx.log(f"hygiene: {mode}, {restarts} restarts")
+    for variant in MODES:
+        mode, _, dp = variant.partition(", ")
+        options = {"data_parallel_size": 2} if dp else {}
+        count = dp_restarts if dp else restarts
+        ctx.log(f"hygiene: {variant}, {count} restarts")
         before_any = snapshot()
-        warm = make_engine(spec, mode)
+        warm = make_engine(spec, mode, **options)
         _serve(warm)
         warm.shutdown()
         time.sleep(0.5)  # let the warm-up engine's threads and process finish exiting
         baseline = snapshot()
-        engine = make_engine(spec, mode)
+        engine = make_engine(spec, mode, **options)
         times, rss = [], []
         try:
             _serve(engine)
             first_rss = snapshot(collect=False).rss_bytes
-            for _ in range(restarts):
+            for _ in range(count):
                 t0 = time.perf_counter()
                 engine.restart()
                 times.append(time.perf_counter() - t0)
@@ -57,8 +61,8 @@ process; in mp and async modes each engine process is new and its exit is checke
         slope = _slope(rss) / _MIB
         rows.append(
             [
-                mode,
-                restarts,
+                variant,
+                count,
                 fmt(summarize(times).scaled(1e3), "ms", 0),
                 f"{first_rss / _MIB:.0f}",
                 f"{rss[-1] / _MIB:.0f}",
@@ -74,18 +78,18 @@ process; in mp and async modes each engine process is new and its exit is checke
         )
         first = before_any.diff(baseline)
         one_time.append(
-            f"{mode}: the first engine of the process leaves {first.rss_bytes / _MIB:+.0f} MiB RSS, "
+            f"{variant}: the first engine of the process leaves {first.rss_bytes / _MIB:+.0f} MiB RSS, "
             f"{first.threads:+d} threads, {first.fds:+d} fds, {first.children:+d} child processes "
             "(one-time, before the baseline)"
         )
     report.table(
-        f"Front-end process after {restarts} restarts (RSS in MiB; differences are after shutdown against the baseline)",
+        "Front-end process after the restarts (RSS in MiB; differences are after shutdown against the baseline)",
         [
             "mode",
             "restarts",
             "restart time",
             "RSS after first start",
-            f"RSS after restart {restarts}",
+            "RSS after the last restart",
             "RSS MiB per restart",
             "RSS after shutdown",
             "threads",

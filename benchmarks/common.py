@@ -62,9 +62,12 @@ class Context:
     def models(self) -> list[ModelSpec]:
         return [self.model("builtin"), self.model("llama")]
 
+    def dp_models(self) -> list[ModelSpec]:
+        return [self.model("builtin"), self.model("smollm2")]
+
     def model(self, key: str) -> ModelSpec:
         if key not in self._models:
-            build = {"builtin": _builtin_model, "llama": _llama_model}[key]
+            build = {"builtin": _builtin_model, "llama": _llama_model, "smollm2": _smollm2_model}[key]
             self._models[key] = build(self.workdir / key)
         return self._models[key]
 
@@ -151,6 +154,23 @@ def _llama_model(folder: Path) -> ModelSpec:
         hf_path=str(folder),
         config=config,
         token_range=(2, config.vocab_size),  # 0 and 1 are <s> and </s>
+    )
+
+
+def _smollm2_model(folder: Path) -> ModelSpec:
+    """The default real model: SmolLM2-135M-Instruct's Q4_1 GGUF; transformers loads the same file, dequantized."""
+    from enginekit.model.gguf import read_gguf_config
+    from enginekit.model.source import DEFAULT_MODEL, default_model_file
+
+    path = default_model_file()
+    config = read_gguf_config(path)
+    return ModelSpec(
+        key="smollm2",
+        label="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized; hidden 576, 30 layers, 9 heads, 3 KV heads, vocab 49152)",
+        engine_model=DEFAULT_MODEL,
+        hf_path=str(path),
+        config=config,
+        token_range=(17, config.vocab_size),  # the first 17 ids are special tokens
     )
 
 

@@ -40,6 +40,7 @@ SECTIONS = {
     "scaling": "benchmarks.bench_scaling",
     "steps": "benchmarks.bench_steps",
     "hygiene": "benchmarks.bench_hygiene",
+    "dp": "benchmarks.bench_dp",
 }
 
 

@@ -26,7 +26,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -321,12 +321,20 @@ def _load_hf_model(path: Path):
 
 
 @torch.no_grad()
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(
+    path: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    repetition_penalty: float = 1.0,
+    logits_processor: Any = None,
+) -> list[list[int]]:
     """Greedy reference decode with transformers: new tokens only, EOS never stops generation.
 
     Each prompt runs on its own (batch size 1, no padding). EOS is treated like any other token:
     it can be generated, and decoding continues past it, so every result has exactly
-    ``max_new_tokens`` tokens and equals plain argmax decoding.
+    ``max_new_tokens`` tokens and equals plain argmax decoding (of the processed logits, with a
+    ``repetition_penalty`` or extra ``logits_processor``).
     """
     from transformers import GenerationConfig
 
@@ -345,6 +353,7 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
         eos_token_id=None,
         pad_token_id=pad_id if pad_id is not None else 0,
         bos_token_id=model.config.bos_token_id,
+        repetition_penalty=repetition_penalty,
     )
     # generate() fills unset fields from model.generation_config; use ours there too so the
     # checkpoint's eos_token_id cannot come back and stop generation early.
@@ -353,7 +362,12 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
     for prompt in prompts:
         ids = torch.tensor([list(prompt)], dtype=torch.long)
         mask = torch.ones_like(ids)
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=gen_config,
+            logits_processor=logits_processor,
+        )
         new = out[0, ids.shape[1] :].tolist()
         if len(new) != max_new_tokens:
             raise RuntimeError(f"generate returned {len(new)} tokens, expected {max_new_tokens}")
@@ -384,3 +398,13 @@ def hf_greedy_with_margins(
         tokens.append(new)
         margins.append(gaps)
     return tokens, margins
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(path: Path, prompt: list[int]) -> list[float]:
+    """Reference prompt logprobs: for each prompt token after the first, its log-probability given the ones
+    before it (one full forward pass)."""
+    model = _load_hf_model(path)
+    logits = model(input_ids=torch.tensor([prompt]), use_cache=False).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1).tolist()

@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -547,6 +547,20 @@ _WIDGET_TEXT_JS = f"""
 """
 
 
+# Every text of the list shown at once, in the widget outputs (a moment mid-run).
+_WIDGET_TEXTS_JS = f"""
+([path, texts]) => {{
+  const panel = ({_FIND_PANEL_JS})(path);
+  if (!panel) return false;
+  const errors = ({_CELL_ERRORS_JS})(panel);
+  if (errors.length) return {{errors}};
+  const shown = Array.from(panel.node.querySelectorAll('{WIDGET_OUTPUT_SELECTOR}'))
+    .map((el) => el.innerText || '').join('\\n');
+  return texts.every((text) => shown.includes(text)) ? {{found: true}} : false;
+}}
+"""
+
+
 class BrowserRunError(AssertionError):
     """The notebook did not reach the expected state in the browser."""
 
@@ -560,6 +574,8 @@ def run_notebook_in_browser(
     timeout: float = 180.0,
     wait_for_completion: bool = True,
     viewport: tuple[int, int] = (1400, 1000),
+    checkpoints: Sequence[tuple[Sequence[str], str | os.PathLike[str]]] = (),
+    captured: list[str] | None = None,
 ) -> str:
     """Open ``notebook_name`` in JupyterLab, run all cells, and wait for widget output.
 
@@ -569,6 +585,10 @@ def run_notebook_in_browser(
     (optionally also until every code cell has finished and the kernel is idle again), and
     saves a full-page screenshot to ``screenshot_path``. Returns the visible text of the
     notebook's output areas.
+
+    ``checkpoints``: moments to catch on the way, each ``(texts, screenshot path)``: when every one of
+    ``texts`` is shown in the widget outputs at once, a screenshot is saved there and the output text is
+    appended to ``captured``.
 
     ``timeout`` (seconds) bounds the whole run. On failure a screenshot is still written and
     :class:`BrowserRunError` carries the output text, browser console errors and the server log.
@@ -606,6 +626,23 @@ def run_notebook_in_browser(
 
                 step = "Run > Run All Cells"
                 _click_run_all(page, remaining_ms())
+
+                for texts, checkpoint_shot in checkpoints:
+                    step = f"texts {list(texts)!r} at once in the widget outputs"
+                    result = page.wait_for_function(
+                        _WIDGET_TEXTS_JS, arg=[notebook_name, list(texts)], timeout=remaining_ms(), polling=50
+                    ).json_value()
+                    if result.get("errors"):
+                        raise PlaywrightError("cell error: " + "; ".join(result["errors"]))
+                    if captured is not None:
+                        captured.append(_output_text(page))
+                    shot_path = Path(checkpoint_shot)
+                    shot_path.parent.mkdir(parents=True, exist_ok=True)
+                    page.screenshot(path=str(shot_path), full_page=True)
+                    viewers = page.locator(".enginekit-viewer")
+                    if viewers.count():  # and the first viewer alone, at that moment
+                        viewer_shot = shot_path.with_name(f"{shot_path.stem}_viewer{shot_path.suffix}")
+                        viewers.first.screenshot(path=str(viewer_shot))
 
                 step = f"text {wait_for_text!r} in a widget output"
                 result = page.wait_for_function(

@@ -92,7 +92,7 @@ def engine(request):
 
 def wait_for_raw(engine, request_id: str) -> None:
     """Track ``request_id`` as the facade would and wait for its outcome (which raises its error)."""
-    state = RequestState(request_id, None, [], False)
+    state = RequestState(request_id, None, [], SamplingParams())
     engine._router.track(state)
     engine._router.wait([state])
 
@@ -101,7 +101,7 @@ def send_raw_add(engine, fields: list) -> None:
     """Send an ADD written field by field (the facade could not build it) on the engine's input socket."""
     client = engine.client
     with client._send_lock:
-        client.sockets.input.send_multipart([client.identity, msgspec.msgpack.encode(fields)])
+        client.sockets.input.send_multipart([client._engine(None).identity, msgspec.msgpack.encode(fields)])
 
 
 @pytest.mark.parametrize(("case", "prompt", "token_ids", "embeds", "exception", "message"), BAD_PROMPTS)

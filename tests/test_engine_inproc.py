@@ -128,7 +128,7 @@ def test_top_k_restricts_the_sampled_tokens(engine):
     for seed in range(10):
         out = engine.generate("k", SamplingParams(**{**_as_dict(params), "seed": seed}))[0].outputs[0]
         (entry,) = out.logprobs
-        assert out.token_ids[0] in sorted(entry, key=entry.get)[-4:]
+        assert entry[out.token_ids[0]].rank <= 3
 
 
 def _as_dict(params):
@@ -142,8 +142,11 @@ def test_logprobs_per_token(engine, greedy):
     assert len(out.logprobs) == 5
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and 3 <= len(entry) <= 4
-        assert all(v <= 0 for v in entry.values())
-        assert entry[token] == max(entry.values())  # greedy picks the most likely token
+        assert all(e.logprob <= 0 for e in entry.values())
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        assert entry[token].logprob == max(e.logprob for e in entry.values())
+        assert sorted(e.rank for e in entry.values()) == [1, 2, 3]
+        assert all(e.decoded_token == engine.tokenizer.decode([t]) for t, e in entry.items())
     assert engine.generate("Logprobs", greedy(5))[0].outputs[0].logprobs is None
 
 

@@ -54,7 +54,12 @@ def test_same_tokens_and_text_in_every_mode():
     assert without_logprob_values(results["async"]) == without_logprob_values(results["inproc"])
     for mode in ("mp", "async"):
         for got, expected in zip(results[mode]["logprobs"][0][3], results["inproc"]["logprobs"][0][3]):
-            assert got == pytest.approx(expected, abs=1e-4)
+            assert {t: e.logprob for t, e in got.items()} == pytest.approx(
+                {t: e.logprob for t, e in expected.items()}, abs=1e-4
+            )
+            assert {t: (e.rank, e.decoded_token) for t, e in got.items()} == {
+                t: (e.rank, e.decoded_token) for t, e in expected.items()
+            }
     # The logprobs tensors crossed the process boundary intact.
     logprobs = results["mp"]["logprobs"][0][3]
     assert len(logprobs) == 4 and all(len(entry) >= 2 for entry in logprobs)

@@ -4,15 +4,27 @@ import pytest
 import torch
 
 from enginekit.output_processor import OutputProcessor, RequestState
-from enginekit.wire.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, RequestError
+from enginekit.outputs import Logprob
+from enginekit.sampling_params import RequestOutputKind, SamplingParams
+from enginekit.wire.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    RequestError,
+    RequestStatus,
+)
 
 
 def batch(*outputs: EngineCoreOutput) -> EngineCoreOutputs:
     return EngineCoreOutputs(list(outputs))
 
 
-def tracked(processor: OutputProcessor, request_id: str = "r", logprobs: bool = False) -> RequestState:
-    state = RequestState(request_id, "prompt", [1, 2], logprobs)
+def tracked(processor: OutputProcessor, request_id: str = "r", **options) -> RequestState:
+    params = SamplingParams(**options)
+    engine_ids = [f"{i}_{request_id}" for i in range(params.n)] if params.n > 1 else None
+    state = RequestState(
+        request_id, "prompt", [1, 2], params, engine_ids=engine_ids, decode=lambda t: f"<{t}>"
+    )
     processor.add(state)
     return state
 
@@ -28,13 +40,76 @@ def test_deltas_accumulate_into_the_cumulative_output():
     assert state.version == 2 and "r" not in processor.states
 
 
-def test_logprob_tensors_become_one_dict_per_token():
+def test_logprob_tensors_become_one_dict_of_logprob_objects_per_token():
     processor = OutputProcessor()
-    state = tracked(processor, logprobs=True)
+    state = tracked(processor, logprobs=1)
     values = torch.tensor([[-0.1, -0.1, -2.0]])
     ids = torch.tensor([[5, 5, 9]])
-    processor.process(batch(EngineCoreOutput("r", [5], logprob_values=values, logprob_token_ids=ids)))
-    assert state.output.outputs[0].logprobs == [{5: pytest.approx(-0.1), 9: -2.0}]
+    ranks = torch.tensor([[3, 3, 1]])
+    delta = EngineCoreOutput("r", [5], logprob_values=values, logprob_token_ids=ids, logprob_ranks=ranks)
+    processor.process(batch(delta))
+    [row] = state.output.outputs[0].logprobs
+    assert list(row) == [5, 9]
+    assert row[5] == Logprob(pytest.approx(-0.1), 3, "<5>") and row[9] == Logprob(-2.0, 1, "<9>")
+
+
+def test_prompt_logprobs_start_with_none_for_the_first_token():
+    processor = OutputProcessor()
+    state = tracked(processor, prompt_logprobs=0)
+    delta = EngineCoreOutput(
+        "r", [], prompt_logprob_values=torch.tensor([[-1.5]]), prompt_logprob_token_ids=torch.tensor([[2]]),
+        prompt_logprob_ranks=torch.tensor([[4]]),
+    )  # fmt: skip
+    processor.process(batch(delta))
+    assert state.output.prompt_logprobs == [None, {2: Logprob(-1.5, 4, "<2>")}]
+
+
+def test_n_samples_fill_their_own_completions_and_finish_together():
+    processor = OutputProcessor()
+    state = tracked(processor, n=2)
+    assert processor.engine_ids(["r"]) == ["0_r", "1_r"]
+    processor.process(batch(EngineCoreOutput("1_r", [7], "b", FinishReason.LENGTH)))
+    assert not state.finished and [c.text for c in state.output.outputs] == ["", "b"]
+    processor.process(batch(EngineCoreOutput("0_r", [6], "a", FinishReason.STOP, stop_reason=6)))
+    out = state.output
+    assert state.finished and out.finished and [c.finish_reason for c in out.outputs] == ["stop", "length"]
+    assert processor.states == {} and processor._samples == {}
+
+
+def test_forget_returns_only_the_unfinished_samples():
+    processor = OutputProcessor()
+    state = tracked(processor, n=3)
+    processor.process(batch(EngineCoreOutput("1_r", [7], "b", FinishReason.LENGTH)))
+    assert processor.forget([state]) == ["0_r", "2_r"]
+
+
+def test_status_and_metrics_follow_the_engine_events():
+    processor = OutputProcessor()
+    state = tracked(processor)
+    out = state.output
+    assert out.status == "waiting" and out.metrics.arrival_time > 0
+    processor.process(
+        batch(EngineCoreOutput("r", [], status=RequestStatus.RUNNING, first_scheduled_time=5.0))
+    )
+    assert out.status == "running" and out.metrics.first_scheduled_time == 5.0
+    processor.process(batch(EngineCoreOutput("r", [], status=RequestStatus.PREEMPTED, num_preemptions=1)))
+    assert out.status == "preempted" and out.metrics.num_preemptions == 1
+    processor.process(batch(EngineCoreOutput("r", [3], "x")))
+    assert out.status == "running" and out.metrics.first_token_time is not None
+    processor.process(batch(EngineCoreOutput("r", [4], "y", FinishReason.LENGTH)))
+    assert out.status == "finished" and out.metrics.finished_time >= out.metrics.first_token_time
+
+
+def test_delta_snapshots_yield_only_what_is_new():
+    processor = OutputProcessor()
+    state = tracked(processor, output_kind=RequestOutputKind.DELTA)
+    processor.process(batch(EngineCoreOutput("r", [5], "he")))
+    first = state.snapshot()
+    processor.process(batch(EngineCoreOutput("r", [6], "llo")))
+    second = state.snapshot()
+    assert (first.outputs[0].text, first.outputs[0].token_ids) == ("he", [5])
+    assert (second.outputs[0].text, second.outputs[0].token_ids) == ("llo", [6])
+    assert state.output.text == "hello"  # the state itself stays cumulative
 
 
 def test_an_error_output_fails_the_request_with_its_exception():

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from enginekit import Engine, EngineShutdownError
+from enginekit import Engine, EngineShutdownError, SamplingParams
 from enginekit.notebook import GenerationHandle, Viewer, in_jupyter, text_view
 from enginekit.notebook import viewer as viewer_module
 from enginekit.output_processor import RequestState
-from enginekit.wire.messages import EngineCoreOutput, FinishReason
+from enginekit.wire.messages import EngineCoreOutput, FinishReason, RequestStatus
 
 STATS = {
     "num_running_requests": 3,
@@ -54,7 +54,7 @@ class FakeClock:
 
 
 def _states(count: int) -> list[RequestState]:
-    return [RequestState(f"req-{i}", f"prompt {i}", [1, 2, 3], False) for i in range(count)]
+    return [RequestState(f"req-{i}", f"prompt {i}", [1, 2, 3], SamplingParams()) for i in range(count)]
 
 
 def outputs_of(states: list[RequestState]) -> list:
@@ -149,8 +149,8 @@ def test_engine_stats_are_requested_at_most_once_per_stats_interval() -> None:
 def test_a_row_shows_text_tokens_speed_and_finish_reason() -> None:
     clock = FakeClock()
     viewer = _widget_viewer(clock)
-    (state,) = _states(1)
-    watch = viewer.attach(FakeEngine(), outputs_of([state]))
+    state = RequestState("req-0", "prompt", [1, 2, 3], SamplingParams(max_tokens=8))
+    watch = viewer.attach(FakeEngine(), outputs_of([state]), [state.params])
     for _ in range(4):
         _token(state, text="ab")
     clock.now += 2.0
@@ -158,7 +158,107 @@ def test_a_row_shows_text_tokens_speed_and_finish_reason() -> None:
     watch.close()
     html = viewer._view._row_widgets[id(viewer.rows[0])][2].value
     assert "abababab&lt;z&gt;" in html
-    assert "5 tokens" in html and "2.5 tok/s" in html and "stop" in html
+    assert "5/8 tokens" in html and "2.5 tok/s" in html and "stop" in html
+    assert "first token" in html and "latency" in html and "greedy" not in html
+
+
+def test_a_row_shows_its_state_as_the_engine_reports_it() -> None:
+    viewer = _widget_viewer(FakeClock())
+    params = SamplingParams(max_tokens=50, temperature=0.7, top_p=0.9, seed=3, repetition_penalty=1.2)
+    state = RequestState("req-0", "prompt", [1, 2, 3], params)
+    viewer.attach(FakeEngine(), outputs_of([state]), [params])
+
+    def row() -> str:
+        viewer.refresh(force=True)
+        return viewer._view._row_widgets[id(viewer.rows[0])][2].value
+
+    assert ">waiting<" in row() and "0/50 tokens" in row()
+    assert "temperature 0.7 · top-p 0.9 · seed 3 · repetition penalty 1.2" in row()
+    state.apply(EngineCoreOutput("req-0", [], status=RequestStatus.RUNNING, first_scheduled_time=1.0))
+    assert ">running<" in row()
+    _token(state)
+    assert ">running<" in row() and "1/50 tokens" in row()
+    state.apply(EngineCoreOutput("req-0", [], status=RequestStatus.PREEMPTED, num_preemptions=1))
+    assert ">preempted<" in row() and "preemptions 1" in row()
+    assert viewer.summary()["num_preempted"] == 1 and viewer.summary()["num_preemptions"] == 1
+    _token(state, finish=FinishReason.LENGTH)
+    assert ">length<" in row()
+
+
+def test_tokens_progress_counts_tokens_not_finished_requests() -> None:
+    viewer = _widget_viewer(FakeClock())
+    states = [RequestState(f"r{i}", "p", [1], SamplingParams(max_tokens=10)) for i in range(4)]
+    viewer.attach(FakeEngine(), outputs_of(states), [s.params for s in states])
+    for state in states:
+        for _ in range(3):
+            _token(state)
+    summary = viewer.summary()
+    assert summary["num_tokens"] == 12 and summary["num_max_tokens"] == 40 and summary["num_finished"] == 0
+    _token(states[0], finish=FinishReason.STOP)  # finished early: it needs no more tokens
+    viewer.refresh(force=True)
+    assert viewer.summary()["num_max_tokens"] == 34
+    assert "13/34 tokens" in viewer._view.panel.value
+
+
+def test_stop_all_ends_with_a_breakdown_by_finish_reason() -> None:
+    viewer = _widget_viewer(FakeClock())
+    states = [RequestState(f"r{i}", "p", [1], SamplingParams(max_tokens=10)) for i in range(3)]
+    watch = viewer.attach(FakeEngine(), outputs_of(states), [s.params for s in states])
+    _token(states[0], finish=FinishReason.STOP)
+    viewer.abort_all()
+    for state in states[1:]:  # what the engine answers to the aborts
+        _token(state, finish=FinishReason.ABORT)
+    watch.close()
+    summary = viewer.summary()
+    assert summary["finish_reasons"] == {"stop": 1, "abort": 2} and summary["state"] == "stopped"
+    assert summary["num_max_tokens"] == 21  # the aborted ones never reached their max_tokens
+    panel = viewer._view.panel.value
+    assert "1 stop" in panel and "2 abort" in panel and "stopped" in panel
+
+
+def test_a_chat_row_shows_the_conversation_as_turns() -> None:
+    viewer = _widget_viewer(FakeClock())
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <there>"}]
+    state = RequestState("req-0", "<rendered template>", [1], SamplingParams(), messages=messages)
+    viewer.attach(FakeEngine(), outputs_of([state]))
+    _token(state, text="Hello!")
+    viewer.refresh(force=True)
+    html = viewer._view._row_widgets[id(viewer.rows[0])][2].value
+    assert (
+        "system:</b>" in html and "Be brief." in html and "user:</b>" in html and "Hi &lt;there&gt;" in html
+    )
+    assert "assistant:</b>" in html and "Hello!" in html and "rendered template" not in html
+
+
+def test_n_samples_show_in_one_row() -> None:
+    viewer = _widget_viewer(FakeClock())
+    params = SamplingParams(n=2, max_tokens=5)
+    state = RequestState("r", "p", [1], params, engine_ids=["0_r", "1_r"])
+    viewer.attach(FakeEngine(), outputs_of([state]), [params])
+    state.apply(EngineCoreOutput("0_r", [5], "first"), 0)
+    state.apply(EngineCoreOutput("1_r", [6, 7], "second"), 1)
+    viewer.refresh(force=True)
+    html = viewer._view._row_widgets[id(viewer.rows[0])][2].value
+    assert "3/10 tokens" in html and "[0]" in html and "first" in html and "[1]" in html and "second" in html
+
+
+def test_the_header_wraps_between_items_only() -> None:
+    viewer = _widget_viewer(FakeClock())
+    viewer.attach(FakeEngine(), outputs_of(_states(2)))
+    panel = viewer._view.panel.value
+    assert "<span style='white-space:nowrap'>prefix-cache hits 50%</span>" in panel
+    assert "<span style='white-space:nowrap'>KV cache 25%</span>" in panel
+
+
+def test_the_rows_area_is_tall_and_resizable() -> None:
+    viewer = _widget_viewer(FakeClock(), rows_height="900px")
+    viewer.attach(FakeEngine(), outputs_of(_states(2)))
+    (rows_class,) = [c for c in viewer._view.rows_box._dom_classes if c.startswith("enginekit-rows-")]
+    panel = viewer._view.panel.value
+    assert f".{rows_class}{{resize:vertical;overflow:auto}}" in panel and "max-height:900px" in panel
+    assert "max-height:70vh" in Viewer(kind="widget")._view._style
+    with pytest.raises(ValueError, match="rows_height must be a CSS length"):
+        Viewer(kind="widget", rows_height="")
 
 
 def test_a_row_shows_only_the_tail_of_a_long_text() -> None:
@@ -171,11 +271,19 @@ def test_a_row_shows_only_the_tail_of_a_long_text() -> None:
     assert "…0123456789" in html and "HEAD" not in html
 
 
-def test_the_final_panel_drops_the_engine_load_of_a_past_moment() -> None:
+def test_the_final_panel_shows_the_engine_numbers_fetched_once_every_request_is_done() -> None:
     viewer = _widget_viewer(FakeClock())
-    viewer.attach(FakeEngine(), outputs_of(_states(1))).close()
+    engine = FakeEngine()
+    (state,) = _states(1)
+    watch = viewer.attach(engine, outputs_of([state]))
+    assert "running 3" in viewer._view.panel.value  # the engine's load while it runs
+    STATS_AFTER = {**STATS, "num_running_requests": 0, "num_waiting_requests": 0, "kv_cache_usage": 0.0}
+    engine.get_stats = lambda: dict(STATS_AFTER)
+    _token(state, finish=FinishReason.LENGTH)
+    watch.close()
     panel = viewer._view.panel.value
-    assert "running 3" not in panel and "KV cache" not in panel and "prefix-cache hits 50%" in panel
+    assert "running 0" in panel and "waiting 0" in panel and "KV cache 0%" in panel
+    assert viewer.summary()["stats"] == STATS_AFTER and viewer.summary()["state"] == "done"
 
 
 def test_the_panel_shows_engine_mode_pid_and_stats() -> None:
@@ -256,6 +364,7 @@ def test_text_progress_lines_are_throttled() -> None:
     lines = stream.getvalue().splitlines()
     assert len(lines) == 3  # at 0 s, at 2 s, and the summary
     assert lines[-1].startswith("enginekit: 4/4 finished") and "(done: length 4)" in lines[-1]
+    assert "4 waiting" in lines[0] and "1 running, 3 waiting" in lines[1] and "running" not in lines[-1]
 
 
 def test_generate_with_a_text_viewer_returns_the_same_outputs(enginekit_engine, greedy) -> None:
@@ -288,6 +397,11 @@ def test_widget_viewer_follows_a_real_generate_to_the_end(enginekit_engine, gree
     assert summary["num_finished"] == 16 and summary["num_tokens"] == 80 and not summary["active"]
     first = viewer._view._row_widgets[id(viewer.rows[0])][2].value
     assert outputs[0].text.replace("&", "&amp;").replace("<", "&lt;") in first
+    # The final panel matches the engine once every request is done.
+    engine_stats = enginekit_engine.get_stats()
+    assert summary["stats"]["num_running_requests"] == engine_stats["num_running_requests"] == 0
+    assert summary["stats"]["num_generated_tokens"] == engine_stats["num_generated_tokens"]
+    assert summary["num_waiting"] == summary["num_running"] == 0 and summary["state"] == "done"
 
 
 def test_async_mode_viewer_gets_stats_without_blocking_or_reentering_a_loop(
@@ -381,7 +495,10 @@ def test_a_background_viewer_sees_every_request_finish(async_engine: Engine, gre
         return handle.viewer
 
     viewer = asyncio.run(main())
-    assert viewer.summary()["num_finished"] == 3 and not viewer.summary()["active"]
+    summary = viewer.summary()
+    assert summary["num_finished"] == 3 and not summary["active"]
+    assert summary["stats"]["num_running_requests"] == 0  # awaited before the handle finished
+    assert summary["stats"]["num_generated_tokens"] == async_engine.get_stats()["num_generated_tokens"]
 
 
 def test_generate_background_needs_async_mode(enginekit_engine, greedy) -> None:

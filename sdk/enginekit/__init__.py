@@ -14,9 +14,9 @@ from enginekit.errors import (
     EngineStartupError,
     UtilityCallError,
 )
-from enginekit.outputs import CompletionOutput, RequestOutput
+from enginekit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from enginekit.runtime.launcher import shutdown_launcher
-from enginekit.sampling_params import SamplingParams
+from enginekit.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "CompletionOutput",
@@ -27,7 +27,10 @@ __all__ = [
     "EngineMode",
     "EngineShutdownError",
     "EngineStartupError",
+    "Logprob",
+    "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "UtilityCallError",
     "shutdown_launcher",

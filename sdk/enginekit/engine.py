@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
+from enginekit.chat import ChatMixin
 from enginekit.client import EngineCoreClient, check_client, make_client
 from enginekit.config import EngineConfig, EngineMode, resolve_mode
 from enginekit.core.validation import RequestLimits
@@ -15,10 +17,10 @@ from enginekit.logs import show_logs
 from enginekit.model.loader import ModelSpec, load_model_spec
 from enginekit.model.tokenizer import Tokenizer
 from enginekit.notebook import GenerationHandle, start_background, watcher_for
-from enginekit.output_processor import RequestState
+from enginekit.output_processor import RequestState, watched
 from enginekit.output_router import OutputRouter
 from enginekit.outputs import RequestOutput
-from enginekit.prompts import RequestBuilder
+from enginekit.prompts import RequestBuilder, vllm_names
 from enginekit.runtime import exit_hooks
 from enginekit.sampling_params import SamplingParams
 
@@ -28,7 +30,7 @@ logger = logging.getLogger("enginekit")
 Params = SamplingParams | list[SamplingParams] | None
 
 
-class Engine:
+class Engine(ChatMixin):
     """Run an LLM engine in this process or a background process, with one API.
 
     Parameters
@@ -63,6 +65,9 @@ class Engine:
         show_logs(self.config.log_level)
         self._client = make_client(self.mode, self.config, self._spec)
         self._router = OutputRouter(self._client)
+        self._decode = functools.lru_cache(maxsize=1 << 16)(
+            lambda token: self._spec.tokenizer.decode([token])
+        )
         self.max_model_len = self._client.max_model_len
         config = self._spec.config
         self._requests = RequestBuilder(
@@ -132,15 +137,31 @@ class Engine:
         return f"Engine(mode={self.mode!r}, model={self.config.model!r}, {state}, pid={self.engine_pid})"
 
     # ---- requests -----------------------------------------------------------------------------------
-    def _submit(self, prompts: Any, params: Any, *, single: str = "") -> list[RequestState]:
+    def _submit(
+        self, prompts: Any, params: Any, single: str = "", request_id: Any = None, messages: Any = None
+    ) -> list[RequestState]:
         """Build and check every request, then send them all; nothing is sent if one is bad."""
-        requests, client, states = self._requests.build(prompts, params, single=single), self.client, []
+        prepared = self._requests.build(
+            prompts, params, single=single, request_id=request_id, messages=messages
+        )
+        self._router.processor.check_new_ids([r.request_id for p in prepared for r in p.engine_requests])
+        client, decode, states = self.client, self._decode, []
         try:
-            for request, text in requests:
-                want_logprobs = request.sampling_params.logprobs is not None
-                states.append(RequestState(request.request_id, text, request.prompt_token_ids, want_logprobs))
-                self._router.track(states[-1])
-                client.add_request(request)
+            for p in prepared:
+                engine_ids = [r.request_id for r in p.engine_requests]
+                state = RequestState(
+                    p.request_id,
+                    p.text,
+                    p.prompt_token_ids,
+                    p.params,
+                    engine_ids=engine_ids,
+                    decode=decode,
+                    messages=p.messages,
+                )
+                states.append(state)
+                self._router.track(state)
+                for request in p.engine_requests:
+                    client.add_request(request)
         except BaseException:
             self._router.abort_unfinished(states)
             raise
@@ -151,110 +172,88 @@ class Engine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if not all(isinstance(i, str) for i in ids):
             raise TypeError(f"request_id must be a string or a list of strings, got {request_id!r}")
-        self.client.abort_requests(ids)
+        self.client.abort_requests(self._router.processor.engine_ids(ids))
 
+    @vllm_names
     def generate(
-        self, prompts: Any, params: Params = None, *, progress: bool | None = None, viewer: Any = None
+        self,
+        prompts: Any,
+        sampling_params: Params = None,
+        *,
+        use_tqdm: bool | None = None,
+        viewer: Any = None,
+        request_id: str | list[str] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a batch; returns one finished ``RequestOutput`` per prompt, in order.
 
         ``prompts``: a string, token ids, or a dict with one of ``"prompt"``, ``"prompt_token_ids"``,
-        ``"prompt_embeds"`` (a ``[num_tokens, hidden]`` tensor); or a list of these. ``params``: one
-        ``SamplingParams`` for all, or one per prompt. ``progress``: a progress bar (``None``: for 16 prompts or
-        more). ``viewer``: ``True`` or a ``Viewer`` to watch live. Interrupted, it aborts its requests.
+        ``"prompt_embeds"`` (a ``[num_tokens, hidden]`` tensor); or a list of these. ``sampling_params`` (alias
+        ``params``): one ``SamplingParams`` for all, or one per prompt. ``use_tqdm`` (alias ``progress``): a
+        progress bar (``None``: for 16 prompts or more). ``viewer``: ``True`` or a ``Viewer`` to watch live.
+        ``request_id``: your id (a list for a batch). Interrupted, it aborts its requests.
         """
-        attach_watcher = watcher_for(progress, viewer)
-        states = self._submit(prompts, params)
-        return self._router.collect(states, attach_watcher(self, [s.output for s in states]))
+        return self._generate(prompts, sampling_params, use_tqdm, viewer, request_id)
 
-    def stream(self, prompt: Any, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield the request's cumulative ``RequestOutput`` each time new text arrives; the last is finished.
+    def _generate(
+        self, prompts: Any, params: Any, use_tqdm: Any, viewer: Any, request_id: Any, messages: Any = None
+    ) -> list[RequestOutput]:
+        attach_watcher = watcher_for(use_tqdm, viewer, blocking=True)
+        states = self._submit(prompts, params, request_id=request_id, messages=messages)
+        return self._router.collect(states, attach_watcher(self, *watched(states)))
 
-        Leaving the loop early (``break``, an exception, ``KeyboardInterrupt``) aborts the request.
-        """
-        return self._router.stream(*self._submit(prompt, params, single="stream"))
+    @vllm_names
+    def stream(
+        self, prompt: Any, sampling_params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield the request's ``RequestOutput`` each time new text arrives (the output so far; only what is new with
+        ``output_kind=DELTA``; only the end with ``FINAL_ONLY``); the last is finished. Leaving early aborts it."""
+        return self._router.stream(*self._submit(prompt, sampling_params, "stream", request_id))
 
+    @vllm_names
     def agenerate(
-        self, prompts: Any, params: Params = None, *, progress: bool | None = None, viewer: Any = None
+        self,
+        prompts: Any,
+        sampling_params: Params = None,
+        *,
+        use_tqdm: bool | None = None,
+        viewer: Any = None,
+        request_id: str | list[str] | None = None,
     ) -> Coroutine[Any, Any, list[RequestOutput]]:
         """Async ``generate``: submits now (bad prompts raise here) and returns a coroutine to await (any mode).
 
         Cancelling the task that awaits it aborts the requests.
         """
-        attach_watcher = watcher_for(progress, viewer)
-        states = self._submit(prompts, params)
-        return self._router.collect_async(states, attach_watcher(self, [s.output for s in states]))
+        return self._agenerate(prompts, sampling_params, use_tqdm, viewer, request_id)
 
-    def astream(self, prompt: Any, params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
-        """Async ``stream``: yields cumulative outputs as tokens arrive; cancelling aborts the request."""
-        return self._router.stream_async(*self._submit(prompt, params, single="astream"))
+    def _agenerate(
+        self, prompts: Any, params: Any, use_tqdm: Any, viewer: Any, request_id: Any, messages: Any = None
+    ) -> Coroutine[Any, Any, list[RequestOutput]]:
+        attach_watcher = watcher_for(use_tqdm, viewer)
+        states = self._submit(prompts, params, request_id=request_id, messages=messages)
+        return self._router.collect_async(states, attach_watcher(self, *watched(states)))
 
+    @vllm_names
+    def astream(
+        self, prompt: Any, sampling_params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Async ``stream``: yields outputs as tokens arrive; cancelling aborts the request."""
+        return self._router.stream_async(*self._submit(prompt, sampling_params, "astream", request_id))
+
+    @vllm_names
     def generate_background(
-        self, prompts: Any, params: Params = None, *, progress: bool | None = None, viewer: Any = None
+        self,
+        prompts: Any,
+        sampling_params: Params = None,
+        *,
+        use_tqdm: bool | None = None,
+        viewer: Any = None,
+        request_id: str | list[str] | None = None,
     ) -> GenerationHandle:
         """Start generating on this thread's running asyncio loop (mode ``"async"``); returns a
         ``GenerationHandle`` at once: ``await handle`` for the outputs, ``handle.cancel()`` to abort."""
-        return start_background(self, prompts, params, progress=progress, viewer=viewer)
-
-    # ---- chat: a conversation (or a list of them) rendered with the model's chat template ----------------
-    def _chat(self, messages: Any, params: Any, template: str | None, add_prompt: bool) -> tuple[list, Any]:
-        return self._requests.chat(messages, params, chat_template=template, add_generation_prompt=add_prompt)
-
-    def chat(
-        self,
-        messages: Any,
-        params: Params = None,
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        progress: bool | None = None,
-        viewer: Any = None,
-    ) -> list[RequestOutput]:
-        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) or a list of them, like vLLM's ``LLM.chat``.
-
-        The model's chat template renders it (or ``chat_template``, Jinja source); generation stops at the
-        template's end-of-turn token. Raises ``ValueError`` if the model has no template and none is given.
-        """
-        prompts, params = self._chat(messages, params, chat_template, add_generation_prompt)
-        return self.generate(prompts, params, progress=progress, viewer=viewer)
-
-    def achat(
-        self,
-        messages: Any,
-        params: Params = None,
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        progress: bool | None = None,
-        viewer: Any = None,
-    ) -> Coroutine[Any, Any, list[RequestOutput]]:
-        """Async ``chat``, as ``agenerate`` is to ``generate``."""
-        prompts, params = self._chat(messages, params, chat_template, add_generation_prompt)
-        return self.agenerate(prompts, params, progress=progress, viewer=viewer)
-
-    def stream_chat(
-        self,
-        messages: Any,
-        params: SamplingParams | None = None,
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-    ) -> Iterator[RequestOutput]:
-        """Streaming ``chat`` of one conversation, as ``stream`` is to ``generate``."""
-        prompts, (params,) = self._chat(messages, params, chat_template, add_generation_prompt)
-        return self.stream(prompts, params)
-
-    def astream_chat(
-        self,
-        messages: Any,
-        params: SamplingParams | None = None,
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
-        """Async streaming ``chat`` of one conversation, as ``astream`` is to ``generate``."""
-        prompts, (params,) = self._chat(messages, params, chat_template, add_generation_prompt)
-        return self.astream(prompts, params)
+        return start_background(
+            self, prompts, sampling_params, use_tqdm=use_tqdm, viewer=viewer, request_id=request_id
+        )
 
     # ---- utilities ----------------------------------------------------------------------------------
     def call_utility(

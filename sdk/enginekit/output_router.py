@@ -21,6 +21,7 @@ from enginekit.client.base import EngineCoreClient
 from enginekit.errors import EngineError
 from enginekit.output_processor import OutputProcessor, RequestState
 from enginekit.outputs import RequestOutput
+from enginekit.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("enginekit")
 
@@ -33,6 +34,9 @@ class Watcher(Protocol):
     def update(self) -> None: ...
 
     def close(self) -> None: ...
+
+    async def aclose(self) -> None:
+        """``close`` on a loop: may await what the watcher shows last (a viewer's final engine numbers)."""
 
 
 class OutputRouter:
@@ -96,18 +100,21 @@ class OutputRouter:
             await self.wait_async(states, watcher)
         except BaseException:
             self.abort_unfinished(states)
-            raise
-        finally:
             watcher.close()
+            raise
+        await watcher.aclose()
         return [state.output for state in states]
 
     def stream(self, state: RequestState) -> Iterator[RequestOutput]:
         """A snapshot of the output at each update; the last one is finished. Left early, it aborts."""
-        seen = 0
+        seen, final_only = 0, state.output_kind is RequestOutputKind.FINAL_ONLY
         try:
             while True:
                 self.wait_update(state, seen)
-                seen, snapshot = state.version, state.snapshot()
+                seen = state.version
+                if final_only and not state.finished:
+                    continue
+                snapshot = state.snapshot()
                 yield snapshot
                 if snapshot.finished:  # NOTE: not state.finished, which may have changed while we yielded
                     return
@@ -116,11 +123,14 @@ class OutputRouter:
                 self.abort_unfinished([state])
 
     async def stream_async(self, state: RequestState) -> AsyncIterator[RequestOutput]:
-        seen = 0
+        seen, final_only = 0, state.output_kind is RequestOutputKind.FINAL_ONLY
         try:
             while True:
                 await self.wait_update_async(state, seen)
-                seen, snapshot = state.version, state.snapshot()
+                seen = state.version
+                if final_only and not state.finished:
+                    continue
+                snapshot = state.snapshot()
                 yield snapshot
                 if snapshot.finished:
                     return

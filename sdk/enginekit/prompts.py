@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import msgspec
 import torch
 
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
-from enginekit.model.chat_template import ChatTemplate
 from enginekit.model.loader import ModelSpec
 from enginekit.model.tokenizer import Tokenizer
 from enginekit.sampling_params import SamplingParams
 from enginekit.wire.messages import EngineCoreRequest
 
 PromptInput = str | list[int] | dict[str, Any]
+T = TypeVar("T")
 
 
 def normalize_prompts(prompts: Any) -> list[PromptInput]:
@@ -116,6 +119,18 @@ def _token_ids(ids: Any) -> list[int]:
     return ids
 
 
+@dataclass
+class PreparedRequest:
+    """One prompt's request, checked: its engine requests (one per sample) and what its output shows."""
+
+    request_id: str
+    text: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    engine_requests: list[EngineCoreRequest]
+    messages: list[dict[str, Any]] | None = None
+
+
 class RequestBuilder:
     """Makes the engine requests of one engine's calls: ids, tokenization, the same checks the engine runs."""
 
@@ -126,63 +141,79 @@ class RequestBuilder:
         self._counter = itertools.count()
 
     def build(
-        self, prompts: Any, params: Any, *, single: str = ""
-    ) -> list[tuple[EngineCoreRequest, str | None]]:
+        self,
+        prompts: Any,
+        params: Any,
+        *,
+        single: str = "",
+        request_id: Any = None,
+        messages: list | None = None,
+    ) -> list[PreparedRequest]:
         """One checked request per prompt (``single`` names a method that takes exactly one)."""
         items = normalize_prompts(prompts)
         if single and len(items) != 1:
             raise ValueError(f"{single} takes one prompt; use generate for a batch")
         all_params = normalize_params(params, len(items))
-        tokenizer, now = self.spec.tokenizer, time.time()
-        return [
-            prepare_request(
-                item, item_params, f"{self._prefix}-{next(self._counter)}", tokenizer, self.limits, now
+        ids = self._request_ids(request_id, len(items))
+        tokenizer, now, prepared = self.spec.tokenizer, time.time(), []
+        for index, (item, item_params, rid) in enumerate(zip(items, all_params, ids)):
+            request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+            conversation = messages[index] if messages is not None else None
+            samples = _samples(request) if item_params.n > 1 else [request]
+            prepared.append(
+                PreparedRequest(rid, text, request.prompt_token_ids, item_params, samples, conversation)
             )
-            for item, item_params in zip(items, all_params)
-        ]
+        return prepared
 
-    def chat(
-        self, conversations: Any, params: Any, *, chat_template: str | None, add_generation_prompt: bool
-    ) -> tuple[list[dict[str, Any]], Any]:
-        """The prompts and params ``generate`` needs for a conversation or a list of them."""
-        template = self._template(chat_template)
-        batch = conversations if _is_batch(conversations) else [conversations]
-        prompts = []
-        for conversation in batch:
-            text = template.render(conversation, add_generation_prompt=add_generation_prompt)
-            # NOTE: the template writes the special tokens itself (a BOS too, if the model wants one).
-            prompts.append(
-                {
-                    "prompt_token_ids": self.spec.tokenizer.encode(text, add_special_tokens=False),
-                    "prompt": text,
-                }
+    def _request_ids(self, request_id: Any, count: int) -> list[str]:
+        if request_id is None:
+            return [f"{self._prefix}-{next(self._counter)}" for _ in range(count)]
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, str) and i for i in ids):
+            raise TypeError(
+                f"request_id must be a non-empty string (one prompt) or a list of them (a batch), got {request_id!r}"
             )
-        return prompts, self._stop_at_end_of_turn(normalize_params(params, len(prompts)))
+        if len(ids) != count:
+            raise ValueError(f"got {len(ids)} request ids for {count} prompts")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request ids must be unique, got {list(ids)!r}")
+        return list(ids)
 
-    def _template(self, source: str | None) -> ChatTemplate:
-        if source is not None:
-            return ChatTemplate(source, bos_token=None, eos_token=None, origin="the chat_template argument")
-        if self.spec.chat_template is None:
-            raise ValueError(
-                f"model {self.spec.source.name!r} has no chat template; pass chat_template='...' (Jinja source), "
-                "or build the prompt yourself and call generate"
+
+def _samples(request: EngineCoreRequest) -> list[EngineCoreRequest]:
+    """The ``n`` engine requests of one prompt: ids ``"{i}_{request_id}"``; with a seed, sample i uses seed + i."""
+    params = request.sampling_params
+    requests = []
+    for index in range(params.n):
+        seed = None if params.seed is None else params.seed + index
+        sample = msgspec.structs.replace(params, n=1, seed=seed)
+        if index:  # only one sample scores the prompt
+            sample = msgspec.structs.replace(sample, prompt_logprobs=None)
+        requests.append(
+            msgspec.structs.replace(
+                request,
+                request_id=f"{index}_{request.request_id}",
+                sampling_params=sample,
+                parent_request_id=request.request_id,
             )
-        return self.spec.chat_template
-
-    def _stop_at_end_of_turn(self, params: list[SamplingParams]) -> list[SamplingParams]:
-        extra = tuple(i for i in self.spec.end_of_turn_token_ids if i not in self.spec.config.eos_token_ids)
-        if not extra:
-            return params
-        return [
-            p if p.ignore_eos else msgspec.structs.replace(p, stop_token_ids=p.stop_token_ids + extra)
-            for p in params
-        ]
+        )
+    return requests
 
 
-def _is_batch(conversations: Any) -> bool:
-    """A list of conversations (lists of messages), rather than one conversation."""
-    return (
-        isinstance(conversations, (list, tuple))
-        and bool(conversations)
-        and isinstance(conversations[0], (list, tuple))
-    )
+def vllm_names(method: Callable[..., T]) -> Callable[..., T]:
+    """Accept today's names as aliases of vLLM's: ``params`` for ``sampling_params``, ``progress`` for
+    ``use_tqdm``. Giving both spellings of one argument is a ``TypeError``."""
+
+    @functools.wraps(method)
+    def accepting_aliases(self: Any, *args: Any, **kwargs: Any) -> T:
+        for alias, name in _ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs or (name == "sampling_params" and len(args) > 1):
+                    raise TypeError(f"{method.__name__}() got both {name!r} and its alias {alias!r}")
+                kwargs[name] = kwargs.pop(alias)
+        return method(self, *args, **kwargs)
+
+    return accepting_aliases
+
+
+_ALIASES = {"params": "sampling_params", "progress": "use_tqdm"}

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import difflib
+import enum
 import numbers
 import operator
 from typing import Any
 
 import msgspec
 
-__all__ = ["SamplingParams"]
+__all__ = ["RequestOutputKind", "SamplingParams"]
 
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a stream yields (vLLM's names): the whole output so far, only what is new, or only the end."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class _StrictOptions(msgspec.StructMeta):
@@ -61,6 +70,26 @@ class SamplingParams(
         Return the log-probabilities of this many most likely tokens (plus the sampled one) per token.
     min_tokens
         Tokens to generate before EOS or stop token ids may end the request.
+    n
+        Independent samples of the prompt (``RequestOutput.outputs`` has ``n`` entries); they share the
+        prompt's KV blocks. With a ``seed``, sample ``i`` uses ``seed + i``.
+    repetition_penalty
+        Divides the logits (multiplies the negative ones) of every token already in the prompt or the output;
+        ``1`` is off (transformers' and vLLM's definition).
+    presence_penalty
+        Subtracted from the logit of every token already generated; in [-2, 2].
+    frequency_penalty
+        Subtracted from a token's logit once per time it was already generated; in [-2, 2].
+    min_p
+        Keep tokens whose probability is at least ``min_p`` times the most likely one's; ``0`` is off.
+    prompt_logprobs
+        Return the log-probabilities of each prompt token (and this many most likely tokens at its position);
+        the first entry is ``None``.
+    include_stop_str_in_output
+        Keep the stop string that ended the request at the end of the text.
+    output_kind
+        What ``stream`` yields: ``RequestOutputKind.CUMULATIVE`` (the output so far), ``DELTA`` (only what is
+        new since the last yield) or ``FINAL_ONLY`` (just the finished output).
     """
 
     max_tokens: int = 16
@@ -73,17 +102,38 @@ class SamplingParams(
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    n: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "top_k", "min_tokens"):
+        for name in ("max_tokens", "top_k", "min_tokens", "n"):
             self._set(name, _integer(name, getattr(self, name)))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 self._set(name, _integer(name, getattr(self, name)))
-        for name in ("temperature", "top_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_p",
+        ):
             self._set(name, _real(name, getattr(self, name)))
-        if not isinstance(self.ignore_eos, bool):
-            raise _type_error("ignore_eos", self.ignore_eos, "True or False")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise _type_error(name, getattr(self, name), "True or False")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self._set("output_kind", RequestOutputKind(self.output_kind))
+            except ValueError:
+                raise _type_error("output_kind", self.output_kind, "a RequestOutputKind") from None
         self._set("stop", _strings("stop", self.stop))
         self._set("stop_token_ids", _integers("stop_token_ids", self.stop_token_ids))
         self._check_ranges()
@@ -115,10 +165,29 @@ class SamplingParams(
             raise ValueError(
                 f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be at least 1, got {self.n}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"SamplingParams.repetition_penalty must be positive, got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"SamplingParams.prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _type_error(name: str, value: Any, expected: str) -> TypeError:

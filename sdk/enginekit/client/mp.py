@@ -189,7 +189,9 @@ class MPClient(EngineCoreClient):
                 call_id = self._pending.add(future)
                 calls.append((call_id, future))
                 self._send(self._utility_request(call_id, method_name, args), target)
-            results = await asyncio.wait_for(asyncio.gather(*(future for _, future in calls)), timeout)
+            gathered = asyncio.gather(*(future for _, future in calls))
+            gathered.add_done_callback(_retrieve)  # cancelled with its caller: not "never retrieved"
+            results = await asyncio.wait_for(gathered, timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
         finally:
@@ -325,6 +327,11 @@ def _describe_death(reason: str, process: EngineProcess) -> EngineDeadError:
         f"{reason}; {process.describe_exit()}. Call engine.restart() to start a new engine."
         + (f"\nLast engine output:\n{tail}" if tail else "")
     )
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

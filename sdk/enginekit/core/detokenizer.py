@@ -17,6 +17,7 @@ class IncrementalDetokenizer:
     __slots__ = (
         "_emitted",
         "_ids",
+        "_include_stop",
         "_prefix_offset",
         "_read_offset",
         "_stop",
@@ -25,18 +26,27 @@ class IncrementalDetokenizer:
         "text",
     )
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...],
+        *,
+        include_stop: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop = stop
+        self._include_stop = include_stop
         self._stop_holdback = max((len(s) for s in stop), default=1) - 1
         self._emitted = 0
         self.text = ""  # all decoded output text so far, including what is held back
 
     def update(self, token_id: int, *, finishing: bool = False) -> str | None:
-        """Add one token; return the stop string if the text now contains one (text is cut before it)."""
+        """Add one token; return the stop string if the text now contains one (the text is cut before it, or
+        after it with ``include_stop``)."""
         self._ids.append(token_id)
         ids = self._ids
         prefix_text = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset])
@@ -49,7 +59,7 @@ class IncrementalDetokenizer:
             for stop in self._stop:
                 found = self.text.find(stop, max(0, start - len(stop) + 1))
                 if found >= 0:
-                    self.text = self.text[:found]
+                    self.text = self.text[: found + len(stop) if self._include_stop else found]
                     return stop
         return None
 

@@ -46,6 +46,7 @@ from enginekit.wire.messages import (
     UtilityRequest,
     WakeupRequest,
 )
+from enginekit.wire.messages import RequestStatus as WireStatus
 
 logger = logging.getLogger("enginekit.core")
 
@@ -147,8 +148,12 @@ class EngineCore:
         except ValueError as error:
             self.refuse(request_id, error)
             return
+        params = request.sampling_params
         detokenizer = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
+            self.tokenizer,
+            request.prompt_token_ids,
+            params.stop,
+            include_stop=params.include_stop_str_in_output,
         )
         self.scheduler.add_request(Request(request, detokenizer=detokenizer))
 
@@ -249,37 +254,98 @@ class EngineCore:
 
     def _run_scheduled(self) -> bool:
         scheduled = self.scheduler.schedule()
+        changes = self._status_changes(scheduled.started, scheduled.preempted)
         if scheduled.is_empty:
+            self._report_status(changes)
             return False
-        batch, sampling = self._batch(scheduled.scheduled)
+        batch, requests, sampling = self._batch(scheduled.scheduled)
         sampled = self.runner.execute(batch)
         self.num_steps += 1
         for request, num_new in scheduled.scheduled:
             request.num_computed_tokens += num_new
             self.kv_cache.cache_full_blocks(request)
+        for index, parts in (sampled.prompt_logprobs or {}).items():
+            requests[index].prompt_logprobs.append(parts)
         for row, request in enumerate(sampling):
-            self._append_token(request, sampled.token_ids[row], row, sampled)
+            output = self._append_token(request, sampled.token_ids[row], row, sampled)
+            status = changes.pop(request.request_id, None)
+            if status is not None:
+                self._stamp(output, request, status)
+            if request.prompt_logprobs is not None and request.sampling_params.prompt_logprobs is not None:
+                self._attach_prompt_logprobs(output, request)
+        self._report_status(changes)
         return True
 
-    def _batch(self, scheduled: list[tuple[Request, int]]) -> tuple[ScheduledBatch, list[Request]]:
-        """The runner's plain view of this step: decodes first, then prefill chunks."""
+    @staticmethod
+    def _attach_prompt_logprobs(output: EngineCoreOutput, request: Request) -> None:
+        """The prompt is done: send its logprobs once, with the first token (none for a one-token prompt)."""
+        parts = request.prompt_logprobs or []
+        if parts:
+            values, ids, ranks = (torch.cat(column) for column in zip(*parts))
+        else:
+            width = request.sampling_params.prompt_logprobs + 1
+            values, ids, ranks = torch.empty(0, width), torch.empty(0, width, dtype=torch.long), None
+        output.prompt_logprob_values, output.prompt_logprob_token_ids = values, ids
+        output.prompt_logprob_ranks = ranks
+        request.prompt_logprobs = None
+
+    def _status_changes(self, started: list[Request], preempted: list[Request]) -> dict[str, WireStatus]:
+        now = time.time()
+        for request in started:
+            request.first_scheduled_time = request.first_scheduled_time or now
+        changes = {request.request_id: WireStatus.RUNNING for request in started}
+        changes.update({request.request_id: WireStatus.PREEMPTED for request in preempted})
+        return changes
+
+    def _report_status(self, changes: dict[str, WireStatus]) -> None:
+        """Status changes of requests that produced no token this step get an output of their own."""
+        for request_id, status in changes.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self._outputs.append(self._stamp(EngineCoreOutput(request_id, []), request, status))
+
+    @staticmethod
+    def _stamp(output: EngineCoreOutput, request: Request, status: WireStatus) -> EngineCoreOutput:
+        output.status = status
+        output.first_scheduled_time = request.first_scheduled_time
+        output.num_preemptions = request.num_preemptions
+        return output
+
+    def _batch(
+        self, scheduled: list[tuple[Request, int]]
+    ) -> tuple[ScheduledBatch, list[Request], list[Request]]:
+        """The runner's plain view of this step (decodes first, then prefill chunks), the request of each chunk,
+        and the requests that sample, in the runner's order."""
         ordered = [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
         block_ids = self.kv_cache.block_ids
         chunks, sampling = [], []
         for request, num_new in ordered:
-            start = request.num_computed_tokens
+            start, params = request.num_computed_tokens, request.sampling_params
             chunk = SequenceChunk(
                 request.all_token_ids[start : start + num_new], start, block_ids[request.request_id]
             )
-            if request.prompt_embeds is not None and start < request.num_prompt_tokens:
-                chunk.prompt_embeds = request.prompt_embeds[
-                    start : min(start + num_new, request.num_prompt_tokens)
-                ]
+            if start < request.num_prompt_tokens:
+                self._prompt_chunk(chunk, request, start, num_new)
             if start + num_new == request.num_tokens:
-                chunk.sampling_params, chunk.generator = request.sampling_params, request.generator
+                chunk.sampling_params, chunk.generator = params, request.generator
+                if params.has_penalties:
+                    chunk.history = (request.all_token_ids, request.num_prompt_tokens)
                 sampling.append(request)
             chunks.append(chunk)
-        return ScheduledBatch(chunks, self.kv_cache.pool.num_used_blocks), sampling
+        return ScheduledBatch(chunks, self.kv_cache.pool.num_used_blocks), [r for r, _ in ordered], sampling
+
+    @staticmethod
+    def _prompt_chunk(chunk: SequenceChunk, request: Request, start: int, num_new: int) -> None:
+        end = min(start + num_new, request.num_prompt_tokens)
+        if request.prompt_embeds is not None:
+            chunk.prompt_embeds = request.prompt_embeds[start:end]
+        if request.sampling_params.prompt_logprobs is not None and request.prompt_logprobs is not None:
+            if start == 0:
+                request.prompt_logprobs = []  # a preempted request scores its prompt again, from the start
+            # Row p scores prompt token p + 1; the last prompt token scores the first output token, not this.
+            targets = request.all_token_ids[start + 1 : min(end + 1, request.num_prompt_tokens)]
+            if targets:
+                chunk.prompt_logprobs, chunk.prompt_targets = request.sampling_params.prompt_logprobs, targets
 
     def _wake_idle_waiters(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -287,7 +353,9 @@ class EngineCore:
         for future in waiters:
             future.set_result(stats)
 
-    def _append_token(self, request: Request, token_id: int, row: int, sampled: SamplerOutput) -> None:
+    def _append_token(
+        self, request: Request, token_id: int, row: int, sampled: SamplerOutput
+    ) -> EngineCoreOutput:
         request.all_token_ids.append(token_id)
         self.num_generated_tokens += 1
         params = request.sampling_params
@@ -309,11 +377,13 @@ class EngineCore:
             width = params.logprobs + 1
             output.logprob_values = sampled.logprob_values[row : row + 1, :width].clone()
             output.logprob_token_ids = sampled.logprob_token_ids[row : row + 1, :width].clone()
+            output.logprob_ranks = sampled.logprob_ranks[row : row + 1, :width].clone()
         if finish_reason is None:
             output.new_text = request.detokenizer.flush()
             self._outputs.append(output)
         else:
             self._finish(request, finish_reason, stop_reason, self._outputs, output)
+        return output
 
     def _finish(
         self,

@@ -24,12 +24,15 @@ class Request:
         "block_hashes",
         "detokenizer",
         "finish_reason",
+        "first_scheduled_time",
         "generator",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "parent_request_id",
         "prompt_embeds",
+        "prompt_logprobs",
         "request_id",
         "sampling_params",
         "status",
@@ -51,6 +54,9 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.detokenizer = detokenizer
+        self.parent_request_id = message.parent_request_id
+        self.first_scheduled_time = 0.0
+        self.prompt_logprobs: list[tuple[torch.Tensor, ...]] = []  # parts, one per prefill chunk, until sent
         seed = self.sampling_params.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
@@ -64,8 +70,13 @@ class Request:
 
     @property
     def is_cacheable(self) -> bool:
-        # Embedding prompts have no token ids to hash: their KV blocks are never shared.
-        return self.prompt_embeds is None
+        # Embedding prompts have no token ids to hash: their KV blocks are never shared. Prompt logprobs need
+        # every prompt position computed, so such a request does not take cached blocks either.
+        return self.prompt_embeds is None and self.sampling_params.prompt_logprobs is None
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

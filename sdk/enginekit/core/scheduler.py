@@ -3,6 +3,8 @@
 Each step, running requests are served first (decodes and unfinished prefill chunks), then waiting requests
 join while the token budget, ``max_num_seqs`` and free KV blocks allow. When blocks run out, the newest running
 request is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later.
+The samples of one prompt (``n > 1``) join after the first of them has prefilled it, so that they find the
+prompt's blocks in the prefix cache instead of computing them again.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from enginekit.wire.messages import FinishReason
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens)
-    num_preempted: int = 0
+    started: list[Request] = field(default_factory=list)  # now running: first scheduled, or resumed
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
 
     @property
     def is_empty(self) -> bool:
@@ -52,7 +59,7 @@ class Scheduler:
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
-                output.num_preempted += 1
+                output.preempted.append(victim)
                 if victim is request:
                     break
             else:
@@ -63,21 +70,34 @@ class Scheduler:
             break
         if output.num_preempted:
             return output
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        prefilling: set[str] | None = None  # parents with a sample mid-prefill, found when first needed
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[index]
+            if request.parent_request_id is not None:
+                if prefilling is None:
+                    prefilling = {
+                        r.parent_request_id for r in self.running if r.parent_request_id and r.is_prefilling
+                    }
+                if request.parent_request_id in prefilling:
+                    index += 1  # a sibling is prefilling the shared prompt: join once its blocks are cached
+                    continue
             computed = self.kv_cache.get_computed_blocks(request)
             num_hit = len(computed) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed):
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
                 self.kv_cache.record_prefix_lookup(request.num_tokens, num_hit)
+            if prefilling is not None and request.parent_request_id is not None and request.is_prefilling:
+                prefilling.add(request.parent_request_id)
             output.scheduled.append((request, num_new))
+            output.started.append(request)
             budget -= num_new
         return output
 

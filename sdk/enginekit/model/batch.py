@@ -27,8 +27,13 @@ class SequenceChunk:
         The sequence's KV-cache block ids (at least enough for ``start + len(token_ids)`` tokens).
     sampling_params, generator
         Set when the chunk ends the sequence's known tokens, so a next token must be sampled.
+    history
+        The sequence's token ids and how many are the prompt's, when its penalties need them.
     prompt_embeds
         Embeddings that replace the token embeddings of the chunk's first rows (embedding prompts).
+    prompt_logprobs, prompt_targets
+        For a prompt chunk whose prompt logprobs are wanted: how many top tokens, and the prompt token each row
+        predicts (the next one; the last prompt token predicts nothing of the prompt).
     """
 
     token_ids: list[int]
@@ -36,7 +41,10 @@ class SequenceChunk:
     block_table: list[int]
     sampling_params: SamplingParams | None = None
     generator: torch.Generator | None = None
+    history: tuple[list[int], int] | None = None
     prompt_embeds: torch.Tensor | None = None
+    prompt_logprobs: int | None = None
+    prompt_targets: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ from enginekit.model.attention import AttentionMetadata, PrefillChunk
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
 from enginekit.model.llama import LlamaForCausalLM
-from enginekit.model.sampler import Sampler, SamplerOutput
+from enginekit.model.sampler import Sampler, SamplerOutput, top_logprobs
 
 
 class ExecutorError(RuntimeError):
@@ -26,8 +26,9 @@ class ModelInputs:
     token_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    logits_indices: torch.Tensor
+    logits_indices: torch.Tensor  # the sampling rows first, then every prompt row whose logprobs are wanted
     embeds: list[tuple[int, torch.Tensor]]
+    prompt_rows: dict[int, slice]  # chunk index -> its prompt rows among the logits
 
 
 class ModelRunner:
@@ -70,10 +71,28 @@ class ModelRunner:
             logits = self.model(
                 inputs.token_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices, inputs.embeds
             )
-            sampling = [chunk for chunk in chunks if chunk.samples]
-            return self.sampler(
-                logits, [c.sampling_params for c in sampling], [c.generator for c in sampling]
-            )
+            return self._sample(chunks, logits, inputs.prompt_rows)
+
+    def _sample(
+        self, chunks: list[SequenceChunk], logits: torch.Tensor, prompt_rows: dict[int, slice]
+    ) -> SamplerOutput:
+        """Sample the chunks that end their known tokens; score the prompt rows whose logprobs were asked for."""
+        sampling = [chunk for chunk in chunks if chunk.samples]
+        histories = [chunk.history for chunk in sampling] if any(c.history for c in sampling) else None
+        output = self.sampler(
+            logits[: len(sampling)],
+            [c.sampling_params for c in sampling],
+            [c.generator for c in sampling],
+            histories,
+        )
+        if prompt_rows:
+            output.prompt_logprobs = {
+                index: top_logprobs(
+                    logits[rows], torch.tensor(chunks[index].prompt_targets), chunks[index].prompt_logprobs
+                )
+                for index, rows in prompt_rows.items()
+            }
+        return output
 
     def _prepare_inputs(self, chunks: list[SequenceChunk]) -> ModelInputs:
         token_ids: list[int] = []
@@ -81,8 +100,9 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         embeds: list[tuple[int, torch.Tensor]] = []
+        prompt_rows: list[tuple[int, int, int]] = []  # chunk index, first row, number of rows
         size = self.block_size
-        for chunk in chunks:
+        for index, chunk in enumerate(chunks):
             row, start, end = len(token_ids), chunk.start, chunk.start + chunk.num_tokens
             table = chunk.block_table
             token_ids.extend(chunk.token_ids)
@@ -92,12 +112,19 @@ class ModelRunner:
                 embeds.append((row, chunk.prompt_embeds.to(self.device)))
             if chunk.samples:
                 logits_rows.append(row + chunk.num_tokens - 1)
+            if chunk.prompt_targets:
+                prompt_rows.append((index, row, len(chunk.prompt_targets)))
+        rows_by_chunk = {}
+        for index, row, count in prompt_rows:
+            rows_by_chunk[index] = slice(len(logits_rows), len(logits_rows) + count)
+            logits_rows.extend(range(row, row + count))
         return ModelInputs(
             self._tensor(token_ids),
             self._tensor(positions),
             self._tensor(slots),
             self._tensor(logits_rows),
             embeds,
+            rows_by_chunk,
         )
 
     def _attention_metadata(

@@ -134,14 +134,20 @@ class _Recorder:
         self.outputs: list[RequestOutput] = []
         self.watch: Any = None
 
-    def attach(self, engine: Any, outputs: list[RequestOutput]) -> Any:
+    def attach(self, engine: Any, outputs: list[RequestOutput], params: list[Any] | None = None) -> Any:
         self.outputs = outputs
-        self.watch = watcher_for(self._progress, self._viewer)(engine, outputs)
+        self.watch = watcher_for(self._progress, self._viewer)(engine, outputs, params)
         return self.watch
 
 
 def start_background(
-    engine: Any, prompts: Any, params: Any = None, *, progress: bool | None = None, viewer: Any = None
+    engine: Any,
+    prompts: Any,
+    params: Any = None,
+    *,
+    use_tqdm: bool | None = None,
+    viewer: Any = None,
+    request_id: Any = None,
 ) -> GenerationHandle:
     """What ``engine.generate_background`` does: submit now, collect in a task on the running loop."""
     if engine.mode != "async":
@@ -160,8 +166,8 @@ def start_background(
     shown = Viewer() if viewer is True else viewer if isinstance(viewer, Viewer) else None
     if shown is not None:
         shown.show()  # in the calling cell, before it returns
-    recorder = _Recorder(progress, shown)
-    coro = engine.agenerate(prompts, params, viewer=recorder)
+    recorder = _Recorder(use_tqdm, shown)
+    coro = engine.agenerate(prompts, params, viewer=recorder, request_id=request_id)
     return GenerationHandle(coro, engine=engine, recorder=recorder, viewer=shown)
 
 

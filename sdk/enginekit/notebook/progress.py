@@ -33,3 +33,6 @@ class ProgressWatcher:
             self._closed = True
             self.update(force=True)
             self._bar.close()
+
+    async def aclose(self) -> None:
+        self.close()

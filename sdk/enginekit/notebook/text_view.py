@@ -55,19 +55,30 @@ class TextView:
 
 def summary_line(summary: dict[str, Any], *, final: bool) -> str:
     done, total = summary["num_finished"], summary["num_requests"]
+    states = ", ".join(
+        f"{summary[f'num_{state}']} {state}"
+        for state in ("running", "waiting", "preempted")
+        if summary[f"num_{state}"]
+    )
     line = (
-        f"enginekit: {done}/{total} finished, {summary['num_tokens']} tokens, "
+        f"enginekit: {done}/{total} finished{', ' + states if states else ''}, "
+        f"{summary['num_tokens']}/{summary['num_max_tokens']} tokens, "
         f"{summary['tokens_per_s']:.1f} tok/s, {summary['elapsed_s']:.1f} s"
     )
+    stats = summary["stats"]
     if final:
         reasons = ", ".join(
             f"{reason} {count}" for reason, count in sorted(summary["finish_reasons"].items())
         )
-        return f"{line} (done{': ' + reasons if reasons else ''})"
-    stats = summary["stats"]
+        line = f"{line} ({summary['state']}{': ' + reasons if reasons else ''})"
+        if stats is not None and stats.get("num_preemptions"):
+            line += f" | preemptions {stats['num_preemptions']}"
+        return line
     if stats is not None:
         line += (
-            f" | running {stats['num_running_requests']}, waiting {stats['num_waiting_requests']},"
+            f" | engine: running {stats['num_running_requests']}, waiting {stats['num_waiting_requests']},"
             f" KV cache {stats['kv_cache_usage']:.0%}, prefix-cache hits {stats['prefix_cache_hit_rate']:.0%}"
         )
+        if stats.get("num_preemptions"):
+            line += f", preemptions {stats['num_preemptions']}"
     return line

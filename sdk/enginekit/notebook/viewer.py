@@ -21,10 +21,12 @@ from enginekit.notebook.widget_view import WidgetView
 if TYPE_CHECKING:
     from enginekit.engine import Engine
     from enginekit.outputs import RequestOutput
+    from enginekit.sampling_params import SamplingParams
 
 __all__ = ["Viewer", "ViewerKind", "check_viewer_argument", "in_jupyter"]
 
 ViewerKind = Literal["auto", "widget", "text"]
+_FINAL_STATS_TIMEOUT_S = 5.0  # an awaited generate returns without the final numbers after this long
 
 
 def _why_no_widgets() -> str | None:
@@ -39,16 +41,17 @@ def _why_no_widgets() -> str | None:
 
 
 class RequestRow:
-    """What the viewer knows about one request (a live ``RequestOutput``); read by the views."""
+    """What the viewer knows about one request (a live ``RequestOutput`` and its settings); read by the views."""
 
-    __slots__ = ("engine_ref", "finished_at", "output", "rendered_key", "started_at")
+    __slots__ = ("engine_ref", "finished_at", "output", "params", "rendered_key", "started_at")
 
-    def __init__(self, output: RequestOutput, engine: Any, now: float) -> None:
+    def __init__(self, output: RequestOutput, engine: Any, now: float, params: SamplingParams | None) -> None:
         self.output = output
+        self.params = params
         self.engine_ref = weakref.ref(engine)
         self.started_at = now
         self.finished_at: float | None = None
-        self.rendered_key: tuple[int, str | None] | None = None
+        self.rendered_key: tuple[Any, ...] | None = None
 
     @property
     def request_id(self) -> str:
@@ -68,39 +71,90 @@ class RequestRow:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.output.outputs[0].token_ids)
+        """Tokens generated so far (all samples together)."""
+        return sum(len(c.token_ids) for c in self.output.outputs)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The most tokens the request may generate (all samples together), when its settings are known."""
+        return self.params.max_tokens * self.params.n if self.params is not None else None
 
     @property
     def finish_reason(self) -> str | None:
-        return self.output.outputs[0].finish_reason
+        """How the request ended (for ``n > 1``: ``"abort"`` if any sample was aborted, else the first's)."""
+        reasons = [c.finish_reason for c in self.output.outputs]
+        if not reasons or any(r is None for r in reasons):
+            return None
+        return "abort" if "abort" in reasons else reasons[0]
 
     @property
     def finished(self) -> bool:
         return self.output.finished
 
+    @property
+    def state(self) -> str:
+        """``waiting``, ``running``, ``preempted`` or, once finished, its finish reason."""
+        if self.finished:
+            return self.finish_reason or "finished"
+        return self.output.status
+
     def tokens_per_s(self, now: float) -> float:
         elapsed = (self.finished_at if self.finished_at is not None else now) - self.started_at
         return self.num_tokens / elapsed if elapsed > 0 else 0.0
+
+    def settings(self) -> str:
+        """The sampling settings in a few words: ``greedy`` or temperature, top-p, ...; penalties; ``n``."""
+        return describe_params(self.params) if self.params is not None else ""
 
     def observe(self, now: float) -> bool:
         """Note the request's progress; True when it changed since the last render."""
         if self.finished and self.finished_at is None:
             self.finished_at = now
-        key = (self.num_tokens, self.finish_reason)
+        key = (self.num_tokens, self.output.status, self.finish_reason, self.finished)
         if key == self.rendered_key:
             return False
         self.rendered_key = key
         return True
 
 
+def describe_params(params: SamplingParams) -> str:
+    """``SamplingParams`` in a few words, leaving out what is at its default."""
+    parts = ["greedy" if params.is_greedy else f"temperature {params.temperature:g}"]
+    if not params.is_greedy:
+        parts += [f"top-p {params.top_p:g}"] if params.top_p < 1.0 else []
+        parts += [f"top-k {params.top_k}"] if params.top_k else []
+        parts += [f"min-p {params.min_p:g}"] if params.min_p else []
+        parts += [f"seed {params.seed}"] if params.seed is not None else []
+    for name, value, default in (
+        ("repetition", params.repetition_penalty, 1.0),
+        ("presence", params.presence_penalty, 0.0),
+        ("frequency", params.frequency_penalty, 0.0),
+    ):
+        if value != default:
+            parts.append(f"{name} penalty {value:g}")
+    if params.n > 1:
+        parts.append(f"n {params.n}")
+    if params.stop:
+        parts.append(
+            "stop " + ", ".join(repr(s) for s in params.stop[:3]) + (" …" if len(params.stop) > 3 else "")
+        )
+    if params.ignore_eos:
+        parts.append("ignore EOS")
+    return " · ".join(parts)
+
+
 class Viewer:
     """Live view of generation: one row per request and an engine panel.
 
-    In a Jupyter kernel with ipywidgets each row shows the text as it streams in, the token count, tokens/s,
-    the finish reason and an *Abort* button; a *Stop all* button aborts every running request of the viewer,
-    and the panel shows the engine's mode, process id, running and waiting requests, KV-cache usage and
-    prefix-cache hit rate. Elsewhere (a script, a terminal, no ipywidgets) it prints a one-time note saying
-    why, then a plain-text progress line every ``text_interval_s`` seconds and a summary at the end.
+    In a Jupyter kernel with ipywidgets each row shows the request's state (waiting, running, preempted, or how
+    it finished), its tokens out of ``max_tokens``, tokens/s, time to first token, latency and sampling
+    settings, the text as it streams in (a chat as its turns), and an *Abort* button. The panel above shows the
+    engine (mode, process id, running and waiting requests, KV-cache usage, prefix-cache hit rate, preemptions,
+    each data-parallel rank's load), the requests by state, and a bar of the tokens generated out of the most
+    that may come; *Stop all* aborts every running request of the viewer, and the panel then says how many
+    ended each way. The engine's numbers are fetched again when the last request is done, so the final panel
+    matches the engine. Elsewhere (a script, a terminal, no ipywidgets) it prints a one-time note saying why,
+    then a plain-text progress line every ``text_interval_s`` seconds and a summary at the end.
 
     Parameters
     ----------
@@ -109,6 +163,9 @@ class Viewer:
         widgets anyway; they are displayed only in a Jupyter kernel) or ``"text"``.
     max_chars
         Each row shows the last ``max_chars`` characters of its text.
+    rows_height
+        The most height the rows take before they scroll (any CSS length, e.g. ``"900px"``); the area can also
+        be resized by dragging its bottom-right corner.
     min_interval_s
         Least time between two renders: no widget is updated more often than ``1 / min_interval_s`` times a
         second, however fast tokens arrive. Renders that take long (many rows) are spaced further apart, so
@@ -138,6 +195,7 @@ class Viewer:
         *,
         kind: ViewerKind = "auto",
         max_chars: int = 400,
+        rows_height: str = "70vh",
         min_interval_s: float = 0.1,
         stats_interval_s: float = 0.5,
         text_interval_s: float = 2.0,
@@ -154,7 +212,12 @@ class Viewer:
         ):
             if not value >= 0:
                 raise ValueError(f"{name} must be zero or positive, got {value}")
+        if not isinstance(rows_height, str) or not rows_height.strip():
+            raise ValueError(
+                f"rows_height must be a CSS length such as '600px' or '70vh', got {rows_height!r}"
+            )
         self.max_chars = max_chars
+        self.rows_height = rows_height
         self.min_interval_s = min_interval_s
         self.stats_interval_s = stats_interval_s
         self.rows: list[RequestRow] = []
@@ -191,12 +254,16 @@ class Viewer:
         self._shown = True
         self._view.show()
 
-    def refresh(self, *, force: bool = False) -> None:
-        """Render what changed since the last render; throttled to one render per ``min_interval_s`` or more."""
+    def refresh(self, *, force: bool = False, blocking: bool = False) -> None:
+        """Render what changed since the last render; throttled to one render per ``min_interval_s`` or more.
+
+        ``blocking``: called from a blocking generate, which holds this thread's loop (if any): the engine's
+        numbers are fetched with a blocking call, as no task could run meanwhile.
+        """
         now = self._clock()
         if not force and now < self._next_render_at:
             return
-        self._maybe_refresh_stats(now)
+        self._maybe_refresh_stats(now, blocking)
         changed = [row for row in self.rows if row.observe(now)]
         self._view.render(changed, now, final=self._num_attached == 0)
         # A render that takes long (many rows) spaces the next ones out: at most a fifth of the time.
@@ -213,24 +280,50 @@ class Viewer:
         self._view.set_rows(self.rows)
 
     def summary(self) -> dict[str, Any]:
-        """The numbers the panel shows: requests, tokens, throughput and the latest engine statistics."""
+        """The numbers the panel shows: requests by state, tokens, throughput and the latest engine statistics.
+
+        ``num_max_tokens`` is the most tokens the requests may still make in all: a request that finished by
+        stop or length counts its own tokens, the others their ``max_tokens`` (an aborted one never got there).
+        ``state`` is ``"running"``, ``"done"`` or, when a request was aborted, ``"stopped"``.
+        """
         engine = self._engine_ref() if self._engine_ref is not None else None
         num_tokens = sum(row.num_tokens for row in self.rows)
         elapsed = self._watched_s + (self._clock() - self._started_at if self._num_attached else 0.0)
+        states = {"waiting": 0, "running": 0, "preempted": 0}
         reasons: dict[str, int] = {}
+        num_max_tokens = 0
+        tokens_by_state: dict[str, int] = {}
         for row in self.rows:
-            if row.finish_reason is not None:
-                reasons[row.finish_reason] = reasons.get(row.finish_reason, 0) + 1
+            reason = row.finish_reason if row.finished else None
+            if reason is not None:
+                reasons[reason] = reasons.get(reason, 0) + 1
+            else:
+                states[row.output.status] = states.get(row.output.status, 0) + 1
+            state = row.state
+            tokens_by_state[state] = tokens_by_state.get(state, 0) + row.num_tokens
+            limit = row.max_tokens
+            done = reason is not None and reason != "abort"
+            num_max_tokens += row.num_tokens if done or limit is None else max(limit, row.num_tokens)
+        active = self._num_attached > 0
         return {
             "mode": engine.mode if engine is not None else None,
             "engine_pid": engine.engine_pid if engine is not None else None,
             "num_requests": len(self.rows),
-            "num_finished": sum(1 for row in self.rows if row.finished),
+            "num_finished": sum(reasons.values()),
+            "num_waiting": states["waiting"],
+            "num_running": states["running"],
+            "num_preempted": states["preempted"],
             "finish_reasons": reasons,
             "num_tokens": num_tokens,
+            "num_max_tokens": num_max_tokens,
+            "tokens_by_state": tokens_by_state,
+            "num_preemptions": sum(
+                row.output.metrics.num_preemptions for row in self.rows if row.output.metrics
+            ),
             "elapsed_s": elapsed,
             "tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
-            "active": self._num_attached > 0,
+            "active": active,
+            "state": "running" if active else "stopped" if "abort" in reasons else "done",
             "stats": self._stats,
             "stats_error": self._stats_error,
         }
@@ -245,14 +338,18 @@ class Viewer:
         return f"Viewer(kind={self.kind!r}, {done}/{len(self.rows)} requests finished)"
 
     # ---- the generate loop's side -------------------------------------------------------------------
-    def attach(self, engine: Engine, outputs: list[RequestOutput]) -> ViewerWatch:
-        """Add rows for these live outputs and start watching them; ``close()`` the returned watch when done.
+    def attach(
+        self, engine: Engine, outputs: list[RequestOutput], params: list[SamplingParams] | None = None
+    ) -> ViewerWatch:
+        """Add rows for these live outputs (made with these ``params``, one per output, when known) and start
+        watching them; ``close()`` the returned watch when done.
 
         ``engine`` is used through its public API only: ``mode``, ``engine_pid``, ``is_running``, ``abort``,
         ``get_stats`` and ``aget_stats``.
         """
         now = self._clock()
-        new_rows = [RequestRow(output, engine, now) for output in outputs]
+        all_params = params if params is not None else [None] * len(outputs)
+        new_rows = [RequestRow(output, engine, now, p) for output, p in zip(outputs, all_params)]
         self.rows.extend(new_rows)
         self._engine_ref = weakref.ref(engine)
         if self._num_attached == 0:
@@ -265,7 +362,7 @@ class Viewer:
         self._start_ticker()
         return ViewerWatch(self)
 
-    def _detach(self) -> None:
+    def _detach(self, blocking: bool) -> None:
         self._num_attached -= 1
         if self._num_attached > 0:
             return
@@ -273,10 +370,21 @@ class Viewer:
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
-        if self._stats_task is not None and not self._stats_task.done():
-            self._stats_task.cancel()  # the final panel shows no engine load: nothing to wait for
-            self._stats_task = None
+        self._refresh_final_stats(blocking)
         self.refresh(force=True)
+
+    def _refresh_final_stats(self, blocking: bool) -> None:
+        """Fetch the engine's numbers once more now that every request is done, so the panel matches them."""
+        engine = self._engine_ref() if self._engine_ref is not None else None
+        if engine is None or not engine.is_running:
+            return
+        if self._stats_task is not None and not self._stats_task.done():
+            self._stats_task.cancel()  # asked while requests ran: its answer would be older than the final one
+        self._stats_task = None
+        if not blocking and _running_loop() is not None:
+            self._refresh_stats_in_task(engine)  # the panel is rendered again when it arrives
+            return
+        self._fetch_stats(engine)
 
     def _start_ticker(self) -> None:
         # Renders while the loop runs even when no batch concerns the request the generate loop awaits. A
@@ -296,17 +404,20 @@ class Viewer:
             self._start_ticker()
 
     # ---- engine statistics --------------------------------------------------------------------------
-    def _maybe_refresh_stats(self, now: float) -> None:
+    def _maybe_refresh_stats(self, now: float, blocking: bool) -> None:
         if self._num_attached == 0 or now - self._stats_at < self.stats_interval_s:
             return
         engine = self._engine_ref() if self._engine_ref is not None else None
         if engine is None or not engine.is_running:
             return
         self._stats_at = now
-        if _running_loop() is not None:
+        if not blocking and _running_loop() is not None:
             # On a running loop (an awaited generate, a background one): ask without blocking the loop.
             self._refresh_stats_in_task(engine)
             return
+        self._fetch_stats(engine)
+
+    def _fetch_stats(self, engine: Engine) -> None:
         try:
             self._stats = engine.get_stats()
             self._stats_error = None
@@ -328,6 +439,8 @@ class Viewer:
             self._stats_error = f"{type(error).__name__}: {error}"
         else:
             self._stats, self._stats_error = task.result(), None
+        if self._num_attached == 0:
+            self.refresh(force=True)  # the final numbers: no ticker renders them any more
 
     # ---- buttons ------------------------------------------------------------------------------------
     def _abort_rows(self, rows: list[RequestRow]) -> None:
@@ -345,21 +458,32 @@ class Viewer:
 
 
 class ViewerWatch:
-    """One ``generate`` call's hold on a viewer: ``update()`` after each batch, ``close()`` at the end."""
+    """One ``generate`` call's hold on a viewer: ``update()`` after each batch, ``close()`` at the end.
 
-    __slots__ = ("_closed", "viewer")
+    ``blocking``: the call blocks this thread (a plain ``generate``), so no task of its loop runs meanwhile.
+    """
+
+    __slots__ = ("_closed", "blocking", "viewer")
 
     def __init__(self, viewer: Viewer) -> None:
         self.viewer = viewer
+        self.blocking = False
         self._closed = False
 
     def update(self) -> None:
-        self.viewer.refresh()
+        self.viewer.refresh(blocking=self.blocking)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.viewer._detach()
+            self.viewer._detach(self.blocking)
+
+    async def aclose(self) -> None:
+        """``close``, then wait (briefly) for the engine's final numbers, so the panel shows them on return."""
+        self.close()
+        task = self.viewer._stats_task
+        if task is not None and not task.done():
+            await asyncio.wait([task], timeout=_FINAL_STATS_TIMEOUT_S)
 
 
 def check_viewer_argument(viewer: Any) -> None:

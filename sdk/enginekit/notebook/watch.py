@@ -7,6 +7,7 @@ from typing import Any
 
 from enginekit.notebook.viewer import Viewer, check_viewer_argument
 from enginekit.outputs import RequestOutput
+from enginekit.sampling_params import SamplingParams
 
 
 class NoWatcher:
@@ -16,18 +17,24 @@ class NoWatcher:
     def close(self) -> None:
         pass
 
+    async def aclose(self) -> None:
+        pass
 
-def watcher_for(progress: bool | None, viewer: Any) -> Callable[[Any, list[RequestOutput]], Any]:
+
+def watcher_for(progress: bool | None, viewer: Any, *, blocking: bool = False) -> Callable[..., Any]:
     """Check the arguments now (before anything is submitted); the result attaches to the live outputs.
 
     A viewer (``viewer=True`` builds a new ``Viewer``) holds the outputs' rows; else a progress bar watches
     them (``progress=True``, or 16 prompts and more when ``progress`` is ``None``); else nothing does.
+    ``blocking``: for a call that blocks its thread (a plain ``generate``), not one awaited on a loop.
     """
     check_viewer_argument(viewer)
 
-    def attach(engine: Any, outputs: list[RequestOutput]) -> Any:
+    def attach(engine: Any, outputs: list[RequestOutput], params: list[SamplingParams] | None = None) -> Any:
         if viewer is not None and viewer is not False:
-            return (Viewer() if viewer is True else viewer).attach(engine, outputs)
+            watch = (Viewer() if viewer is True else viewer).attach(engine, outputs, params)
+            watch.blocking = blocking
+            return watch
         if progress or (progress is None and len(outputs) >= 16):
             from enginekit.notebook.progress import ProgressWatcher
 

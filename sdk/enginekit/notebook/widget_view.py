@@ -1,8 +1,13 @@
-"""The viewer's ipywidgets view: an engine panel with a Stop-all button, then one row per request."""
+"""The viewer's ipywidgets view: an engine panel with a Stop-all button, then one row per request.
+
+Everything shown is HTML built here from the viewer's rows and summary; the panel is laid out as items that
+wrap between each other, never inside one ("prefix-cache hits 50%" stays on one line).
+"""
 
 from __future__ import annotations
 
 import html
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -11,8 +16,17 @@ from enginekit.notebook.jupyter import in_jupyter
 if TYPE_CHECKING:
     from enginekit.notebook.viewer import RequestRow, Viewer
 
-_REASON_COLORS = {None: "#1f6feb", "length": "#57606a", "stop": "#1a7f37", "abort": "#bc4c00"}
+STATE_COLORS = {
+    "waiting": "#8c959f",
+    "running": "#1f6feb",
+    "preempted": "#9a6700",
+    "stop": "#1a7f37",
+    "length": "#57606a",
+    "abort": "#bc4c00",
+}
 _FONT = "font-family:var(--jp-code-font-family,monospace);font-size:12px;line-height:1.45"
+_GREY = "color:#6e7781"
+_ids = itertools.count()
 
 
 class WidgetView:
@@ -27,7 +41,7 @@ class WidgetView:
         self._widgets = widgets
         self._viewer = viewer
         self._on_abort = on_abort
-        self.panel = widgets.HTML(layout=widgets.Layout(height="auto"))  # not one fixed-height line
+        self.panel = widgets.HTML(layout=widgets.Layout(height="auto", flex="1 1 auto", width="auto"))
         self.stop_all = widgets.Button(
             description="Stop all",
             icon="stop",
@@ -37,10 +51,18 @@ class WidgetView:
             layout=widgets.Layout(width="auto", flex="0 0 auto"),
         )
         self.stop_all.on_click(lambda _button: viewer.abort_all())
-        self.rows_box = widgets.VBox(layout=widgets.Layout(max_height="520px", overflow="auto"))
+        # The rows scroll past ``rows_height``; dragging the corner resizes the area (then the user's height
+        # holds: the rule only caps an area the user has not resized, which has no inline height).
+        rows_class = f"enginekit-rows-{next(_ids)}"
+        self._style = (
+            f"<style>.{rows_class}{{resize:vertical;overflow:auto}}"
+            f'.{rows_class}:not([style*="height"]){{max-height:{html.escape(viewer.rows_height)}}}</style>'
+        )
+        self.rows_box = widgets.VBox(layout=widgets.Layout(overflow="auto"))
+        self.rows_box.add_class(rows_class)
         header = widgets.HBox(
             [self.panel, self.stop_all],
-            layout=widgets.Layout(justify_content="space-between", align_items="center"),
+            layout=widgets.Layout(justify_content="space-between", align_items="flex-start"),
         )
         self.root = widgets.VBox([header, self.rows_box], layout=widgets.Layout(width="100%"))
         self.root.add_class("enginekit-viewer")
@@ -95,59 +117,131 @@ class WidgetView:
             if row.finished:
                 button.disabled = True
         summary = viewer.summary()
-        self.panel.value = panel_html(summary)
+        self.panel.value = self._style + panel_html(summary)
         self.stop_all.disabled = summary["num_finished"] == summary["num_requests"]
 
 
+# ---- rows ---------------------------------------------------------------------------------------------------
 def row_html(row: RequestRow, now: float, max_chars: int) -> str:
-    reason = row.finish_reason
-    color = _REASON_COLORS.get(reason, "#8250df")
-    label = html.escape(reason or "running")
-    text = row.text
-    if len(text) > max_chars:
-        text = "…" + text[-max_chars:]
-    prompt = row.prompt if row.prompt is not None else f"<{row.num_prompt_tokens} tokens>"
-    if len(prompt) > 60:
-        prompt = "…" + prompt[-60:]
+    state = row.state
+    color = STATE_COLORS.get(state, "#8250df")
+    limit = row.max_tokens
+    tokens = f"{row.num_tokens}/{limit} tokens" if limit is not None else f"{row.num_tokens} tokens"
+    facts = [
+        f"<span style='color:{color};font-weight:bold'>{html.escape(state)}</span>",
+        tokens,
+        f"{row.tokens_per_s(now):.1f} tok/s",
+    ]
+    metrics = row.output.metrics
+    if metrics is not None:
+        if metrics.time_to_first_token is not None:
+            facts.append(f"first token {metrics.time_to_first_token:.2f} s")
+        if row.finished and metrics.latency is not None:
+            facts.append(f"latency {metrics.latency:.2f} s")
+        if metrics.num_preemptions:
+            facts.append(f"preemptions {metrics.num_preemptions}")
+    settings = row.settings()
+    header = (
+        f"<span style='{_GREY}'>{html.escape(row.request_id)}</span> "
+        + _items(facts)
+        + (f" <span style='{_GREY}'>· {html.escape(settings)}</span>" if settings else "")
+    )
+    fill = min(1.0, row.num_tokens / limit) if limit else (1.0 if row.finished else 0.0)
+    bar = (
+        "<div style='height:2px;background:#eaeef2;margin:1px 0 2px'>"
+        f"<div style='height:2px;width:{fill:.1%};background:{color}'></div></div>"
+    )
     return (
-        f"<div style='{_FONT};padding:1px 0 3px 8px;border-left:3px solid {color}'>"
-        f"<span style='color:#888'>{html.escape(row.request_id)}</span> "
-        f"<span style='color:{color};font-weight:bold'>{label}</span> · "
-        f"{row.num_tokens} tokens · {row.tokens_per_s(now):.1f} tok/s"
-        "<div style='white-space:pre-wrap;word-break:break-all'>"
-        f"<span style='color:#888'>{html.escape(prompt)}</span>"
-        f"<span class='enginekit-text'>{html.escape(text)}</span></div></div>"
+        f"<div style='{_FONT};padding:1px 0 3px 8px;border-left:3px solid {color}'>{header}{bar}"
+        f"<div style='white-space:pre-wrap;word-break:break-word'>{_body(row, max_chars)}</div></div>"
     )
 
 
-def panel_html(summary: dict[str, Any]) -> str:
-    engine = (
-        f"<b>enginekit</b> · mode <b>{html.escape(str(summary['mode']))}</b>"
-        f" · engine pid {summary['engine_pid']}"
-    )
-    stats = summary["stats"]
-    if stats is not None and summary["active"]:  # engine load now; once done, the moment has passed
-        engine += (
-            f" · running {stats['num_running_requests']} · waiting {stats['num_waiting_requests']}"
-            f" · KV cache {stats['kv_cache_usage']:.0%}"
+def _body(row: RequestRow, max_chars: int) -> str:
+    """The prompt (a chat as its turns) in grey, then the generated text (each sample's, for ``n > 1``)."""
+    messages = row.output.messages
+    if messages:
+        turns = [
+            f"<div><b style='{_GREY}'>{html.escape(str(m.get('role', '?')))}:</b> "
+            f"<span style='{_GREY}'>{html.escape(_tail(str(m.get('content', '')), max_chars))}</span></div>"
+            for m in messages
+        ]
+        prompt = "".join(turns) + "<b style='color:#1f6feb'>assistant:</b> "
+    else:
+        text = row.prompt if row.prompt is not None else f"<{row.num_prompt_tokens} tokens>"
+        prompt = f"<span style='{_GREY}'>{html.escape(_tail(text, 60))}</span>"
+    completions = row.output.outputs
+    if len(completions) == 1:
+        return (
+            prompt
+            + f"<span class='enginekit-text'>{html.escape(_tail(completions[0].text, max_chars))}</span>"
         )
-        if "ranks" in stats:  # data parallel: each rank's load
-            engine += " · " + " ".join(
-                f"rank {i}: {rank['num_running_requests'] + rank['num_waiting_requests']}"
-                for i, rank in enumerate(stats["ranks"])
-            )
+    samples = "".join(
+        f"<div><span style='{_GREY}'>[{c.index}]</span> "
+        f"<span class='enginekit-text'>{html.escape(_tail(c.text, max_chars // len(completions) + 20))}</span></div>"
+        for c in completions
+    )
+    return prompt + samples
+
+
+def _tail(text: str, max_chars: int) -> str:
+    return "…" + text[-max_chars:] if len(text) > max_chars else text
+
+
+# ---- the panel ----------------------------------------------------------------------------------------------
+def panel_html(summary: dict[str, Any]) -> str:
+    engine = [
+        "<b>enginekit</b>",
+        f"mode <b>{html.escape(str(summary['mode']))}</b>",
+        f"engine pid {summary['engine_pid']}",
+    ]
+    stats = summary["stats"]
     if stats is not None:
-        engine += f" · prefix-cache hits {stats['prefix_cache_hit_rate']:.0%}"
+        engine += [
+            f"running {stats['num_running_requests']}",
+            f"waiting {stats['num_waiting_requests']}",
+            f"KV cache {stats['kv_cache_usage']:.0%}",
+            f"prefix-cache hits {stats['prefix_cache_hit_rate']:.0%}",
+        ]
+        if "num_preemptions" in stats:
+            engine.append(f"preemptions {stats['num_preemptions']}")
+        for index, rank in enumerate(stats.get("ranks") or []):  # data parallel: each rank's load
+            load = rank["num_running_requests"] + rank["num_waiting_requests"]
+            engine.append(f"rank {index}: {load} requests, KV {rank['kv_cache_usage']:.0%}")
     if summary["stats_error"]:
-        engine += f" · <span style='color:#bc4c00'>{html.escape(summary['stats_error'])}</span>"
+        engine.append(f"<span style='color:#bc4c00'>{html.escape(summary['stats_error'])}</span>")
+    requests = [_token_bar(summary), f"{summary['num_tokens']}/{summary['num_max_tokens']} tokens"]
+    for state in ("running", "waiting", "preempted"):
+        count = summary[f"num_{state}"]
+        if count:
+            requests.append(f"<span style='color:{STATE_COLORS[state]}'>{count} {state}</span>")
     done, total = summary["num_finished"], summary["num_requests"]
-    state = "running" if summary["active"] else "done"
-    progress = (
-        f"<progress value='{done}' max='{max(total, 1)}' style='width:140px;vertical-align:middle'>"
-        "</progress>"
+    requests.append(f"{done}/{total} finished")
+    for reason, count in sorted(summary["finish_reasons"].items()):
+        requests.append(f"<span style='color:{STATE_COLORS.get(reason, '#8250df')}'>{count} {reason}</span>")
+    requests += [
+        f"{summary['tokens_per_s']:.1f} tok/s",
+        f"{summary['elapsed_s']:.1f} s",
+        f"<b>{summary['state']}</b>",
+    ]
+    return f"<div style='{_FONT}'><div>{_items(engine)}</div><div>{_items(requests)}</div></div>"
+
+
+def _token_bar(summary: dict[str, Any]) -> str:
+    """Tokens generated out of the most that may come, coloured by how their requests are doing."""
+    total = max(summary["num_max_tokens"], 1)
+    parts = summary.get("tokens_by_state", {})
+    segments = "".join(
+        f"<span style='display:inline-block;height:100%;width:{count / total:.2%};background:{STATE_COLORS.get(state, '#8250df')}'></span>"
+        for state, count in parts.items()
+        if count
     )
-    requests = (
-        f"{progress} {done}/{total} finished · {summary['num_tokens']} tokens"
-        f" · {summary['tokens_per_s']:.1f} tok/s · {summary['elapsed_s']:.1f} s · {state}"
+    return (
+        "<span style='display:inline-block;width:160px;height:9px;background:#eaeef2;vertical-align:middle;"
+        f"white-space:nowrap;overflow:hidden;line-height:0'>{segments}</span>"
     )
-    return f"<div style='{_FONT}'>{engine}<br>{requests}</div>"
+
+
+def _items(items: list[str]) -> str:
+    """Items separated by " · ", each kept on one line: lines break between items only."""
+    return " · ".join(f"<span style='white-space:nowrap'>{item}</span>" for item in items)

@@ -42,6 +42,7 @@ __all__ = [
     "PhaseReport",
     "ReadyMessage",
     "RequestError",
+    "RequestStatus",
     "ShutdownRequest",
     "StartupReport",
     "UtilityOutput",
@@ -52,6 +53,14 @@ __all__ = [
 _MESSAGE = {"array_like": True, "omit_defaults": True, "gc": False}
 # What the engine accepts from a socket is strict: a message with extra fields is malformed, not truncated.
 _REQUEST = {**_MESSAGE, "forbid_unknown_fields": True}
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in the engine; an output reports a change of it."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
 
 
 class FinishReason(str, enum.Enum):
@@ -71,13 +80,18 @@ class RequestError(msgspec.Struct, **_MESSAGE):
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", **_REQUEST):
-    """Add a request (already tokenized)."""
+    """Add a request (already tokenized).
+
+    ``parent_request_id`` groups the ``n`` samples of one prompt: the engine prefills one of them first, so the
+    others find the prompt's blocks in the prefix cache.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     prompt_embeds: torch.Tensor | None = None
+    parent_request_id: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_REQUEST):
@@ -129,11 +143,21 @@ class EngineCoreOutput(msgspec.Struct, **_MESSAGE):
     new_text: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    # [num_new_tokens, k + 1] log-probabilities and token ids: the sampled token first, then the top k.
+    # [num_new_tokens, k + 1] log-probabilities, token ids and ranks: the sampled token first, then the top k.
     logprob_values: torch.Tensor | None = None
     logprob_token_ids: torch.Tensor | None = None
+    logprob_ranks: torch.Tensor | None = None
     num_cached_tokens: int = 0
     error: RequestError | None = None
+    # Sent once, with the request's first token: [num_prompt_tokens - 1, k + 1], the prompt token at each
+    # position first, then the top k (there is nothing to score the first prompt token against).
+    prompt_logprob_values: torch.Tensor | None = None
+    prompt_logprob_token_ids: torch.Tensor | None = None
+    prompt_logprob_ranks: torch.Tensor | None = None
+    # A change of the request's status (scheduled, preempted), with the engine's timing of it.
+    status: RequestStatus | None = None
+    first_scheduled_time: float = 0.0
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:
