@@ -57,7 +57,8 @@ OPERATIONS = {
 
 
 def producing_tokens(engine):
-    return any(state.completion.token_ids for state in list(engine._router.processor.states.values()))
+    states = list(engine._router.processor.states.values())
+    return any(completion.token_ids for state in states for completion in state.output.outputs)
 
 
 def run_until_fault(engine, operation, *, in_flight, inject):

@@ -65,9 +65,8 @@ class Engine(ChatMixin):
         show_logs(self.config.log_level)
         self._client = make_client(self.mode, self.config, self._spec)
         self._router = OutputRouter(self._client)
-        self._decode = functools.lru_cache(maxsize=1 << 16)(
-            lambda token: self._spec.tokenizer.decode([token])
-        )
+        tokenizer = self._spec.tokenizer  # NOTE: not self: a cycle would keep `del engine` from shutting down
+        self._decode = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
         self.max_model_len = self._client.max_model_len
         config = self._spec.config
         self._requests = RequestBuilder(
