@@ -9,6 +9,7 @@ file again (``model/weight_cache.py``).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +22,11 @@ from enginekit.model.config import ModelConfig
 from enginekit.model.gguf import read_gguf_config, read_gguf_weights
 from enginekit.model.gguf_header import GGUFHeader, read_gguf_header
 from enginekit.model.gguf_tokenizer import tokenizer_from_gguf
-from enginekit.model.llama import LlamaForCausalLM
+from enginekit.model.llama import LlamaForCausalLM, linear_kernel
 from enginekit.model.source import ModelSource, resolve_model
 from enginekit.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+logger = logging.getLogger("enginekit.model")
 
 LAYOUT_VERSION = "fused-1"  # bump when the cached layout of the weights changes
 
@@ -87,7 +90,11 @@ def load_model(
     module.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         module.lm_head.weight = module.embed_tokens.weight
-    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    kernel_name, kernel = linear_kernel(device, dtype)
+    module.use_linear_kernel(kernel)
+    logger.info("model loaded on %s in %s; projections run with %s", device, dtype, kernel_name)
+    return module
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
