@@ -41,6 +41,8 @@ format: setup
 	$(VENV)/bin/ruff format sdk tests benchmarks
 
 bench: setup
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -q --group llamacpp \
+		|| echo "llama-cpp-python could not be built here: the real-model section reports llama.cpp as not measured"
 	$(PY) benchmarks/run.py --output docs/benchmarks.md
 
 clean:

@@ -478,14 +478,18 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _load_model(checkpoint_path: str | os.PathLike) -> Any:
-    """Load a causal LM from a local directory in float32, offline. Cached (one entry)."""
-    import torch
+def _load_model(checkpoint_path: str | os.PathLike, dtype: str = "float32") -> Any:
+    """Load a causal LM offline from a local folder or a ``.gguf`` file (dequantized), in ``dtype``.
+
+    Cached (one entry): loading a dequantized GGUF takes seconds.
+    """
 
     path = os.path.realpath(os.fspath(checkpoint_path))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    model = _MODEL_CACHE.get(path)
+    is_gguf = path.endswith(".gguf") and os.path.isfile(path)
+    if not (is_gguf or os.path.isdir(path)):
+        raise FileNotFoundError(f"checkpoint folder or .gguf file not found: {path}")
+    key = f"{path}:{dtype}"
+    model = _MODEL_CACHE.get(key)
     if model is not None:
         return model
     clear_model_cache()
@@ -493,10 +497,19 @@ def _load_model(checkpoint_path: str | os.PathLike) -> Any:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
+    folder, gguf = path, {}
+    if is_gguf:  # dequantized to plain dense weights, as the engine computes with them
+        from transformers import GgufConfig
+
+        folder = os.path.dirname(path)
+        name = os.path.basename(path)
+        gguf = {"gguf_file": name, "quantization_config": GgufConfig(gguf_file=name, dequantize=True)}
     with _quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=_resolve_dtype(dtype), local_files_only=True, **gguf
+        )
     model.eval()
-    _MODEL_CACHE[path] = model
+    _MODEL_CACHE[key] = model
     return model
 
 
@@ -561,6 +574,7 @@ def hf_generate_runner(
     *,
     seed: int = 0,
     num_threads: int | None = None,
+    dtype: str = "float32",
 ) -> Callable[[], float]:
     """One ``generate`` call per invocation, returning its tokens/s (rules of ``hf_generate_throughput``).
 
@@ -579,7 +593,7 @@ def hf_generate_runner(
     with warnings.catch_warnings(), _RaiseOnTransformersWarning():
         # Any warning is an error: a silently degraded baseline is worse than none.
         warnings.simplefilter("error")
-        model = _load_model(checkpoint_path)
+        model = _load_model(checkpoint_path, dtype)
         run_once = _prepare_generate(model, plens, wanted, seed)
 
     def timed() -> float:

@@ -1,11 +1,14 @@
-"""Section 3: which torch thread count each mode should default to on this machine."""
+"""Section: torch threads and OpenMP wait policy per mode, on a quiet machine and beside a busy process."""
 
 from __future__ import annotations
 
-import math
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from typing import Any
 
-from .baselines import clear_model_cache, hf_generate_runner
 from .common import (
     Context,
     engine_batch_runner,
@@ -19,94 +22,140 @@ from .common import (
 from .report import SectionReport
 from .stats import Summary, fmt, summarize
 
-TITLE = "Thread count per mode"
+TITLE = "Thread count and OpenMP wait policy per mode, quiet and loaded"
+LIBGOMP_DEFAULT_SPIN = "300000"  # libgomp's own spin count when OMP_WAIT_POLICY is unset
+
+# (label, mode, torch threads (None: the engine's default), environment for the engine process)
+VARIANTS: tuple[tuple[str, str, int | None, dict[str, str]], ...] = (
+    ("mp default (all cores, passive)", "mp", None, {}),
+    ("mp all cores, spinning", "mp", None, {"GOMP_SPINCOUNT": LIBGOMP_DEFAULT_SPIN}),
+    ("mp 1 thread, passive", "mp", 1, {}),
+    ("inproc all cores (this process: spinning)", "inproc", 0, {}),
+)
 
 
 def run(ctx: Context, report: SectionReport) -> None:
-    choices = sorted({1, usable_cores()})
+    cores = usable_cores()
     concurrency_list = ctx.pick((1, 8), (1, 8, 32))
-    prompt_len, output_len = ctx.pick((16, 16), (128, 64))
-    repeats = ctx.pick(2, 4)
-    low, high = choices[0], choices[-1]
+    prompt_len, output_len = ctx.pick((16, 8), (64, 16))
+    repeats = ctx.pick(1, 3)
+    spec = ctx.model("smollm2")
     report.method = f"""
-The same batch workload ({prompt_len}-token prompts, {output_len} greedy tokens each) at each torch thread
-count {", ".join(map(str, choices))}: inproc (this process's torch threads while the engine steps), mp
-(`num_threads` of the engine process; the front end also needs CPU for receiving and processing outputs)
-and transformers `generate` for reference. All variants alternate run by run. This process may use
-{usable_cores()} core(s); the machine may run other work, which is when oversubscribed threads hurt most
-(an OpenMP thread that is descheduled stalls the whole op).
+SmolLM2-135M-Instruct (float32), *N* requests of {prompt_len}-token prompts and {output_len} greedy tokens,
+{repeats} interleaved rounds, in four setups: a background engine (mp) as it starts by default (torch
+threads on all {cores} usable cores, OpenMP workers waiting passively: `OMP_WAIT_POLICY=PASSIVE` in its
+environment), the same with libgomp's default spinning wait (`GOMP_SPINCOUNT={LIBGOMP_DEFAULT_SPIN}`), a
+background engine with 1 torch thread, and an in-process engine on all cores (this process's OpenMP runtime,
+which spins: the policy is read once, when torch loads). *Loaded* runs the same rounds beside one other
+process spinning on one core (`python -c "while True: pass"`), as a notebook user's laptop running
+anything else. Ratios are against the default mp setup, per round.
 """
-    if len(choices) == 1:
+    if cores == 1:
         report.findings.append("This machine has one core: there is no thread count to choose.")
         return
-    gains: dict[str, list[Summary]] = {"inproc": [], "mp": [], "transformers": []}
-    for spec in ctx.models():
-        workload = equal_workload(max(concurrency_list), prompt_len, output_len)
-        engines = {}
-        try:
-            for threads in choices:
-                engines[("inproc", threads)] = make_engine(
-                    spec, "inproc", num_threads=threads, num_kv_blocks=kv_blocks_for(workload)
+    workload = equal_workload(max(concurrency_list), prompt_len, output_len)
+    engines: dict[str, Any] = {}
+    samples: dict[tuple[str, int, str], list[float]] = {}
+    try:
+        for label, mode, threads, environ in VARIANTS:
+            with _environ(environ):
+                engines[label] = make_engine(
+                    spec,
+                    mode,
+                    num_threads=cores if threads == 0 else threads,
+                    num_kv_blocks=kv_blocks_for(workload),
                 )
-                engines[("mp", threads)] = make_engine(
-                    spec, "mp", num_threads=threads, num_kv_blocks=kv_blocks_for(workload)
-                )
-            rows = []
-            for concurrency in concurrency_list:
-                ctx.log(f"threads: {spec.key} x{concurrency}")
-                batch = equal_workload(concurrency, prompt_len, output_len)
-                runners: dict[str, Any] = {}
-                for (mode, threads), engine in engines.items():
-                    runner = engine_batch_runner(
-                        engine, spec, batch, threads=threads if mode == "inproc" else None, seed=threads
-                    )
-                    runners[f"{mode}-{threads}"] = lambda r=runner: r().tokens_per_s
-                for threads in choices:
-                    runners[f"transformers-{threads}"] = hf_generate_runner(
-                        spec.hf_path, concurrency, batch.prompt_lens, batch.output_lens, num_threads=threads
-                    )
-                samples = interleave(runners, repeats=repeats, warmup=1)
-                row: list[Any] = [concurrency]
-                for mode in ("inproc", "mp", "transformers"):
-                    for threads in choices:
-                        row.append(fmt(summarize(samples[f"{mode}-{threads}"]), "", 0, thousands=True))
-                    gain = paired_ratio(samples[f"{mode}-{high}"], samples[f"{mode}-{low}"])
-                    gains[mode].append(gain)
-                    row.append(f"{gain.median:.2f}x ({gain.min:.2f}-{gain.max:.2f})")
-                rows.append(row)
-        finally:
-            for engine in engines.values():
-                engine.shutdown()
-            clear_model_cache()
-        headers = ["concurrent"]
-        for mode in ("inproc", "mp", "transformers"):
-            headers += [f"{mode} {t}t tok/s" for t in choices] + [f"{mode} {high}t / {low}t"]
+        for load in ("quiet", "loaded"):
+            with _busy_process() if load == "loaded" else contextlib.nullcontext():
+                for concurrency in concurrency_list:
+                    ctx.log(f"threads: {load} x{concurrency}")
+                    batch = equal_workload(concurrency, prompt_len, output_len)
+                    runners = {
+                        label: _rate(
+                            engine_batch_runner(
+                                engine,
+                                spec,
+                                batch,
+                                threads=cores if engine.mode == "inproc" else None,
+                                seed=concurrency + i,
+                            )
+                        )
+                        for i, (label, engine) in enumerate(engines.items())
+                    }
+                    for label, values in interleave(runners, repeats=repeats, warmup=1).items():
+                        samples[(label, concurrency, load)] = values
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    default = VARIANTS[0][0]
+    ratios: dict[tuple[str, int, str], Summary] = {}
+    for load in ("quiet", "loaded"):
+        rows = []
+        for concurrency in concurrency_list:
+            row: list[Any] = [concurrency]
+            for label, *_ in VARIANTS:
+                values = samples[(label, concurrency, load)]
+                cell = fmt(summarize(values), "", 1)
+                if label != default:
+                    ratio = paired_ratio(values, samples[(default, concurrency, load)])
+                    ratios[(label, concurrency, load)] = ratio
+                    cell += f"; {ratio.median:.2f}x"
+                row.append(cell)
+            rows.append(row)
         report.table(
-            f"{spec.label}: tokens/s by torch thread count", headers, rows, ["r"] + ["l"] * (len(headers) - 1)
+            f"{spec.label}, {load}: tokens/s (and against the default background engine)",
+            ["concurrent", *[label for label, *_ in VARIANTS]],
+            rows,
+            ["r"] + ["l"] * len(VARIANTS),
         )
-    for mode in ("inproc", "mp"):
-        medians = [g.median for g in gains[mode]]
-        geo = math.exp(sum(math.log(m) for m in medians) / len(medians))
-        worst = min(g.min for g in gains[mode])
-        pick = high if geo > 1.05 and worst > 0.8 else low
+    for label, *_ in VARIANTS[1:]:
+        quiet = [ratios[(label, c, "quiet")].median for c in concurrency_list]
+        loaded = [ratios[(label, c, "loaded")].median for c in concurrency_list]
         report.findings.append(
-            f"{mode}: {high} threads / {low} thread = {geo:.2f}x (geometric mean of the medians over models "
-            f"and batch sizes), worst single round {worst:.2f}x -> default {pick} thread(s)"
-            + (
-                " (more threads are not clearly faster, and much slower when the machine is busy)"
-                if pick == low
-                else ""
-            )
-            + "."
+            f"{label} / default: quiet {', '.join(f'{r:.2f}x' for r in quiet)}, loaded "
+            f"{', '.join(f'{r:.2f}x' for r in loaded)} (at {', '.join(map(str, concurrency_list))} concurrent)."
         )
     report.limits = f"""
-Each op of these tiny models runs for microseconds, so splitting it over {high} threads saves little (the
-ratios above, on an idle machine) and costs a barrier per op; when any other process (or, in mp mode, the engine's own IO threads and the front
-end) takes a core, a worker thread waits to be scheduled and every op waits for it. One thread avoids that
-entirely and leaves the second core to the IO threads and the front end. More threads pay off only when the
-ops are large (bigger hidden sizes, large batches) and the cores are otherwise idle.
+An OpenMP parallel region ends at a barrier: every worker must arrive before the op returns. A spinning
+worker holds its core while it waits, so on {cores} cores with anything else runnable (another process, or
+in mp mode the engine's own IO threads and the front end) the thread that the barrier waits for is often
+the one that was descheduled, and each of the hundreds of ops per step waits a scheduler tick for it. A
+passive worker sleeps at the barrier and is woken by a futex: a few microseconds per op on a quiet machine,
+and no collapse on a busy one. One torch thread avoids barriers altogether but leaves half the machine
+idle on a quiet one.
 
-What would move it: a default of `num_threads = max(1, usable_cores - 1)` in the engine process (leave a
-core for the front end and the IO threads), and in inproc mode not changing the caller's process-wide torch
-thread count unless asked (and restoring it at shutdown).
+Defaults chosen from these figures: a background engine takes every usable core (shared out between
+data-parallel ranks) and passive waits, unless the user sets `OMP_WAIT_POLICY`, `GOMP_SPINCOUNT` or
+`KMP_BLOCKTIME` (the launcher reads the environment when it imports torch). An in-process engine cannot
+change the policy of an OpenMP runtime that is already loaded; a notebook user on a busy laptop can set
+`OMP_WAIT_POLICY=PASSIVE` before importing torch. Pinning threads to cores was not tried: on a machine
+shared with other work it makes a descheduled worker wait for its own core instead of any free one.
 """
+
+
+def _rate(runner: Any) -> Any:
+    return lambda: runner().tokens_per_s
+
+
+@contextlib.contextmanager
+def _environ(changes: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _busy_process() -> Iterator[None]:
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()

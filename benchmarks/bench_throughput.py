@@ -159,21 +159,31 @@ def _largest(size: dict[str, Any]) -> Workload:
     return equal_workload(max(CONCURRENCY), prompt_len, output_len)
 
 
-def _measure(engine: Any, spec: ModelSpec, concurrency: int, size: dict[str, Any], threads: int) -> list[Row]:
+def _measure(
+    engine: Any,
+    spec: ModelSpec,
+    concurrency: int,
+    size: dict[str, Any],
+    threads: int,
+    *,
+    dtype: str = "float32",
+    warmup: int = 1,
+) -> list[Row]:
+    """Equal, mixed and staggered rows at one concurrency (and, at 32, the caller-thread comparison)."""
     equal = equal_workload(concurrency, *size["equal"])
     mixed = mixed_workload(concurrency, size["prompt_range"], size["output_range"], seed=concurrency)
     runners: dict[str, Any] = {
         "engine-equal": engine_batch_runner(engine, spec, equal, threads=threads, seed=1),
         "hf-equal": hf_generate_runner(
-            spec.hf_path, concurrency, equal.prompt_lens, equal.output_lens, num_threads=threads
+            spec.hf_path, concurrency, equal.prompt_lens, equal.output_lens, num_threads=threads, dtype=dtype
         ),
         "engine-mixed": engine_batch_runner(engine, spec, mixed, threads=threads, seed=2),
         "hf-mixed": hf_generate_runner(
-            spec.hf_path, concurrency, mixed.prompt_lens, mixed.output_lens, num_threads=threads
+            spec.hf_path, concurrency, mixed.prompt_lens, mixed.output_lens, num_threads=threads, dtype=dtype
         ),
     }
     rates = {name: (lambda r=runner: _rate(r())) for name, runner in runners.items()}
-    samples = interleave(rates, repeats=size["repeats"], warmup=1)
+    samples = interleave(rates, repeats=size["repeats"], warmup=warmup)
     # The arrival window follows from the measured burst (median of the mixed runs), so a second round of
     # runs pairs the staggered engine with transformers' mixed batch again.
     burst_s = mixed.num_output_tokens / summarize(samples["engine-mixed"]).median
@@ -191,7 +201,7 @@ def _measure(engine: Any, spec: ModelSpec, concurrency: int, size: dict[str, Any
                 engine, spec, mixed, arrivals, threads=threads, seed=4, callers="threads"
             )
         rates = {name: (lambda r=runner: _rate(r())) for name, runner in second.items()}
-        samples.update(interleave(rates, repeats=size["repeats"], warmup=1))
+        samples.update(interleave(rates, repeats=size["repeats"], warmup=warmup))
 
     def flops(workload: Workload) -> float:
         return workload_flops(spec.config, workload) / workload.num_output_tokens

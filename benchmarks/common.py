@@ -367,8 +367,8 @@ def engine_staggered_runner(
 def _staggered_driver(
     engine: Any, prompts: list, params: list, arrivals: Sequence[float]
 ) -> tuple[list, float]:
-    # NOTE: uses the facade's internals (_prepare, _submit, _pump: exactly what generate does, with new
-    # submissions between steps). engine.stream cannot drive several requests from one thread: a stream
+    # NOTE: uses the facade's internals (_submit, then the output router's _pump: exactly what generate does,
+    # with new submissions between steps). engine.stream cannot drive several requests from one thread: a stream
     # whose request another stream's pump finished ends without yielding its final output.
     if engine.mode == "async":
         raise ValueError("callers='driver' needs a sync mode; use 'tasks' in async mode")
@@ -383,12 +383,12 @@ def _staggered_driver(
             raise TimeoutError(f"staggered requests did not finish within {_CALL_TIMEOUT_S:.0f}s")
         while pending and start + arrivals[pending[0]] <= now:
             index = pending.popleft()
-            (states[index],) = engine._submit(engine._prepare(prompts[index], params[index]))
+            (states[index],) = engine._submit(prompts[index], params[index], "generate")
             unfinished.append(states[index])
         while unfinished and unfinished[0].finished:
             unfinished.popleft()
         if unfinished:
-            engine._pump(unfinished[0])
+            engine._router._pump()
         elif pending:
             time.sleep(min(0.0005, max(0.0, start + arrivals[pending[0]] - now)))
     return [state.output for state in states], time.perf_counter() - start

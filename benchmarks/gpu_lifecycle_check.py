@@ -8,6 +8,9 @@ Two checks, for a machine with an NVIDIA GPU:
 2. ``"inproc"``: 20 restarts in this process on ``device="cuda"``. Afterwards
    ``torch.cuda.memory_allocated()`` is back at its baseline (taken after one warm-up engine) and no engine
    tensor survives (``enginekit.diagnostics``).
+3. ``"decode"`` (timing, not a pass/fail check): the default real model in this process, float32 and
+   bfloat16, greedy decode at 1, 8, 32 and 128 concurrent requests (64-token prompts, 32 tokens each):
+   tokens/s and the median decode step time, from the engine's own step metrics.
 
 The ``"mp"`` check runs first, while this process has not initialised CUDA itself, so that
 ``nvidia-smi`` lists engine processes only. Without CUDA the script prints why and exits 0 (skipped);
@@ -50,6 +53,7 @@ def main() -> int:
     results: dict[str, Any] = {"device": device, "torch": torch.__version__, "restarts": args.restarts}
     results["mp"] = check_mp(device, args.restarts)  # first: this process has no CUDA context yet
     results["inproc"] = check_inproc(device, args.restarts)
+    results["decode"] = time_decode(device, (1, 8) if args.cpu else (1, 8, 32, 128))
     results["gpu"] = None if args.cpu else torch.cuda.get_device_name(0)
     results["passed"] = results["mp"]["passed"] and results["inproc"]["passed"]
     print(json.dumps(results, indent=2))
@@ -143,6 +147,43 @@ def check_inproc(device: str, restarts: int) -> dict[str, Any]:
         "leaks": diff.leaks(),
         "passed": allocated_after <= allocated_before and not diff.leaks(),
     }
+
+
+def time_decode(device: str, concurrency: tuple[int, ...]) -> dict[str, Any]:
+    """Tokens/s and decode step time of the default model on ``device``, per dtype and concurrency."""
+    import random
+
+    import torch
+
+    from enginekit import Engine, SamplingParams
+
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    rng = random.Random(0)
+    timings: dict[str, Any] = {}
+    for dtype in ("float32", "bfloat16"):
+        with Engine(mode="inproc", device=device, dtype=dtype) as engine:
+            engine.generate("warm up", params)
+            for batch in concurrency:
+                prompts = [
+                    {"prompt_token_ids": [rng.randrange(17, 49152) for _ in range(64)]} for _ in range(batch)
+                ]
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                outputs = engine.generate(prompts, params, progress=False)
+                seconds = time.perf_counter() - started
+                gaps = sorted(_decode_step_s(output) for output in outputs)
+                timings[f"{dtype} x{batch}"] = {
+                    "tokens_per_s": round(batch * params.max_tokens / seconds, 1),
+                    "decode_step_ms_p50": round(1e3 * gaps[len(gaps) // 2], 2) if gaps else None,
+                }
+    return timings
+
+
+def _decode_step_s(output: Any) -> float:
+    """One request's mean time per output token after the first: a decode step's time at this batch size."""
+    metrics, tokens = output.metrics, len(output.outputs[0].token_ids)
+    return (metrics.last_token_time - metrics.first_token_time) / max(1, tokens - 1)
 
 
 def gpu_processes() -> dict[int, int] | None:

@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 
 SECTIONS = {
     "throughput": "benchmarks.bench_throughput",
+    "real": "benchmarks.bench_real",
     "modes": "benchmarks.bench_modes",
     "threads": "benchmarks.bench_threads",
     "ipc": "benchmarks.bench_ipc",

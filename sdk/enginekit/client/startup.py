@@ -69,8 +69,8 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     if device == "cuda":
         changes["device"] = f"cuda:{rank}"
     if config.num_threads is None and not device.startswith("cuda"):
-        # NOTE: one core is left to the front end and the IO threads; the rest are shared out.
-        changes["num_threads"] = max(1, (usable_cores() - 1) // num_ranks)
+        # NOTE: the cores are shared out; passive OpenMP waits leave room for the IO threads and front end.
+        changes["num_threads"] = max(1, usable_cores() // num_ranks)
     return config.replace(**changes) if changes else config
 
 

@@ -21,6 +21,7 @@ from collections import deque
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from enginekit.core.engine_core import EngineCore, ShutdownState
@@ -172,8 +173,13 @@ class EngineCoreProc(EngineCore):
 
     def utility_debug_process(self) -> dict[str, Any]:
         """The engine process's environment, working directory and ``sys.path`` (a forked engine gets the
-        front end's)."""
-        return {"environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
+        front end's), and its torch thread count."""
+        return {
+            "environ": dict(os.environ),
+            "cwd": os.getcwd(),
+            "sys_path": list(sys.path),
+            "torch_threads": torch.get_num_threads(),
+        }
 
     def utility_debug_output_queue(self) -> dict[str, int]:
         """Depth of the output queue now and at its deepest, and the bound the busy loop keeps it under."""

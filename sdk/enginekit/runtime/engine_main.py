@@ -86,8 +86,8 @@ def _watch_parent(stdin: Any) -> None:
 
 
 def default_num_threads() -> int:
-    """torch threads of an engine process: every core this process may use but one."""
-    return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
+    """torch threads of an engine process: every core this process may use (see ``engine_environ``)."""
+    return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 1
 
 
 def main() -> None:
@@ -100,8 +100,8 @@ def main() -> None:
         os._exit(3)  # the front end went away before it sent our arguments
     logging.basicConfig(level=args.config.log_level.upper(), stream=sys.stderr, format=LOG_FORMAT)
     threading.Thread(target=_watch_parent, args=(stdin,), name="enginekit-parent-watch", daemon=True).start()
-    # NOTE: the front end and our IO threads need a core too: by default torch takes the others. On a
-    # loaded machine, more OpenMP threads than free cores makes every matmul wait at a barrier.
+    # NOTE: every core, because OpenMP's workers wait passively (``engine_environ``): a worker that is
+    # done sleeps instead of spinning, so the IO threads and the front end still get a core when they need it.
     torch.set_num_threads(args.config.num_threads or default_num_threads())
     try:
         code = run_engine_core(args)

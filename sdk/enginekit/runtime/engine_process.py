@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from enginekit.runtime.launcher import Launcher, LauncherError
+from enginekit.runtime.launcher import Launcher, LauncherError, engine_environ
 from enginekit.wire.messages import EngineProcArgs
 from enginekit.wire.serial import write_frame
 
@@ -68,7 +68,7 @@ class EngineProcess:
         write_frame(self._stdin, args)
 
     def _start_spawned(self) -> int:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = engine_environ({**os.environ, "PYTHONUNBUFFERED": "1"})
         # NOTE: our own session and process group: Jupyter's interrupt signals the kernel's whole group.
         self._popen = subprocess.Popen(
             [sys.executable, "-m", "enginekit.runtime.engine_main"],

@@ -40,7 +40,7 @@ from enginekit.wire.messages import (
     StatusRequest,
 )
 
-__all__ = ["Launcher", "LauncherError", "shutdown_launcher"]
+__all__ = ["Launcher", "LauncherError", "engine_environ", "shutdown_launcher"]
 
 MAX_MESSAGE = 1 << 20  # a spawn request carries the whole environment
 STARTUP_TIMEOUT_S = 120.0
@@ -60,6 +60,20 @@ IMPORT_TIME_PREFIXES = (
     "PYTHON",
     "NCCL",
 )  # see docs/lifecycle.md: keeps restarts fast for ten idle minutes, then frees the RSS
+
+
+# OpenMP workers that spin at every barrier (libgomp's default) collapse when any other process wants a core:
+# 3-4x slower on a 2-core machine with one busy process, against 7-10% lost to passive waits on an idle one
+# (docs/benchmarks.md, "Thread count per mode"). A user's setting of either variable wins.
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+OPENMP_OVERRIDES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def engine_environ(environ: dict[str, str]) -> dict[str, str]:
+    """The environment an engine process runs under: ``environ`` with the OpenMP defaults it lacks."""
+    if any(name in environ for name in OPENMP_OVERRIDES):
+        return dict(environ)
+    return {**environ, **OPENMP_DEFAULTS}
 
 
 class LauncherError(RuntimeError):
@@ -124,6 +138,7 @@ class Launcher:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 pass_fds=[theirs.fileno()],
+                env=engine_environ(dict(os.environ)),
                 start_new_session=True,
                 close_fds=True,
             )
@@ -147,7 +162,7 @@ class Launcher:
 
     def spawn(self, stdin_fd: int, output_fd: int) -> int:
         """Fork an engine process with these as its stdin and stdout/stderr; returns its pid."""
-        request = SpawnRequest(dict(os.environ), os.getcwd(), list(sys.path))
+        request = SpawnRequest(engine_environ(dict(os.environ)), os.getcwd(), list(sys.path))
         reply = self._call(request, [stdin_fd, output_fd], CALL_TIMEOUT_S)
         if not isinstance(reply, Spawned):
             raise LauncherError(f"the engine launcher could not fork: {_describe(reply)}")
