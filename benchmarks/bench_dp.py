@@ -28,7 +28,7 @@ def run(ctx: Context, report: SectionReport) -> None:
 Many short requests ({prompt_len}-token prompts, {output_len} greedy tokens each, all submitted at once) through
 `Engine.generate` in `"mp"` mode, four engines up at once and run alternately: one rank with one torch thread,
 one rank with two, and `data_parallel_size=2` with one thread per rank (the default split on this machine:
-`max(1, (cores - 1) // ranks)`). With two ranks the client sends each request to the rank with the fewest
+`max(1, cores // ranks)`). With two ranks the client sends each request to the rank with the fewest
 unfinished ones, so each rank runs half the batch. Ratios are medians of per-round ratios (min-max).
 """
     variants = {

@@ -95,9 +95,10 @@ hidden, and the ratio drops; with larger batches a step takes long enough to cov
 also include the asyncio loop's wake-ups per output batch.
 
 What would move it: fewer, larger messages (one output message per step is already the design; keep it
-that way), cheaper per-request output objects in the front end (the output processor touches every request
-every step), and fewer torch threads in the engine process than cores, so that the IO threads and the front
-end do not preempt a torch worker thread mid-op (see the thread-count section).
+that way) and cheaper per-request output objects in the front end (the output processor touches every request
+every step). The engine process's OpenMP workers wait passively by default, so the IO threads and the front
+end take a core between ops without stalling a spinning worker (see the thread-count section); with equal
+threads inproc still spins, which is a little faster on a quiet machine and far slower on a busy one.
 """
 
 

@@ -153,7 +153,7 @@ time, so *N* concurrent requests there are *N* requests one after another.
         )
         + "; compare the tokens/s with the float32 table for the engine's own bf16 / fp32 cost."
     )
-    report.limits = _limits(peak, bandwidth)
+    report.limits = _limits(peak, bandwidth, ratios, shares)
 
 
 def _modes(
@@ -334,26 +334,49 @@ def read_bandwidth(threads: int, repeats: int) -> Summary:
     return summarize(samples)
 
 
-def _limits(peak: dict[str, Summary], bandwidth: Summary) -> str:
+def _limits(
+    peak: dict[str, Summary],
+    bandwidth: Summary,
+    ratios: dict[tuple[str, str, int], Summary],
+    shares: dict[tuple[str, int], float],
+) -> str:
     per_token_ms = 0.54 / bandwidth.median * 1e3
+
+    def ratio(kind: str, concurrency: int) -> str:
+        found = ratios.get(("float32", kind, concurrency))
+        return "n/a" if found is None else f"{found.median:.2f}x"
+
+    def share(concurrency: int) -> str:
+        found = shares.get(("float32:equal", concurrency))
+        return "n/a" if found is None else f"{found:.0%}"
+
     return f"""
-One token at 1 concurrent request reads every weight once: 135 M parameters, 540 MB in float32. At the
-read bandwidth measured above ({bandwidth.median:.1f} GB/s) that alone takes {per_token_ms:.0f} ms, a ceiling
-of about {1e3 / per_token_ms:.0f} tokens/s for any float32 implementation, transformers included. A 2x lead
-at 1 concurrent is out of reach wherever transformers runs at more than half that ceiling; what is left to
-win there is per-op overhead (30 layers x about a dozen small ops). llama.cpp reads 4.5-bit weights (about 90 MB per token)
-with fused dequantizing kernels: that, not scheduling, is why it leads at 1 concurrent.
+**1 concurrent** (engine / transformers {ratio("equal", 1)}). A token reads every weight once: 135 M
+parameters, 540 MB in float32, {per_token_ms:.0f} ms at the read bandwidth measured above, a ceiling of about
+{1e3 / per_token_ms:.0f} tokens/s for any float32 implementation. Neither implementation is near it: the
+projections at one row run as matrix-vector products that stream the weights at roughly half the read
+bandwidth, and each of the 30 layers adds a dozen small ops (norms, rotary, residuals, attention over one
+query). A 2x lead over transformers would need a matrix-vector kernel at full bandwidth plus fused small ops;
+llama.cpp leads here because it reads 4.5-bit weights (about 90 MB per token) with fused dequantizing kernels.
 
-At 8-128 concurrent the projections are batched matmuls. The engine runs them through oneDNN's linear
-(`torch.ops.mkldnn._linear_pointwise`, on the dense weight, no prepacking), 1.35-1.5x faster than
-`F.linear` at these shapes; the rest of a decode step is the paged-attention gather (`index_select` of each
-sequence's blocks per layer) and sampling over the 49,152-token vocabulary. The float32 matmul peak here is
-{peak["float32"].median:.0f} GFLOP/s on a square {1024}-size problem; a 576-wide projection on 2 threads
-reaches well under half of that, so the share of the peak stays low until batches reach hundreds of tokens
-(prefill). bfloat16 has no hardware support on this CPU (no AVX512-BF16/AMX): oneDNN refuses it and
-`F.linear` in bfloat16 is fast only for one row, so float32 stays the CPU default.
+**Equal lengths, 8-128 concurrent** (engine / transformers {ratio("equal", 8)}, {ratio("equal", 32)},
+{ratio("equal", 128)}). With equal lengths transformers wastes nothing on padding, so both run the same
+batched matmuls; the engine's edge is its projection kernel (oneDNN's linear on the dense weight,
+1.35-1.5x faster than `F.linear` at these shapes) and what it loses is the rest of its step: the paged
+attention (an `index_select` gather of each sequence's blocks per layer, then one SDPA call), sampling over
+49,152 logits per row, and per-step Python. Share of the {peak["float32"].median:.0f} GFLOP/s matmul peak:
+{share(8)} at 8, {share(32)} at 32 and {share(128)} at 128 concurrent.
 
-What would move it: a paged-attention kernel that reads the cache in place (a C++/Triton-CPU op), int8 or
-4-bit weight kernels for the 1-concurrent case (what llama.cpp does), and `torch.compile` of the layer to fuse
-the small ops (norms, rotary, residuals), which costs compile time on every restart.
+**Mixed and staggered lengths** (mixed {ratio("mixed", 32)} and {ratio("mixed", 128)}, staggered
+{ratio("staggered", 32)} and {ratio("staggered", 128)} at 32 and 128 concurrent). Here transformers computes
+padding and finished rows and cannot take late arrivals; the engine's lead grows with the spread of lengths.
+Its own limit is the same per-step cost as above plus one attention call per prefill chunk.
+
+**bfloat16.** This CPU has no bfloat16 matmul instructions (no AVX512-BF16 or AMX): oneDNN refuses bfloat16
+here and `F.linear` in bfloat16 is fast only for one row, so float32 stays the CPU default; bfloat16 halves
+the bytes per token, which helps a little at 1 concurrent only.
+
+What would move it: a paged-attention kernel that reads the cache in place (C++ or Triton-CPU), one attention
+call for all prefill chunks, int8 or 4-bit weight kernels for 1 concurrent (what llama.cpp does), and
+`torch.compile` of the layer to fuse the small ops, paid in compile time at every restart.
 """

@@ -306,12 +306,13 @@ fixed per-step cost: Python in the scheduler and runner, building the step's ind
 `scaled_dot_product_attention` call per layer and per prefill chunk, and per-op dispatch in torch (see the
 step-breakdown section). At 128 concurrent (engine/transformers
 {statistics.median(big) if big else float("nan"):.2f}x) the projections are batched and the paged-attention
-gather (a block-by-block copy of every sequence's whole context per layer and step) takes over.
+gather (an `index_select` copy of every sequence's blocks per layer and step) takes a large share.
 With mixed lengths the engine wins by not computing padding and finished requests (continuous batching);
 with staggered arrivals it starts each request as soon as it arrives.
 
 What would move it: fewer Python operations per step (build slot mappings and block tables with tensor ops,
 reuse index buffers), a paged-attention kernel that reads the cache in place instead of gathering it, and
-batching prefill chunks into one attention call. Thread count matters on this {threads}-thread machine when
+batching prefill chunks into one attention call. The real model (next section) is where these matter less:
+there a step is mostly matmuls. Thread count matters on this {threads}-thread machine when
 other processes compete for the cores (see the thread-count section).
 """
