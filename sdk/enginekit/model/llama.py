@@ -29,6 +29,12 @@ class Linear(nn.Linear):
         return self.kernel(x, self.weight, self.bias)
 
 
+# Measured with torch 2.13 on 2 cores, 1-128 rows: in the whole 135M model oneDNN made the projections 1.35-1.5x
+# faster; on the tiny test models' weights (under 400k elements) it was 0.15-0.7x of F.linear, its fixed cost
+# per call (40-50 us) dominating.
+ONEDNN_MIN_WEIGHT_NUMEL = 1 << 19
+
+
 def linear_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, LinearKernel]:
     """The fastest correct kernel for the model's projections on this device, with its name.
 
@@ -37,7 +43,8 @@ def linear_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, Linear
     ``F.linear`` (MKL's GEMM) for the model's shapes at 1 to 128 rows on the machines measured (see
     docs/benchmarks.md): MKL repacks the weights on every call, which dominates small batches. It is used when
     this torch build has it and it agrees with ``F.linear`` on a probe; otherwise, and on other devices and
-    dtypes, ``F.linear``.
+    dtypes, ``F.linear``. Its fixed cost per call (about 40-50 us here) loses to ``F.linear`` on small weights:
+    use it for weights of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more (``use_linear_kernel``).
     """
     if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return "F.linear", F.linear
@@ -172,11 +179,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
 
-    def use_linear_kernel(self, kernel: LinearKernel) -> None:
-        """Run every projection (and the LM head) with ``kernel(x, weight, bias)``."""
+    def use_linear_kernel(self, kernel: LinearKernel, min_weight_numel: int = 0) -> int:
+        """Run the projections (and the LM head) whose weight has at least ``min_weight_numel`` elements with
+        ``kernel(x, weight, bias)``, the others with ``F.linear``; returns how many use ``kernel``."""
+        chosen = 0
         for module in self.modules():
             if isinstance(module, Linear):
-                module.kernel = kernel
+                large = module.weight.numel() >= min_weight_numel
+                module.kernel = kernel if large else F.linear
+                chosen += large
+        return chosen
 
     def forward(
         self,
