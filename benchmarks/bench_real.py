@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from .baselines import clear_model_cache, matmul_gflops
-from .bench_throughput import Row, _measure, _rate
+from .bench_throughput import FINDINGS_ONLY, Row, _measure, _rate, gflops_of, table_row
 from .common import (
     Context,
     ModelSpec,
@@ -108,24 +108,11 @@ time, so *N* concurrent requests there are *N* requests one after another.
         for row in rows:
             if row.ratio is not None:
                 ratios[(dtype, row.kind, row.concurrency)] = row.ratio
-            if row.kind in ("staggered-vs-t0", "threads-vs-driver"):
+            if row.kind in FINDINGS_ONLY:
                 continue
-            gflops = row.engine.median * row.flops_per_token / 1e9
-            share = gflops / peak["float32"].median  # bf16 has no fast path here (see the method)
-            shares[(dtype + ":" + row.kind, row.concurrency)] = share
-            table.append(
-                [
-                    row.concurrency,
-                    row.kind + (f" ({row.note})" if row.note else ""),
-                    fmt(row.engine, "", 1, thousands=True),
-                    "" if row.baseline is None else fmt(row.baseline, "", 1, thousands=True),
-                    ""
-                    if row.ratio is None
-                    else f"{row.ratio.median:.2f}x ({row.ratio.min:.2f}-{row.ratio.max:.2f})",
-                    f"{gflops:.1f}",
-                    f"{100 * share:.1f}%",
-                ]
-            )
+            # bf16 has no fast path on this CPU (see the method): every row is set against the float32 peak
+            shares[(dtype + ":" + row.kind, row.concurrency)] = gflops_of(row) / peak["float32"].median
+            table.append(table_row(row, peak["float32"].median, rate_digits=1, gflops_digits=1))
         report.table(
             f"{spec.label}, {dtype}: engine (inproc) against transformers, generated tokens/s",
             [

@@ -103,20 +103,7 @@ hits).
                 ratios[(spec.key, row.kind, row.concurrency)] = row.ratio
             if row.kind in FINDINGS_ONLY:
                 continue
-            gflops = row.engine.median * row.flops_per_token / 1e9
-            table.append(
-                [
-                    row.concurrency,
-                    row.kind + (f" ({row.note})" if row.note else ""),
-                    fmt(row.engine, "", 0, thousands=True),
-                    "" if row.baseline is None else fmt(row.baseline, "", 0, thousands=True),
-                    ""
-                    if row.ratio is None
-                    else f"{row.ratio.median:.2f}x ({row.ratio.min:.2f}-{row.ratio.max:.2f})",
-                    f"{gflops:.2f}",
-                    f"{100 * gflops / limit.median:.1f}%",
-                ]
-            )
+            table.append(table_row(row, limit.median, rate_digits=0, gflops_digits=2))
         report.table(
             f"{spec.label}: generated tokens/s (greedy tokens identical to transformers for a check prompt: {same})",
             [
@@ -150,6 +137,25 @@ hits).
                 )
     report.targets = _targets(ratios)
     report.limits = _limits(ratios, threads)
+
+
+def gflops_of(row: Row) -> float:
+    """The engine's useful GFLOP/s in this row."""
+    return row.engine.median * row.flops_per_token / 1e9
+
+
+def table_row(row: Row, peak_gflops: float, *, rate_digits: int, gflops_digits: int) -> list[Any]:
+    """One row of an engine-against-transformers table, with its share of the matmul peak."""
+    gflops = gflops_of(row)
+    return [
+        row.concurrency,
+        row.kind + (f" ({row.note})" if row.note else ""),
+        fmt(row.engine, "", rate_digits, thousands=True),
+        "" if row.baseline is None else fmt(row.baseline, "", rate_digits, thousands=True),
+        "" if row.ratio is None else f"{row.ratio.median:.2f}x ({row.ratio.min:.2f}-{row.ratio.max:.2f})",
+        f"{gflops:.{gflops_digits}f}",
+        f"{100 * gflops / peak_gflops:.1f}%",
+    ]
 
 
 def _largest(size: dict[str, Any]) -> Workload:
