@@ -10,7 +10,9 @@ Two checks, for a machine with an NVIDIA GPU:
    tensor survives (``enginekit.diagnostics``).
 3. ``"decode"`` (timing, not a pass/fail check): the default real model in this process, float32 and
    bfloat16, greedy decode at 1, 8, 32 and 128 concurrent requests (64-token prompts, 32 tokens each):
-   tokens/s and the median decode step time, from the engine's own step metrics.
+   tokens/s and the median decode step time, from the engine's own step metrics; each eagerly and with
+   ``cuda_graphs=True``, with the share of requests whose greedy tokens are the same on both paths (padding
+   changes the matmul shapes, so low-precision rounding may differ in a few).
 
 The ``"mp"`` check runs first, while this process has not initialised CUDA itself, so that
 ``nvidia-smi`` lists engine processes only. Without CUDA the script prints why and exits 0 (skipped);
@@ -158,25 +160,32 @@ def time_decode(device: str, concurrency: tuple[int, ...]) -> dict[str, Any]:
     from enginekit import Engine, SamplingParams
 
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    rng = random.Random(0)
     timings: dict[str, Any] = {}
     for dtype in ("float32", "bfloat16"):
-        with Engine(mode="inproc", device=device, dtype=dtype) as engine:
-            engine.generate("warm up", params)
-            for batch in concurrency:
-                prompts = [
-                    {"prompt_token_ids": [rng.randrange(17, 49152) for _ in range(64)]} for _ in range(batch)
-                ]
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                started = time.perf_counter()
-                outputs = engine.generate(prompts, params, progress=False)
-                seconds = time.perf_counter() - started
-                gaps = sorted(_decode_step_s(output) for output in outputs)
-                timings[f"{dtype} x{batch}"] = {
-                    "tokens_per_s": round(batch * params.max_tokens / seconds, 1),
-                    "decode_step_ms_p50": round(1e3 * gaps[len(gaps) // 2], 2) if gaps else None,
-                }
+        tokens: dict[bool, list[list[int]]] = {}
+        for graphs in (False, True):
+            rng = random.Random(0)  # the same prompts on both paths
+            tokens[graphs] = []
+            with Engine(mode="inproc", device=device, dtype=dtype, cuda_graphs=graphs) as engine:
+                engine.generate("warm up", params)
+                for batch in concurrency:
+                    prompts = [
+                        {"prompt_token_ids": [rng.randrange(17, 49152) for _ in range(64)]}
+                        for _ in range(batch)
+                    ]
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    outputs = engine.generate(prompts, params, progress=False)
+                    seconds = time.perf_counter() - started
+                    tokens[graphs] += [list(output.outputs[0].token_ids) for output in outputs]
+                    gaps = sorted(_decode_step_s(output) for output in outputs)
+                    timings[f"{dtype} x{batch}{' graphs' if graphs else ''}"] = {
+                        "tokens_per_s": round(batch * params.max_tokens / seconds, 1),
+                        "decode_step_ms_p50": round(1e3 * gaps[len(gaps) // 2], 2) if gaps else None,
+                    }
+        same = sum(a == b for a, b in zip(tokens[False], tokens[True]))
+        timings[f"{dtype} same greedy tokens with graphs"] = f"{same}/{len(tokens[False])}"
     return timings
 
 

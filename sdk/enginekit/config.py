@@ -76,6 +76,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_load_balancing
         ``"internal"`` (the client sends each request to the rank with the fewest unfinished ones) or
         ``"external"`` (needs ``data_parallel_rank``); ``None`` picks external exactly when a rank is given.
+    cuda_graphs
+        Replay decode steps from captured CUDA graphs (one per padded batch size and context length, captured
+        on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
+        same padded path runs without graphs (slower; for testing it there). Off by default: not yet measured
+        on a GPU.
     """
 
     model: str | None = None
@@ -101,6 +106,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None
     data_parallel_load_balancing: Literal["internal", "external"] | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _require(

@@ -117,7 +117,14 @@ class EngineCore:
             dtype=self.dtype,
             seed=config.seed,
             fail_at_step=config.fail_at_step,
+            decode_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
+        if config.cuda_graphs and self.device.type != "cuda":
+            logger.warning(
+                "cuda_graphs=True on %s: decode steps run the padded path without graphs", self.device
+            )
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )

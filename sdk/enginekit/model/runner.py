@@ -13,6 +13,7 @@ import torch
 from enginekit.model.attention import AttentionMetadata, PrefillChunk
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
+from enginekit.model.decode_graph import DecodeGraphs
 from enginekit.model.llama import LlamaForCausalLM
 from enginekit.model.sampler import Sampler, SamplerOutput, top_logprobs
 
@@ -43,14 +44,33 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         fail_at_step: int | None = None,
+        decode_graphs: bool = False,
+        max_num_seqs: int = 1,
+        max_blocks_per_seq: int = 1,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        shape = (2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        # With decode graphs, one more block past the pool's: the scratch slot of padding rows (never handed out).
+        slots = (num_blocks + decode_graphs) * block_size
+        shape = (2, slots, config.num_kv_heads, config.head_dim)
         # Uninitialised, so memory is touched only as the cache fills; blocks are zeroed on first use.
         self.kv_caches = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self._num_zeroed_blocks = 0
+        self.decode_graphs: DecodeGraphs | None = None
+        if decode_graphs:
+            for kv_cache in self.kv_caches:
+                kv_cache[:, num_blocks * block_size :].zero_()
+            self.decode_graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_blocks=max_blocks_per_seq,
+                pad_slot=num_blocks * block_size,
+                device=device,
+                capture=device.type == "cuda",
+            )
         self.sampler = Sampler(seed=seed)
         self.fail_at_step = fail_at_step
         self.num_steps = 0
@@ -58,12 +78,17 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Run one forward pass; returns a token for each chunk that samples, in batch order.
 
-        The batch lists its single-token decodes first: they attend in one batched call.
+        The batch lists its single-token decodes first: they attend in one batched call. A pure decode step
+        replays a captured CUDA graph when decode graphs are on (``DecodeGraphs``).
         """
         self.num_steps += 1
         if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
             raise ExecutorError(f"injected executor failure at step {self.num_steps} (fail_at_step)")
         chunks = batch.chunks
+        if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
+            self._zero_new_blocks(batch.num_used_blocks)
+            with torch.inference_mode():
+                return self._sample(chunks, self.decode_graphs(chunks), {})
         inputs = self._prepare_inputs(chunks)
         meta = self._attention_metadata(chunks, inputs.slot_mapping)
         self._zero_new_blocks(batch.num_used_blocks)
@@ -175,5 +200,8 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drop the model and the KV cache so their memory can be returned."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+            self.decode_graphs = None
         self.kv_caches = []
         self.model = None  # type: ignore[assignment]

@@ -1,0 +1,177 @@
+"""Decode steps replayed from captured CUDA graphs, one graph per padded shape.
+
+On a GPU a decode step of a small model is mostly kernel launches: about a dozen small kernels per layer, each
+costing more to launch from Python than to run. A CUDA graph records a step's kernels once and replays them
+with one call, but it replays fixed shapes on fixed addresses. So a pure-decode step is padded to a shape that
+was (or now gets) captured, and its inputs are copied into static buffers:
+
+- the batch to the next of ``batch_sizes(max_num_seqs)``: padding rows write their keys and values into a
+  scratch slot past the cache's blocks (``pad_slot``), attend to one slot, and their logits are dropped;
+- the context to the next power of two of blocks (capped at ``max_blocks``); the attention mask, computed
+  inside the graph from the static context lengths, hides the tail and the padding.
+
+Steps with prefill chunks, prompt embeddings or prompt logprobs, and batches larger than the largest size,
+run eagerly. Graphs are captured on first use of a shape (capturing every shape at start would cost seconds
+on every restart) and share one memory pool.
+
+Without CUDA (``capture=False``) the same padded, static-buffer path runs eagerly: that is how its shape
+handling is tested on CPU, and how ``EngineConfig(cuda_graphs=True)`` behaves there.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+from enginekit.model.attention import AttentionMetadata
+from enginekit.model.batch import SequenceChunk
+from enginekit.model.llama import LlamaForCausalLM
+
+
+def batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The padded batch sizes: 1, 2, 4, 8, then every multiple of 8 up to 64, then of 32, up to the limit.
+
+    Coarse enough that few graphs are captured, fine enough that padding wastes at most about a third.
+    """
+    sizes = (1, 2, 4, *range(8, 65, 8), *range(96, max_num_seqs, 32))
+    return (*tuple(size for size in sizes if size < max_num_seqs), max_num_seqs)
+
+
+def block_buckets(max_blocks: int) -> tuple[int, ...]:
+    """Padded context lengths in blocks: powers of two below ``max_blocks``, then ``max_blocks``."""
+    buckets, size = [], 1
+    while size < max_blocks:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, max_blocks)
+
+
+def _bucket(value: int, sizes: tuple[int, ...]) -> int:
+    return sizes[bisect.bisect_left(sizes, value)]
+
+
+class _Replay:
+    """A captured graph and the static tensor its replay writes the logits into."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+        self.graph = graph
+        self.logits = logits
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits
+
+
+class DecodeGraphs:
+    """Pads pure-decode steps to captured shapes and replays them (or runs the padded path eagerly)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_blocks: int,
+        pad_slot: int,
+        device: torch.device,
+        capture: bool,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.batch_sizes = batch_sizes(max_num_seqs)
+        self.block_buckets = block_buckets(max_blocks)
+        self.pad_slot = pad_slot
+        self.device = device
+        self.capture = capture
+        largest = self.batch_sizes[-1]
+
+        def buffer(fill: int, *shape: int) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.long, device=device)
+
+        # NOTE: the graphs read these addresses: fill them in place, never rebind them.
+        self.token_ids = buffer(0, largest)
+        self.positions = buffer(0, largest)
+        self.slot_mapping = buffer(pad_slot, largest)
+        self.context_lens = buffer(1, largest)
+        self.block_tables = buffer(0, largest, max_blocks)
+        self.rows = torch.arange(largest, device=device)
+        self.offsets = torch.arange(max_blocks * block_size, device=device)
+        self.steps: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (batch, blocks) -> step
+        self._pool = None
+
+    def accepts(self, chunks: list[SequenceChunk]) -> bool:
+        """Whether this step is a pure decode step (every chunk samples) that fits the largest padded shape."""
+        return len(chunks) <= self.batch_sizes[-1] and all(
+            chunk.is_decode and chunk.samples and chunk.prompt_embeds is None and not chunk.prompt_targets
+            for chunk in chunks
+        )
+
+    def __call__(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """Logits of the step, one row per chunk (a view of a static tensor: use it before the next step)."""
+        count, size = len(chunks), self.block_size
+        batch = _bucket(count, self.batch_sizes)
+        context_lens = [chunk.start + 1 for chunk in chunks]
+        blocks = _bucket(-(-max(context_lens) // size), self.block_buckets)
+        tables = [chunk.block_table[:blocks] for chunk in chunks]
+        pad = batch - count
+        # One host tensor per buffer, copied in one go; the padding rows get their fixed values.
+        self._fill(self.token_ids, [chunk.token_ids[0] for chunk in chunks], 0, batch)
+        self._fill(self.positions, [chunk.start for chunk in chunks], 0, batch)
+        self._fill(
+            self.slot_mapping,
+            [table[chunk.start // size] * size + chunk.start % size for chunk, table in zip(chunks, tables)],
+            self.pad_slot,
+            batch,
+        )
+        self._fill(self.context_lens, context_lens, 1, batch)
+        padded = [table + [0] * (blocks - len(table)) for table in tables] + [[0] * blocks] * pad
+        self.block_tables[:batch, :blocks].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        step = self.steps.get((batch, blocks))
+        if step is None:
+            step = self.steps[batch, blocks] = self._prepare(batch, blocks)
+        return step()[:count]
+
+    def _fill(self, target: torch.Tensor, values: list[int], pad_value: int, batch: int) -> None:
+        values = values + [pad_value] * (batch - len(values))
+        target[:batch].copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
+
+    def _forward(self, batch: int, blocks: int) -> torch.Tensor:
+        """The padded step on the static buffers: everything a graph of this shape records."""
+        length = blocks * self.block_size
+        mask = self.offsets[:length].unsqueeze(0) < self.context_lens[:batch].unsqueeze(1)
+        meta = AttentionMetadata(
+            self.slot_mapping[:batch],
+            self.block_size,
+            num_decode=batch,
+            decode_block_tables=self.block_tables[:batch, :blocks],
+            decode_len=length,
+            decode_mask=mask[:, None, None, :],
+        )
+        return self.model(
+            self.token_ids[:batch], self.positions[:batch], self.kv_caches, meta, self.rows[:batch]
+        )
+
+    def _prepare(self, batch: int, blocks: int) -> Callable[[], torch.Tensor]:
+        if not self.capture:
+            return lambda: self._forward(batch, blocks)
+        # Warm up on a side stream first (lazy initialisation must not be recorded), as torch's docs ask.
+        # The warm-up runs on this step's real inputs, so its cache writes are the ones the replay repeats.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(batch, blocks)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(batch, blocks)
+        self._pool = graph.pool()
+        return _Replay(graph, logits)
+
+    def release(self) -> None:
+        """Drop the graphs and their memory pool (the caller drops the model and cache)."""
+        self.steps.clear()
+        self._pool = None
