@@ -6,6 +6,7 @@ from typing import Any
 
 from .common import (
     Context,
+    ModelSpec,
     engine_batch_runner,
     equal_workload,
     interleave,
@@ -36,40 +37,17 @@ task. The ratio is the median of per-round ratios (min-max).
 """
     ratios: dict[tuple[str, str, int], Summary] = {}
     for spec in ctx.models():
-        workload = equal_workload(max(CONCURRENCY), prompt_len, output_len)
-        engines = {
-            mode: make_engine(spec, mode, num_threads=threads, num_kv_blocks=kv_blocks_for(workload))
-            for mode in MODES
-        }
-        rows = []
-        try:
-            for concurrency in ctx.pick(CONCURRENCY[:3], CONCURRENCY):
-                ctx.log(f"modes: {spec.key} x{concurrency}")
-                batch = equal_workload(concurrency, prompt_len, output_len)
-                runners = {
-                    mode: _rate(
-                        engine_batch_runner(
-                            engine, spec, batch, threads=threads if mode == "inproc" else None, seed=i
-                        )
-                    )
-                    for i, (mode, engine) in enumerate(engines.items())
-                }
-                samples = interleave(runners, repeats=repeats, warmup=1)
-                row: list[Any] = [concurrency]
-                row += [fmt(summarize(samples[mode]), "", 0, thousands=True) for mode in MODES]
-                for mode in ("mp", "async"):
-                    ratio = paired_ratio(samples[mode], samples["inproc"])
-                    ratios[(spec.key, mode, concurrency)] = ratio
-                    row.append(f"{ratio.median:.3f} ({ratio.min:.3f}-{ratio.max:.3f})")
-                rows.append(row)
-        finally:
-            for engine in engines.values():
-                engine.shutdown()
-        report.table(
-            f"{spec.label}: generated tokens/s by mode",
-            ["concurrent", "inproc tok/s", "mp tok/s", "async tok/s", "mp / inproc", "async / inproc"],
-            rows,
-            ["r", "l", "l", "l", "l", "l"],
+        measured = compare_modes(
+            ctx,
+            report,
+            spec,
+            ctx.pick(CONCURRENCY[:3], CONCURRENCY),
+            (prompt_len, output_len),
+            repeats,
+            threads,
+        )
+        ratios.update(
+            {(spec.key, mode, concurrency): ratio for (mode, concurrency), ratio in measured.items()}
         )
     misses = []
     for (model, mode, concurrency), ratio in sorted(ratios.items()):
@@ -100,6 +78,60 @@ every step). The engine process's OpenMP workers wait passively by default, so t
 end take a core between ops without stalling a spinning worker (see the thread-count section); with equal
 threads inproc still spins, which is a little faster on a quiet machine and far slower on a busy one.
 """
+
+
+def compare_modes(
+    ctx: Context,
+    report: SectionReport,
+    spec: ModelSpec,
+    concurrency_list: tuple[int, ...],
+    lengths: tuple[int, int],
+    repeats: int,
+    threads: int | None,
+    *,
+    seed: int = 0,
+    title: str | None = None,
+) -> dict[tuple[str, int], Summary]:
+    """Run equal-length batches through inproc, mp and async engines of ``spec`` (all up at once, rounds
+    interleaved), add the table to ``report``; returns mp / inproc and async / inproc per concurrency."""
+    prompt_len, output_len = lengths
+    workload = equal_workload(max(concurrency_list), prompt_len, output_len)
+    engines = {
+        mode: make_engine(spec, mode, num_threads=threads, num_kv_blocks=kv_blocks_for(workload))
+        for mode in MODES
+    }
+    ratios: dict[tuple[str, int], Summary] = {}
+    rows = []
+    try:
+        for index, concurrency in enumerate(concurrency_list):
+            ctx.log(f"modes: {spec.key} x{concurrency}")
+            batch = equal_workload(concurrency, prompt_len, output_len)
+            runners = {
+                mode: _rate(
+                    engine_batch_runner(
+                        engine, spec, batch, threads=threads if mode == "inproc" else None, seed=seed + i
+                    )
+                )
+                for i, (mode, engine) in enumerate(engines.items())
+            }
+            samples = interleave(runners, repeats=repeats, warmup=1 if index == 0 else 0)
+            row: list[Any] = [concurrency]
+            row += [fmt(summarize(samples[mode]), "", 1, thousands=True) for mode in MODES]
+            for mode in ("mp", "async"):
+                ratio = paired_ratio(samples[mode], samples["inproc"])
+                ratios[(mode, concurrency)] = ratio
+                row.append(f"{ratio.median:.3f} ({ratio.min:.3f}-{ratio.max:.3f})")
+            rows.append(row)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    report.table(
+        title or f"{spec.label}: generated tokens/s by mode",
+        ["concurrent", "inproc tok/s", "mp tok/s", "async tok/s", "mp / inproc", "async / inproc"],
+        rows,
+        ["r", "l", "l", "l", "l", "l"],
+    )
+    return ratios
 
 
 def _rate(runner: Any) -> Any:

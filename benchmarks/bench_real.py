@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from .baselines import clear_model_cache, matmul_gflops
+from .bench_modes import compare_modes
 from .bench_throughput import FINDINGS_ONLY, Row, _measure, _rate, gflops_of, table_row
 from .common import (
     Context,
@@ -147,44 +148,17 @@ def _modes(
     ctx: Context, report: SectionReport, spec: ModelSpec, size: dict[str, Any], threads: int
 ) -> dict[tuple[str, int], Summary]:
     """mp and async against inproc on the real model, equal torch threads, equal lengths."""
-    prompt_len, output_len = size["equal"]
-    biggest = equal_workload(max(size["mode_concurrency"]), prompt_len, output_len)
-    engines = {
-        mode: make_engine(spec, mode, num_threads=threads, num_kv_blocks=kv_blocks_for(biggest))
-        for mode in ("inproc", "mp", "async")
-    }
-    ratios: dict[tuple[str, int], Summary] = {}
-    rows = []
-    try:
-        for index, concurrency in enumerate(size["mode_concurrency"]):
-            ctx.log(f"real: modes x{concurrency}")
-            batch = equal_workload(concurrency, prompt_len, output_len)
-            runners = {
-                mode: _rate_of(
-                    engine_batch_runner(
-                        engine, spec, batch, threads=threads if mode == "inproc" else None, seed=9 + i
-                    )
-                )
-                for i, (mode, engine) in enumerate(engines.items())
-            }
-            samples = interleave(runners, repeats=size["repeats"], warmup=1 if index == 0 else 0)
-            row: list[Any] = [concurrency]
-            row += [fmt(summarize(samples[mode]), "", 1) for mode in engines]
-            for mode in ("mp", "async"):
-                ratio = paired_ratio(samples[mode], samples["inproc"])
-                ratios[(mode, concurrency)] = ratio
-                row.append(f"{ratio.median:.3f} ({ratio.min:.3f}-{ratio.max:.3f})")
-            rows.append(row)
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
-    report.table(
-        f"{spec.label}, float32: generated tokens/s by mode (all with num_threads={threads})",
-        ["concurrent", "inproc tok/s", "mp tok/s", "async tok/s", "mp / inproc", "async / inproc"],
-        rows,
-        ["r", "l", "l", "l", "l", "l"],
+    return compare_modes(
+        ctx,
+        report,
+        spec,
+        size["mode_concurrency"],
+        size["equal"],
+        size["repeats"],
+        threads,
+        seed=9,
+        title=f"{spec.label}, float32: generated tokens/s by mode (all with num_threads={threads})",
     )
-    return ratios
 
 
 def _llama_cpp(

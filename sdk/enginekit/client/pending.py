@@ -62,7 +62,9 @@ class PendingCalls:
 def _settle(future: AnyFuture, result: Any, error: BaseException | None) -> None:
     if isinstance(future, asyncio.Future):
         loop = future.get_loop()
-        if not loop.is_closed():
+        if asyncio._get_running_loop() is loop:  # on the loop's own thread (the async reader)
+            _set_async(future, result, error)
+        elif not loop.is_closed():
             loop.call_soon_threadsafe(_set_async, future, result, error)
         return
     if future.done():

@@ -45,6 +45,7 @@ logger = logging.getLogger("enginekit.engine_process")
 
 READY_TIMEOUT_S = 10.0
 GIL_YIELD_S = 0.001
+COPY_MAX_BYTES = 64 * 1024  # output messages up to this size are copied into zmq, larger ones sent zero-copy
 _STOP = object()  # tells the output thread to finish
 
 
@@ -53,7 +54,7 @@ class EngineCoreProc(EngineCore):
         self.args = args
         self.input_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
-        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.max_output_queue_depth = 0  # deepest the output queue has been (back-pressure check)
         self._debug_kill_io: str | None = None
         self.closing = False  # set when the process tears down: IO threads then die quietly
@@ -273,9 +274,14 @@ class EngineCoreProc(EngineCore):
                     reuse.append(buffer)
             buffer = reuse.pop() if reuse else bytearray()
             frames = encoder.encode_into(outputs, buffer)
-            tracker = socket.send_multipart(frames, copy=False, track=True)
-            # Buffers (and the tensors behind tensor frames) stay referenced until zmq has sent them.
-            in_flight.append((tracker, frames, buffer))
+            if len(frames) == 1 and len(buffer) <= COPY_MAX_BYTES:
+                # Small (a utility answer, a few requests' tokens): a copy costs less than tracking the send.
+                socket.send(buffer, copy=True)
+                reuse.append(buffer)
+            else:
+                tracker = socket.send_multipart(frames, copy=False, track=True)
+                # Buffers (and the tensors behind tensor frames) stay referenced until zmq has sent them.
+                in_flight.append((tracker, frames, buffer))
             if self._debug_kill_io == "output":
                 raise RuntimeError("output thread stopped by debug_kill_io_thread")
 
