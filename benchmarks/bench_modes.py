@@ -77,6 +77,10 @@ that way) and cheaper per-request output objects in the front end (the output pr
 every step). The engine process's OpenMP workers wait passively by default, so the IO threads and the front
 end take a core between ops without stalling a spinning worker (see the thread-count section); with equal
 threads inproc still spins, which is a little faster on a quiet machine and far slower on a busy one.
+On the tiny models that difference is most of the gap: their ops last microseconds, so a passive worker woken by
+a futex for each op costs more than the second thread gives, and a background engine with one torch thread runs
+them faster than with two (compare the data-parallel section's N=1 rows). The default keeps every core and the
+passive wait because the real model needs both cores and a busy machine must not stall it (thread section).
 """
 
 

@@ -132,9 +132,8 @@ data-parallel ranks) and passive waits, unless the user sets `OMP_WAIT_POLICY`, 
 `KMP_BLOCKTIME` (the launcher reads the environment when it imports torch). An in-process engine cannot
 change the policy of an OpenMP runtime that is already loaded; a notebook user on a busy laptop can set
 `OMP_WAIT_POLICY=PASSIVE` before importing torch. The short spin is the middle ground that was tried: it
-bounds how long a worker holds its core at a barrier, but ops on this model follow each other too closely
-for a few microseconds of spinning to gain much quietly, and any spin still costs a core under load (see
-its rows). Pinning threads to cores was not tried: on a machine
+bounds how long a worker holds its core at a barrier; its rows show how much of spinning's quiet gain it
+keeps and what it still costs beside a busy process, where a passive default does not collapse. Pinning threads to cores was not tried: on a machine
 shared with other work it makes a descheduled worker wait for its own core instead of any free one.
 """
 
