@@ -123,6 +123,7 @@ def test_steps_that_are_not_pure_decodes_run_eagerly(engines):
         [SequenceChunk([5], start=3, block_table=[0])]
     )  # a prompt chunk that does not sample
     assert not graphs.accepts([decode] * (MAX_SEQS + 1))
+    assert not graphs.accepts([])
     embeds = SequenceChunk(
         [5], start=0, block_table=[0], sampling_params=SamplingParams(), prompt_embeds=torch.ones(1, 8)
     )

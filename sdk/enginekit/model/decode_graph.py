@@ -105,7 +105,7 @@ class DecodeGraphs:
 
     def accepts(self, chunks: list[SequenceChunk]) -> bool:
         """Whether this step is a pure decode step (every chunk samples) that fits the largest padded shape."""
-        return len(chunks) <= self.batch_sizes[-1] and all(
+        return 0 < len(chunks) <= self.batch_sizes[-1] and all(
             chunk.is_decode and chunk.samples and chunk.prompt_embeds is None and not chunk.prompt_targets
             for chunk in chunks
         )
