@@ -26,14 +26,14 @@ def run(ctx: Context, report: SectionReport) -> None:
     repeats = ctx.pick(2, 5)
     # The real model's steps are 50-100x the built-in one's: at the full size its rows alone took over half
     # an hour, so it runs 64 concurrent only, with shorter outputs and fewer rounds.
-    real_sizes = ctx.pick(((64,), 16, 2), ((64,), 16, 3))
+    real_concurrency, real_output_len, real_repeats = 64, 16, ctx.pick(2, 3)
     report.method = f"""
 Many short requests ({prompt_len}-token prompts, {output_len} greedy tokens each, all submitted at once) through
 `Engine.generate` in `"mp"` mode, three engines up at once and run alternately: one rank with one torch thread,
 one rank with two, and `data_parallel_size=2` with one thread per rank (the default split on this machine:
 `max(1, cores // ranks)`). With two ranks the client sends each request to the rank with the fewest
 unfinished ones, so each rank runs half the batch. Ratios are medians of per-round ratios (min-max).
-The real model runs {real_sizes[0][0]} concurrent requests of {real_sizes[1]} tokens, {real_sizes[2]} rounds (its
+The real model runs {real_concurrency} concurrent requests of {real_output_len} tokens, {real_repeats} rounds (its
 steps are 50-100x the built-in model's).
 """
     variants = {
@@ -43,7 +43,9 @@ steps are 50-100x the built-in model's).
     }
     for spec in ctx.dp_models():
         concurrencies, outputs, rounds = (
-            (concurrency_list, output_len, repeats) if spec.key == "builtin" else real_sizes
+            (concurrency_list, output_len, repeats)
+            if spec.key == "builtin"
+            else ((real_concurrency,), real_output_len, real_repeats)
         )
         workload = equal_workload(max(concurrencies), prompt_len, outputs)
         engines = {

@@ -5,9 +5,10 @@
   ``call_soon_threadsafe``. Needs no asyncio loop at all.
 - ``LoopReceiver`` (mode ``"async"``): a reader on the caller's running loop (``add_reader`` on the socket's
   edge-triggered fd; it drains the socket each time) queues batches and sets an ``asyncio.Event``; the reader
-  holds the receiver only weakly. A new loop (a second ``asyncio.run``) rebinds it. A blocking caller reads the socket itself: the
-  loop cannot be running its task meanwhile (a blocking call holds the loop's thread), unless the loop runs in
-  another thread — that is refused with a clear error instead of two readers racing for one socket.
+  holds the receiver only weakly. A new loop (a second ``asyncio.run``) rebinds it. A blocking caller reads
+  the socket itself: the loop cannot be running its reader meanwhile (a blocking call holds the loop's
+  thread), unless the loop runs in another thread — that is refused with a clear error instead of two readers
+  racing for one socket.
 
 Waiting and taking are separate (``wait``/``wait_async``, then ``pop``), so the facade takes a batch and
 routes it in one short critical section, and batches are applied in the order they arrived. Every message is
@@ -315,13 +316,12 @@ class LoopReceiver:
 def _on_readable(receiver_ref: weakref.ref[LoopReceiver], loop: asyncio.AbstractEventLoop, fd: int) -> None:
     # NOTE: the reader holds the receiver weakly, so an abandoned client is collected; its reader then goes.
     receiver = receiver_ref()
-    if receiver is None or receiver._closed or receiver._loop is not loop:
-        if receiver is None:
-            loop.remove_reader(fd)
-        return
-    receiver.read_ready()
-    if receiver.dead:
+    if receiver is None:
         loop.remove_reader(fd)
+    elif not receiver._closed and receiver._loop is loop:  # else unbound: _unbind removes this reader
+        receiver.read_ready()
+        if receiver.dead:
+            loop.remove_reader(fd)
 
 
 def _release(loop: asyncio.AbstractEventLoop, fds: list[int]) -> None:

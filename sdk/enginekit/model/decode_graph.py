@@ -89,15 +89,12 @@ class DecodeGraphs:
         self.capture = capture
         largest = self.batch_sizes[-1]
 
-        def buffer(fill: int, *shape: int) -> torch.Tensor:
-            return torch.full(shape, fill, dtype=torch.long, device=device)
-
-        # NOTE: the graphs read these addresses: fill them in place, never rebind them.
-        self.token_ids = buffer(0, largest)
-        self.positions = buffer(0, largest)
-        self.slot_mapping = buffer(pad_slot, largest)
-        self.context_lens = buffer(1, largest)
-        self.block_tables = buffer(0, largest, max_blocks)
+        # NOTE: the graphs read these addresses: fill them in place, never rebind them. The four per-row
+        # inputs are the rows of one tensor, so a step's inputs cross to the device in one copy (two with
+        # the block tables).
+        self.inputs = torch.zeros(4, largest, dtype=torch.long, device=device)
+        self.token_ids, self.positions, self.slot_mapping, self.context_lens = self.inputs
+        self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.long, device=device)
         self.rows = torch.arange(largest, device=device)
         self.offsets = torch.arange(max_blocks * block_size, device=device)
         self.steps: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (batch, blocks) -> step
@@ -118,26 +115,22 @@ class DecodeGraphs:
         blocks = _bucket(-(-max(context_lens) // size), self.block_buckets)
         tables = [chunk.block_table[:blocks] for chunk in chunks]
         pad = batch - count
-        # One host tensor per buffer, copied in one go; the padding rows get their fixed values.
-        self._fill(self.token_ids, [chunk.token_ids[0] for chunk in chunks], 0, batch)
-        self._fill(self.positions, [chunk.start for chunk in chunks], 0, batch)
-        self._fill(
-            self.slot_mapping,
+        rows = (
+            [chunk.token_ids[0] for chunk in chunks],
+            [chunk.start for chunk in chunks],
             [table[chunk.start // size] * size + chunk.start % size for chunk, table in zip(chunks, tables)],
-            self.pad_slot,
-            batch,
+            context_lens,
         )
-        self._fill(self.context_lens, context_lens, 1, batch)
+        # Padding rows: token 0 at position 0, written to the scratch slot, attending to one slot.
+        padding = (0, 0, self.pad_slot, 1)
+        host = torch.tensor([row + [fill] * pad for row, fill in zip(rows, padding)], dtype=torch.long)
+        self.inputs[:, :batch].copy_(host, non_blocking=True)
         padded = [table + [0] * (blocks - len(table)) for table in tables] + [[0] * blocks] * pad
         self.block_tables[:batch, :blocks].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
         step = self.steps.get((batch, blocks))
         if step is None:
             step = self.steps[batch, blocks] = self._prepare(batch, blocks)
         return step()[:count]
-
-    def _fill(self, target: torch.Tensor, values: list[int], pad_value: int, batch: int) -> None:
-        values = values + [pad_value] * (batch - len(values))
-        target[:batch].copy_(torch.tensor(values, dtype=torch.long), non_blocking=True)
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The padded step on the static buffers: everything a graph of this shape records."""
