@@ -252,6 +252,37 @@ def test_sigint_during_stream_aborts_its_request_and_next_generate_works(engine,
     assert engine.generate("hello", SHORT)[0].outputs[0].token_ids == expected_tokens
 
 
+class _SigintWhenDropped:
+    """Delivers SIGINT from a destructor, as pyzmq does when it checks signals in ``Frame.__dealloc__``."""
+
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_async_sync_call_raises_an_interrupt_that_lands_in_a_destructor_and_keeps_the_message():
+    # NOTE: Python drops an exception raised in a destructor ("Exception ignored in ..."): with its default
+    # handler, Ctrl-C landing while the socket's frames are freed would be lost and the call would go on.
+    with Engine("builtin", mode="async", **OPTIONS) as engine:
+        receiver = engine.client.receiver
+        handle_frames, handled = receiver._handle_frames, []
+
+        def handle_with_interrupt(frames):
+            batch = handle_frames(frames)
+            if batch is not None and not handled:
+                _SigintWhenDropped()  # dropped at once: the signal is delivered inside its __del__
+                handled.append(batch)
+            return batch
+
+        receiver._handle_frames = handle_with_interrupt
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate("interrupt me", long_params(engine))
+        assert list(receiver._batches) == handled  # the message was handled whole and stays queued
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        receiver._handle_frames = handle_frames
+        assert_interrupted_requests_aborted(engine)
+        assert engine.generate("hello", SHORT)[0].finished
+
+
 # ---- front ends in their own process (process-group signals, SIGKILL, interpreter exit) ------------------
 
 FRONT_END_PRELUDE = """

@@ -56,7 +56,8 @@ def _sigint_cancels(task: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, 
     callback the loop is running (the kernel's, or a zmq socket's, which then loses an edge-triggered event
     and never reads that socket again). The handler is installed only on the main thread over Python's
     default one, for the duration of the call, and the previous handler is restored exactly; the call then
-    raises ``KeyboardInterrupt`` once its task has cleaned up. A second Ctrl-C raises at once.
+    raises ``KeyboardInterrupt`` once its task has cleaned up (also when the task had already finished: the
+    interrupt is never dropped). A second Ctrl-C raises at once.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -66,11 +67,12 @@ def _sigint_cancels(task: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, 
         return
 
     def on_sigint(signum: int, frame: Any) -> None:
-        if interrupted or task.done():
+        if interrupted:
             raise KeyboardInterrupt
         interrupted.append(True)
-        task.cancel()
-        loop.call_soon_threadsafe(_wake_up)
+        if not task.done():
+            task.cancel()
+            loop.call_soon_threadsafe(_wake_up)
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
@@ -78,6 +80,8 @@ def _sigint_cancels(task: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, 
     finally:
         if signal.getsignal(signal.SIGINT) is on_sigint:
             signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt  # it came as the task finished: raised here, not inside a callback
 
 
 def _wake_up() -> None:
