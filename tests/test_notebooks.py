@@ -93,6 +93,25 @@ def test_a_sync_call_on_the_kernel_loop_keeps_the_cells_queued_behind_it_in_orde
     assert asyncio.run(kernel()) == ["first", "second", "third", "fourth"]
 
 
+def test_making_a_loop_reentrant_leaves_asyncio_run_closing_its_loops() -> None:
+    # nest-asyncio's own asyncio.run runs on the thread's policy loop and never closes it.
+    from enginekit.notebook.loop import make_reentrant
+
+    async def reentrant() -> None:
+        make_reentrant(asyncio.get_running_loop())
+
+    asyncio.run(reentrant())
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def running() -> None:
+        loops.append(asyncio.get_running_loop())
+
+    asyncio.run(running())
+    asyncio.run(running())
+    assert loops[0] is not loops[1] and loops[0].is_closed() and loops[1].is_closed()
+    assert not hasattr(asyncio, "_nest_patched")  # a user's own nest_asyncio.apply() patches it again
+
+
 # ---- how an engine behaves in a kernel ----------------------------------------------------------------
 
 KERNEL_CELLS = {

@@ -2,8 +2,9 @@
 
 A notebook cell runs inside the kernel's running loop, where ``asyncio.run`` is refused. Only there, on
 the first sync call made on a running loop, that loop is made re-entrant with nest-asyncio, once. enginekit
-patches no other loop; note that nest-asyncio itself also replaces ``asyncio.run`` and the asyncio Task
-and Future classes process-wide when it is applied (see docs/notebook_guide.md). Outside a running loop,
+patches no other loop; note that nest-asyncio itself also replaces the asyncio Task and Future classes and
+patches the loop's class process-wide when it is applied (see docs/notebook_guide.md). Its ``asyncio.run``,
+which never closes the loop it runs on, is put back to the stdlib's. Outside a running loop,
 a sync call simply runs on a fresh loop with ``asyncio.run``.
 """
 
@@ -93,7 +94,14 @@ def make_reentrant(loop: asyncio.AbstractEventLoop) -> None:
     if id(loop) not in _patched_loops and not getattr(loop, "_nest_patched", False):
         import nest_asyncio
 
+        run, applied_before = asyncio.run, hasattr(asyncio, "_nest_patched")
         nest_asyncio.apply(loop)
+        if not applied_before:
+            # NOTE: nest-asyncio's asyncio.run runs on the thread's policy loop and never closes it (each
+            # later asyncio.run in a script or test would leave a loop open). Only the loop needs patching
+            # here: put the stdlib's back, and let a user's own nest_asyncio.apply() patch it again.
+            asyncio.run = run
+            del asyncio._nest_patched  # type: ignore[attr-defined]
         _patched_loops.add(id(loop))
     if not getattr(loop, "_enginekit_defers_entered_contexts", False):
         _defer_entered_contexts(loop)
