@@ -18,12 +18,15 @@ from .stats import fmt, summarize
 
 TITLE = "Data parallel: two engine processes against one"
 TARGET = 1.6  # N=2 with one thread per rank against N=1 with one thread, on the built-in model
+HALF = "N=1, 1 thread, half the requests"
 
 
 def run(ctx: Context, report: SectionReport) -> None:
     concurrency_list = ctx.pick((64,), (64, 128))
-    prompt_len, output_len = ctx.pick((16, 16), (32, 32))
-    repeats = ctx.pick(2, 5)
+    # NOTE: 128 tokens: a built-in round of 64 requests then takes about a second, long enough that a
+    # scheduling hiccup of the VM does not decide a round's ratio (at 32 tokens they ranged 0.9-2.0x).
+    prompt_len, output_len = ctx.pick((16, 16), (32, 128))
+    repeats = ctx.pick(2, 10)
     # The real model's steps are 50-100x the built-in one's: at the full size its rows alone took over half
     # an hour, so it runs 64 concurrent only, with shorter outputs and fewer rounds.
     real_concurrency, real_output_len, real_repeats = 64, 16, ctx.pick(2, 3)
@@ -32,7 +35,9 @@ Many short requests ({prompt_len}-token prompts, {output_len} greedy tokens each
 `Engine.generate` in `"mp"` mode, three engines up at once and run alternately: one rank with one torch thread,
 one rank with two, and `data_parallel_size=2` with one thread per rank (the default split on this machine:
 `max(1, cores // ranks)`). With two ranks the client sends each request to the rank with the fewest
-unfinished ones, so each rank runs half the batch. Ratios are medians of per-round ratios (min-max).
+unfinished ones, so each rank runs half the batch. Ratios are medians of per-round ratios (min-max). The
+ceiling is what two ranks would reach with a core each and nothing else running: twice the tokens/s of the
+one-thread engine given half the requests (measured in the same rounds), over its tokens/s with all of them.
 The real model runs {real_concurrency} concurrent requests of {real_output_len} tokens, {real_repeats} rounds (its
 steps are 50-100x the built-in model's).
 """
@@ -61,15 +66,26 @@ steps are 50-100x the built-in model's).
                 for i, (name, engine) in enumerate(engines.items()):
                     runner = engine_batch_runner(engine, spec, batch, seed=i)
                     runners[name] = lambda r=runner: r().tokens_per_s
+                # What one rank of two does: half the requests on one engine with one thread.
+                half = engine_batch_runner(
+                    engines["N=1, 1 thread"],
+                    spec,
+                    equal_workload(concurrency // 2, prompt_len, outputs),
+                    seed=9,
+                )
+                runners[HALF] = lambda r=half: r().tokens_per_s
                 samples = interleave(runners, repeats=rounds, warmup=1)
                 one_thread = paired_ratio(samples["N=2, 1 thread each"], samples["N=1, 1 thread"])
                 two_threads = paired_ratio(samples["N=2, 1 thread each"], samples["N=1, 2 threads"])
+                # Two ranks on two idle cores, each as fast as one engine alone at half the batch.
+                ceiling = paired_ratio([2 * h for h in samples[HALF]], samples["N=1, 1 thread"])
                 rows.append(
                     [concurrency]
                     + [fmt(summarize(samples[name]), "", 0, thousands=True) for name in variants]
                     + [
                         f"{one_thread.median:.2f}x ({one_thread.min:.2f}-{one_thread.max:.2f})",
                         f"{two_threads.median:.2f}x ({two_threads.min:.2f}-{two_threads.max:.2f})",
+                        f"{ceiling.median:.2f}x ({ceiling.min:.2f}-{ceiling.max:.2f})",
                     ]
                 )
                 if spec.key == "builtin":
@@ -88,15 +104,23 @@ steps are 50-100x the built-in model's).
                 *(f"{name} tok/s" for name in variants),
                 "N=2 / N=1 (1 thread)",
                 "N=2 / N=1 (2 threads)",
+                "ceiling: 2 x (N=1, 1 thread, half the requests) / N=1 (1 thread)",
             ],
             rows,
-            ["r"] + ["l"] * (len(variants) + 2),
+            ["r"] + ["l"] * (len(variants) + 3),
         )
     report.limits = """
-Two ranks run two step loops at once: each engine process spends most of a step in Python (scheduling, batch
-preparation, detokenization) on a small model, and the GIL serializes that within one process. Two processes do
-it in parallel, so the gain is highest where the step is Python-bound (the built-in model) and smallest where it
-is matmul-bound (the real model, where two ranks split the same two cores one thread each). On this 2-core machine
-the front end (receiving and routing outputs) and the engines' IO threads compete for the same cores, which is
-what keeps the ratio below 2.
+Two ranks run two step loops at once, so the per-step Python work (scheduling, batch preparation,
+detokenization) that the GIL serializes within one process runs in parallel. But each rank also runs half the
+batch, and one engine's step does not take half as long at half the batch: part of it is fixed per step (per-op
+dispatch and OpenMP wake-ups for every layer, the sampler, the step's bookkeeping). The ceiling column measures
+exactly that, in the same rounds: one engine with half the requests, doubled, over the same engine with all of
+them. At 64 concurrent it is about 1.6x, so the 1.6x target sits at the ceiling itself, and what N=2 reaches is
+most of it; the rest is the front end (receiving and routing twice the outputs) and both engines' IO threads
+sharing the two cores with the ranks. At 128 the ceiling is higher (one engine gains little from 64 to 128
+concurrent), and so is the ratio. The real model's step is matmul-bound: two ranks with one thread each
+against one engine with both cores gain little. What would move the built-in figure: a cheaper fixed part of a
+step (fewer, larger ops per layer; paged attention in one kernel), which raises the ceiling, and on more cores
+than ranks, a core left for the front end. The rounds are short (about a second for the built-in model), so
+single rounds range widely on this shared machine; the medians are steadier.
 """
