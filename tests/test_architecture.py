@@ -45,10 +45,17 @@ def imports(path: Path) -> set[str]:
             continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            module = node.module or ""
+            if node.level:  # relative: from the package this module is in (or above)
+                package = module_name(path).split(".")
+                if path.name != "__init__.py":
+                    package = package[:-1]
+                base = ".".join(package[: len(package) - node.level + 1])
+                module = f"{base}.{module}" if module else base
             for alias in node.names:
-                submodule = f"{node.module}.{alias.name}"
-                found.add(submodule if submodule in MODULES else node.module)
+                submodule = f"{module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else module)
     return {name for name in found if name in MODULES and name != module_name(path)}
 
 

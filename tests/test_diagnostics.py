@@ -282,10 +282,12 @@ def test_torch_tensors_are_counted_once_per_storage() -> None:
 
 
 def test_snapshot_does_not_import_torch() -> None:
-    # Load the module file on its own so that nothing else in the package is imported.
+    # Load the diagnostics package on its own so that nothing else in enginekit is imported.
+    folder = os.path.dirname(diagnostics.__file__)
     script = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('diag', {diagnostics.__file__!r})\n"
+        f"spec = importlib.util.spec_from_file_location('diag', {diagnostics.__file__!r}, "
+        f"submodule_search_locations=[{folder!r}])\n"
         "module = importlib.util.module_from_spec(spec)\n"
         "sys.modules['diag'] = module\n"
         "spec.loader.exec_module(module)\n"

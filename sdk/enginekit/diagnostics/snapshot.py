@@ -1,46 +1,23 @@
-"""Measure what this process holds, to prove an engine leaks nothing across restarts.
-
-Take a :func:`snapshot` before starting an engine, another after shutting it down, and compare
-them with :meth:`ProcessSnapshot.diff`. The resulting :class:`SnapshotDiff` lists everything
-that grew (threads, file descriptors, child processes, frozen objects, signal handlers, tensors,
-CUDA memory, resident memory beyond a tolerance). Because teardown of threads and child
-processes takes a moment, :func:`wait_until_clean` polls until the process is back to its
-baseline or a timeout passes.
-
-Examples
---------
->>> from enginekit.diagnostics import snapshot, wait_until_clean
->>> baseline = snapshot()
->>> # ... start, use and shut down an engine ...
->>> diff = wait_until_clean(baseline, timeout=10.0)
->>> assert not diff.leaks(), diff.leaks()
-
-This module only measures: it never waits on its own (except in :func:`wait_until_clean`),
-never imports torch (tensors are only counted when torch is already imported) and never
-initializes CUDA.
-"""
+"""Process snapshots and their diffs: what this process holds, and what grew between two moments."""
 
 from __future__ import annotations
 
 import gc
-import inspect
-import os
 import signal
-import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-__all__ = [
-    "ProcessSnapshot",
-    "SnapshotDiff",
-    "format_table",
-    "snapshot",
-    "wait_until_clean",
-]
+from .probes import (
+    child_pids,
+    count_fds,
+    count_tensors,
+    cuda_allocated_bytes,
+    describe_handler,
+    rss_bytes,
+)
+from .table import format_mib
 
 _MIB = 2**20
 _DEFAULT_RSS_TOLERANCE = 64 * _MIB
@@ -206,12 +183,12 @@ class SnapshotDiff:
                     changes.append(f"{name} {old} -> {new}")
             found.append("signal handlers changed: " + "; ".join(changes))
         if self.tensors > 0 or self.tensor_bytes > 0:
-            found.append(f"tensors: {self.tensors:+d} ({_format_mib(self.tensor_bytes)} of storage)")
+            found.append(f"tensors: {self.tensors:+d} ({format_mib(self.tensor_bytes)} of storage)")
         if self.cuda_allocated_bytes > 0:
-            found.append(f"CUDA allocated: {_format_mib(self.cuda_allocated_bytes)}")
+            found.append(f"CUDA allocated: {format_mib(self.cuda_allocated_bytes)}")
         if self.rss_bytes > rss_tolerance_bytes:
             found.append(
-                f"resident memory: {_format_mib(self.rss_bytes)} "
+                f"resident memory: {format_mib(self.rss_bytes)} "
                 f"(tolerance {rss_tolerance_bytes / _MIB:.1f} MiB)"
             )
         return found
@@ -246,9 +223,9 @@ class SnapshotDiff:
         verdict = "clean" if not leaks else f"{len(leaks)} leak(s): " + "; ".join(leaks)
         return (
             f"threads {self.threads:+d}, fds {self.fds:+d}, children {self.children:+d}, "
-            f"rss {_format_mib(self.rss_bytes)}, gc freeze {self.gc_freeze_count:+d}, "
-            f"tensors {self.tensors:+d} ({_format_mib(self.tensor_bytes)}), "
-            f"cuda {_format_mib(self.cuda_allocated_bytes)}, "
+            f"rss {format_mib(self.rss_bytes)}, gc freeze {self.gc_freeze_count:+d}, "
+            f"tensors {self.tensors:+d} ({format_mib(self.tensor_bytes)}), "
+            f"cuda {format_mib(self.cuda_allocated_bytes)}, "
             f"handlers {'changed' if self.handlers_changed else 'unchanged'} -- {verdict}"
         )
 
@@ -274,19 +251,19 @@ def snapshot(*, collect: bool = True) -> ProcessSnapshot:
     threads = threading.enumerate()
     thread_names = tuple(sorted(thread.name for thread in threads))
     del threads
-    num_tensors, tensor_bytes = _count_tensors()
+    num_tensors, tensor_bytes = count_tensors()
     return ProcessSnapshot(
         num_threads=len(thread_names),
         thread_names=thread_names,
-        num_fds=_count_fds(),
-        child_pids=_child_pids(),
-        rss_bytes=_rss_bytes(),
+        num_fds=count_fds(),
+        child_pids=child_pids(),
+        rss_bytes=rss_bytes(),
         gc_freeze_count=gc.get_freeze_count(),
-        sigint_handler=_describe_handler(signal.getsignal(signal.SIGINT)),
-        sigterm_handler=_describe_handler(signal.getsignal(signal.SIGTERM)),
+        sigint_handler=describe_handler(signal.getsignal(signal.SIGINT)),
+        sigterm_handler=describe_handler(signal.getsignal(signal.SIGTERM)),
         num_tensors=num_tensors,
         tensor_bytes=tensor_bytes,
-        cuda_allocated_bytes=_cuda_allocated_bytes(),
+        cuda_allocated_bytes=cuda_allocated_bytes(),
     )
 
 
@@ -333,248 +310,3 @@ def wait_until_clean(
             return diff
         time.sleep(min(interval, remaining))
         interval = min(interval * 2, 0.25)
-
-
-def format_table(rows: list[dict[str, object]]) -> str:
-    """Render rows (such as :meth:`SnapshotDiff.as_row` dicts) as a Markdown table.
-
-    Columns appear in the order their keys first appear, so extra keys placed first in a row
-    (``{"mode": "restart", **diff.as_row()}``) come first. Missing values are left blank,
-    floats are shown with two decimals and numeric columns are right-aligned.
-
-    Parameters
-    ----------
-    rows : list of dict of str to object
-        The rows; at least one.
-
-    Returns
-    -------
-    str
-        The table, one line per row after the header and separator, without a trailing newline.
-
-    Raises
-    ------
-    ValueError
-        If ``rows`` is empty.
-    """
-    if not rows:
-        raise ValueError("format_table needs at least one row")
-    columns: list[str] = []
-    for row in rows:
-        for key in row:
-            if key not in columns:
-                columns.append(key)
-    numeric = {
-        column: all(_is_number(row[column]) for row in rows if row.get(column) is not None)
-        for column in columns
-    }
-    cells = [[_format_cell(row.get(column)) for column in columns] for row in rows]
-    header = [_escape(column) for column in columns]
-    widths = [max(3, len(header[i]), *(len(line[i]) for line in cells)) for i in range(len(columns))]
-
-    def render(values: list[str]) -> str:
-        padded = [
-            value.rjust(width) if numeric[column] else value.ljust(width)
-            for value, width, column in zip(values, widths, columns)
-        ]
-        return "| " + " | ".join(padded) + " |"
-
-    separator = (
-        "|"
-        + "|".join(
-            ("-" * (width + 1) + ":") if numeric[column] else ("-" * (width + 2))
-            for width, column in zip(widths, columns)
-        )
-        + "|"
-    )
-    return "\n".join([render(header), separator, *(render(line) for line in cells)])
-
-
-# -- measurements -------------------------------------------------------------------------------
-
-
-def _count_fds() -> int:
-    # The listing itself holds one descriptor open; it is counted every time, so diffs are exact.
-    fd_dirs = ["/proc/self/fd"] + (["/dev/fd"] if sys.platform == "darwin" else [])
-    for fd_dir in fd_dirs:
-        try:
-            return len(os.listdir(fd_dir))
-        except OSError:
-            continue
-    try:
-        import psutil
-    except ImportError:
-        return -1
-    try:
-        process = psutil.Process()
-        if hasattr(process, "num_fds"):
-            return int(process.num_fds())
-        return int(process.num_handles())
-    except Exception:
-        return -1
-
-
-def _child_pids() -> tuple[int, ...]:
-    try:
-        import psutil
-    except ImportError:
-        return _child_pids_from_proc()
-    pids: list[int] = []
-    try:
-        children = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return _child_pids_from_proc()
-    for child in children:
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.NoSuchProcess:
-            continue
-        except psutil.Error:
-            pass  # Alive but unreadable: still a child.
-        pids.append(child.pid)
-    return tuple(sorted(pids))
-
-
-def _child_pids_from_proc() -> tuple[int, ...]:
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return ()
-    children_of: dict[int, list[int]] = {}
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat_file:
-                stat = stat_file.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        # The command name is in parentheses and may itself contain spaces or parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) < 2 or fields[0] in ("Z", "X", "x"):
-            continue
-        children_of.setdefault(int(fields[1]), []).append(int(entry))
-    found: list[int] = []
-    pending = [os.getpid()]
-    while pending:
-        kids = children_of.get(pending.pop(), [])
-        found.extend(kids)
-        pending.extend(kids)
-    return tuple(sorted(found))
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            resident_pages = int(statm.read().split()[1])
-        return resident_pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except Exception:
-        pass
-    try:
-        import resource
-    except ImportError:
-        return 0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def _describe_handler(handler: Any) -> str:
-    if handler is None:
-        return "None"
-    if handler is signal.default_int_handler:
-        return "default_int_handler"
-    if isinstance(handler, int):
-        for name in ("SIG_DFL", "SIG_IGN"):
-            if handler == getattr(signal, name):
-                return name
-        return f"int:{int(handler)}"
-    if inspect.ismethod(handler):
-        func = handler.__func__
-        owner = handler.__self__
-        return f"{_qualified_name(func)} bound to {type(owner).__qualname__}@{id(owner):#x}"
-    if inspect.isfunction(handler) or inspect.isbuiltin(handler):
-        return f"{_qualified_name(handler)}@{id(handler):#x}"
-    kind = type(handler)
-    return f"{kind.__module__}.{kind.__qualname__} instance@{id(handler):#x}"
-
-
-def _qualified_name(obj: Callable[..., object]) -> str:
-    module = getattr(obj, "__module__", None) or "?"
-    qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or "?"
-    return f"{module}.{qualname}"
-
-
-def _count_tensors() -> tuple[int, int]:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return 0, 0
-    c_module = getattr(torch, "_C", None)
-    tensor_type = getattr(c_module, "TensorBase", None) or getattr(torch, "Tensor", None)
-    if not isinstance(tensor_type, type):
-        return 0, 0
-    count = 0
-    storages: dict[tuple[str, int], int] = {}
-    objects = gc.get_objects()
-    try:
-        for obj in objects:
-            # issubclass on the type never calls into the object (no __class__ lookup).
-            if not issubclass(type(obj), tensor_type):
-                continue
-            count += 1
-            try:
-                storage = obj.untyped_storage()
-                device = str(storage.device)
-                if device == "meta":
-                    continue
-                key = (device, int(storage.data_ptr()))
-                if key[1] == 0:
-                    continue
-                storages[key] = max(storages.get(key, 0), int(storage.nbytes()))
-            except Exception:
-                continue  # Sparse, fake or otherwise storage-less tensors.
-    finally:
-        del objects
-    return count, sum(storages.values())
-
-
-def _cuda_allocated_bytes() -> int:
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None) if torch is not None else None
-    if cuda is None:
-        return 0
-    try:
-        if not cuda.is_initialized():
-            return 0
-        return sum(int(cuda.memory_allocated(index)) for index in range(cuda.device_count()))
-    except Exception:
-        return 0
-
-
-# -- formatting ---------------------------------------------------------------------------------
-
-
-def _format_mib(num_bytes: int) -> str:
-    return f"{num_bytes / _MIB:+.1f} MiB"
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _format_cell(value: object) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return _escape(str(value))
-
-
-def _escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
