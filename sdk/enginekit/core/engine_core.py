@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
-import gc
 import logging
 import time
 import traceback
@@ -22,13 +21,13 @@ import msgspec
 import torch
 
 from enginekit.config import EngineConfig
+from enginekit.core.batching import build_batch
 from enginekit.core.detokenizer import IncrementalDetokenizer
 from enginekit.core.kv_cache import KVCacheManager
 from enginekit.core.request import Request
+from enginekit.core.resources import release_device_memory, resolve_device, size_kv_cache
 from enginekit.core.scheduler import Scheduler
 from enginekit.core.validation import RequestLimits, validate_request
-from enginekit.errors import EngineStartupError
-from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.loader import ModelSpec, load_model, load_model_spec
 from enginekit.model.runner import ModelRunner
 from enginekit.model.sampler import SamplerOutput
@@ -78,7 +77,7 @@ class EngineCore:
             traceback.clear_frames(error.__traceback__)
             self.runner = None  # type: ignore[assignment]
             torch.set_num_threads(self._previous_num_threads)
-            _release_device_memory(self.device)
+            release_device_memory(self.device)
             raise
         self.shutdown_state = ShutdownState.RUNNING
         self.shutdown_deadline = 0.0
@@ -265,7 +264,7 @@ class EngineCore:
         if scheduled.is_empty:
             self._report_status(changes)
             return False
-        batch, requests, sampling = self._batch(scheduled.scheduled)
+        batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache)
         sampled = self.runner.execute(batch)
         self.num_steps += 1
         for request, num_new in scheduled.scheduled:
@@ -317,42 +316,6 @@ class EngineCore:
         output.first_scheduled_time = request.first_scheduled_time
         output.num_preemptions = request.num_preemptions
         return output
-
-    def _batch(
-        self, scheduled: list[tuple[Request, int]]
-    ) -> tuple[ScheduledBatch, list[Request], list[Request]]:
-        """The runner's plain view of this step (decodes first, then prefill chunks), the request of each chunk,
-        and the requests that sample, in the runner's order."""
-        ordered = [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
-        block_ids = self.kv_cache.block_ids
-        chunks, sampling = [], []
-        for request, num_new in ordered:
-            start, params = request.num_computed_tokens, request.sampling_params
-            chunk = SequenceChunk(
-                request.all_token_ids[start : start + num_new], start, block_ids[request.request_id]
-            )
-            if start < request.num_prompt_tokens:
-                self._prompt_chunk(chunk, request, start, num_new)
-            if start + num_new == request.num_tokens:
-                chunk.sampling_params, chunk.generator = params, request.generator
-                if params.has_penalties:
-                    chunk.history = (request.all_token_ids, request.num_prompt_tokens)
-                sampling.append(request)
-            chunks.append(chunk)
-        return ScheduledBatch(chunks, self.kv_cache.pool.num_used_blocks), [r for r, _ in ordered], sampling
-
-    @staticmethod
-    def _prompt_chunk(chunk: SequenceChunk, request: Request, start: int, num_new: int) -> None:
-        end = min(start + num_new, request.num_prompt_tokens)
-        if request.prompt_embeds is not None:
-            chunk.prompt_embeds = request.prompt_embeds[start:end]
-        if request.sampling_params.prompt_logprobs is not None and request.prompt_logprobs is not None:
-            if start == 0:
-                request.prompt_logprobs = []  # a preempted request scores its prompt again, from the start
-            # Row p scores prompt token p + 1; the last prompt token scores the first output token, not this.
-            targets = request.all_token_ids[start + 1 : min(end + 1, request.num_prompt_tokens)]
-            if targets:
-                chunk.prompt_logprobs, chunk.prompt_targets = request.sampling_params.prompt_logprobs, targets
 
     def _wake_idle_waiters(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -463,7 +426,7 @@ class EngineCore:
             self.runner.release()
         # In-process, the thread count is the user's process-wide torch setting: give it back.
         torch.set_num_threads(self._previous_num_threads)
-        _release_device_memory(self.device)
+        release_device_memory(self.device)
 
 
 def _answer_with(answer: Callable[..., None], compute: Callable[[], Any]) -> None:
@@ -477,41 +440,3 @@ def _answer_with(answer: Callable[..., None], compute: Callable[[], Any]) -> Non
         answer(failure=f"{type(error).__name__}: {error}")
     else:
         answer(result)
-
-
-def _release_device_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        gc.collect()  # NOTE: before empty_cache: tensors held only by cycles are not free until collected
-        torch.cuda.empty_cache()
-
-
-def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    name = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EngineStartupError("device='cuda' was asked for but CUDA is not available", phase="model load")
-    default = "bfloat16" if device.type == "cuda" else "float32"
-    return device, getattr(torch, config.dtype or default)
-
-
-def size_kv_cache(config: EngineConfig, model_config, dtype: torch.dtype) -> tuple[int, int]:
-    """Number of KV blocks and the resulting max_model_len (a single request must always fit)."""
-    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
-    block_bytes = per_token * config.block_size * torch.empty((), dtype=dtype).element_size()
-    num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory_bytes // block_bytes)
-    capacity = num_blocks * config.block_size
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is not None:
-        if config.max_model_len > limit:
-            raise EngineStartupError(
-                f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} positions",
-                phase="model load",
-            )
-        if config.max_model_len > capacity:
-            raise EngineStartupError(
-                f"max_model_len={config.max_model_len} does not fit the KV cache ({capacity} tokens); "
-                "raise num_kv_blocks or kv_cache_memory_bytes",
-                phase="kv cache",
-            )
-        return num_blocks, config.max_model_len
-    return num_blocks, min(limit, capacity)

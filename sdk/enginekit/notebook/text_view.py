@@ -7,7 +7,8 @@ import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from enginekit.notebook.viewer import RequestRow, Viewer
+    from enginekit.notebook.rows import RequestRow
+    from enginekit.notebook.viewer import Viewer
 
 _explained: set[str] = set()  # reasons already told in this process: the note is shown once
 

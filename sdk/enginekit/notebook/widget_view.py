@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from enginekit.notebook.jupyter import in_jupyter
 
 if TYPE_CHECKING:
-    from enginekit.notebook.viewer import RequestRow, Viewer
+    from enginekit.notebook.rows import RequestRow
+    from enginekit.notebook.viewer import Viewer
 
 STATE_COLORS = {
     "waiting": "#8c959f",

@@ -1,0 +1,45 @@
+"""The runner's plain view of one step: each scheduled request's chunk of tokens, its blocks, and what it
+samples with (or which prompt tokens it scores)."""
+
+from __future__ import annotations
+
+from enginekit.core.kv_cache import KVCacheManager
+from enginekit.core.request import Request
+from enginekit.model.batch import ScheduledBatch, SequenceChunk
+
+
+def build_batch(
+    scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager
+) -> tuple[ScheduledBatch, list[Request], list[Request]]:
+    """The runner's plain view of this step (decodes first, then prefill chunks), the request of each chunk,
+    and the requests that sample, in the runner's order."""
+    ordered = [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
+    block_ids = kv_cache.block_ids
+    chunks, sampling = [], []
+    for request, num_new in ordered:
+        start, params = request.num_computed_tokens, request.sampling_params
+        chunk = SequenceChunk(
+            request.all_token_ids[start : start + num_new], start, block_ids[request.request_id]
+        )
+        if start < request.num_prompt_tokens:
+            _prompt_chunk(chunk, request, start, num_new)
+        if start + num_new == request.num_tokens:
+            chunk.sampling_params, chunk.generator = params, request.generator
+            if params.has_penalties:
+                chunk.history = (request.all_token_ids, request.num_prompt_tokens)
+            sampling.append(request)
+        chunks.append(chunk)
+    return ScheduledBatch(chunks, kv_cache.pool.num_used_blocks), [r for r, _ in ordered], sampling
+
+
+def _prompt_chunk(chunk: SequenceChunk, request: Request, start: int, num_new: int) -> None:
+    end = min(start + num_new, request.num_prompt_tokens)
+    if request.prompt_embeds is not None:
+        chunk.prompt_embeds = request.prompt_embeds[start:end]
+    if request.sampling_params.prompt_logprobs is not None and request.prompt_logprobs is not None:
+        if start == 0:
+            request.prompt_logprobs = []  # a preempted request scores its prompt again, from the start
+        # Row p scores prompt token p + 1; the last prompt token scores the first output token, not this.
+        targets = request.all_token_ids[start + 1 : min(end + 1, request.num_prompt_tokens)]
+        if targets:
+            chunk.prompt_logprobs, chunk.prompt_targets = request.sampling_params.prompt_logprobs, targets
