@@ -61,6 +61,33 @@ def test_received_tensor_is_not_copied():
         context.term()
 
 
+def test_a_copying_decoder_gives_tensors_of_their_own():
+    # The front end's decoder: its tensors reach the user, who may write into them and drop them anywhere.
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    try:
+        receiver.bind("inproc://serial-copy-test")
+        sender.connect("inproc://serial-copy-test")
+        values = torch.randn(4, 3)
+        sender.send_multipart(
+            MsgpackEncoder().encode(EngineCoreOutputs([EngineCoreOutput("r", [1], logprob_values=values)]))
+        )
+        received = receiver.recv_multipart(copy=False)
+        decoded = (
+            MsgpackDecoder(EngineCoreOutputs, copy_tensors=True).decode(received).outputs[0].logprob_values
+        )
+        frame = numpy.frombuffer(received[1].buffer, dtype=numpy.uint8)
+        assert decoded.data_ptr() != frame.ctypes.data and torch.equal(decoded, values)
+        decoded.add_(1.0)  # its own memory: the frame keeps the bytes it received
+        assert torch.equal(
+            torch.frombuffer(bytearray(frame.tobytes()), dtype=torch.float32).view(4, 3), values
+        )
+    finally:
+        sender.close(linger=0)
+        receiver.close(linger=0)
+        context.term()
+
+
 @pytest.mark.parametrize(
     "tensor_field",
     [

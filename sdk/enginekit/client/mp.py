@@ -62,7 +62,7 @@ class MPClient(EngineCoreClient):
         self._dead_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._encoder = MsgpackEncoder()
-        self._decoder = MsgpackDecoder(EngineOutput)
+        self._decoder = MsgpackDecoder(EngineOutput, copy_tensors=True)  # they reach the user
         self._pending = PendingCalls()
         ranks = config.data_parallel_ranks
         self.engines = [EngineRank(rank, EngineProcess(config.start_method)) for rank in ranks]

@@ -85,10 +85,17 @@ class MsgpackEncoder:
 
 
 class MsgpackDecoder:
-    """Typed decoder for one message type; tensors are rebuilt over the received frames without a copy."""
+    """Typed decoder for one message type; tensors are rebuilt over the received frames without a copy, or
+    copied out of them with ``copy_tensors=True``.
 
-    def __init__(self, message_type: Any) -> None:
+    NOTE: the front end copies: its tensors (logprobs) reach the user, who may write into them (a received
+    frame is read-only memory) and drops them anywhere. A tensor over a zmq frame frees the frame when it dies,
+    and pyzmq runs signal handlers there: a Ctrl-C landing in that destructor would be dropped.
+    """
+
+    def __init__(self, message_type: Any, *, copy_tensors: bool = False) -> None:
         self._decoder = msgspec.msgpack.Decoder(message_type, dec_hook=self._dec_hook)
+        self._copy_tensors = copy_tensors
         self._frames: Sequence[Any] = ()
         self._lock = threading.Lock()
 
@@ -130,7 +137,8 @@ class MsgpackDecoder:
         # NOTE: received frames are read-only; torch warns about that, and we never write into them.
         with _frombuffer_lock, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(buffer, dtype=dtype).view(shape)
+            tensor = torch.frombuffer(buffer, dtype=dtype).view(shape)
+        return tensor.clone() if self._copy_tensors else tensor
 
 
 def write_frame(fd: int, message: Any) -> None:
