@@ -29,7 +29,7 @@ import time
 import pytest
 
 import process_support
-from enginekit import Engine, EngineShutdownError, SamplingParams
+from enginekit import Engine, EngineDeadError, EngineShutdownError, SamplingParams
 from enginekit.diagnostics import ProcessSnapshot, snapshot, wait_until_clean
 from enginekit.runtime.launcher import Launcher
 
@@ -280,6 +280,61 @@ def test_async_sync_call_raises_an_interrupt_that_lands_in_a_destructor_and_keep
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         receiver._handle_frames = handle_frames
         assert_interrupted_requests_aborted(engine)
+        assert engine.generate("hello", SHORT)[0].finished
+
+
+@pytest.mark.parametrize("mode", ["inproc", "mp"])
+def test_an_interrupt_while_a_batch_is_routed_loses_nothing_of_another_threads_request(mode):
+    # A batch holds every running request's tokens: the main thread's Ctrl-C must not drop a worker's.
+    with Engine("builtin", mode=mode, **OPTIONS) as engine:
+        params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+        expected = engine.generate("another thread", params)[0].outputs[0].token_ids
+        processor, interrupted = engine._router.processor, []
+        process = processor.process
+
+        def process_after_an_interrupt(batch):
+            main = threading.current_thread() is threading.main_thread()
+            if main and not interrupted and len({output.request_id for output in batch.outputs}) > 1:
+                interrupted.append(True)
+                signal.raise_signal(signal.SIGINT)  # Python runs the handler here, before the batch is routed
+            process(batch)
+
+        processor.process = process_after_an_interrupt
+        result = {}
+        worker = threading.Thread(
+            target=lambda: result.update(
+                ids=engine.generate("another thread", params)[0].outputs[0].token_ids
+            )
+        )
+        worker.start()
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate("interrupt me", long_params(engine))
+        worker.join(60)
+        processor.process = process
+        assert interrupted and not worker.is_alive()
+        assert result == {"ids": expected}
+        assert engine.call_utility("get_request_ids") == []
+
+
+def test_a_second_interrupt_that_cuts_an_inproc_step_short_marks_the_engine_dead():
+    # The first Ctrl-C waits for the step to end; a second one raises at once, mid-step: that step's
+    # requests cannot be trusted any more, so the engine says so until it is restarted.
+    with Engine("builtin", mode="inproc", **OPTIONS) as engine:
+        core = engine.client.core
+        step = core.step
+
+        def step_interrupted_twice():
+            signal.raise_signal(signal.SIGINT)  # noted
+            signal.raise_signal(signal.SIGINT)  # raised here, inside the step
+            return step()
+
+        core.step = step_interrupted_twice
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate("interrupt me twice", long_params(engine))
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError, match="interrupted in the middle of a step"):
+            engine.generate("hello", SHORT)
+        engine.restart()
         assert engine.generate("hello", SHORT)[0].finished
 
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, Protocol
 
 from enginekit.client.base import EngineCoreClient
+from enginekit.client.interrupts import deferred_interrupts
 from enginekit.errors import EngineError
 from enginekit.output_processor import OutputProcessor, RequestState
 from enginekit.outputs import RequestOutput
@@ -62,8 +63,11 @@ class OutputRouter:
             self.processor.fail_all(error)
 
     def take(self) -> bool:
-        """Take one batch, if there is one, and route it; False if there was none."""
-        with self._lock:
+        """Take one batch, if there is one, and route it; False if there was none.
+
+        A Ctrl-C meanwhile is raised once the batch is routed: part of it may be another thread's outputs.
+        """
+        with deferred_interrupts(), self._lock:
             try:
                 batch = self.client.get_output(0)
             except EngineError as error:

@@ -16,6 +16,7 @@ import traceback
 from typing import Any
 
 from enginekit.client.base import EngineCoreClient
+from enginekit.client.interrupts import deferred_interrupts
 from enginekit.config import EngineConfig
 from enginekit.core.engine_core import EngineCore
 from enginekit.errors import EngineDeadError, EngineShutdownError, UtilityCallError
@@ -84,32 +85,44 @@ class InprocClient(EngineCoreClient):
 
     def _step(self) -> None:
         core = self.core  # raises once the engine is shut down or dead: neither is a failure of this step
-        try:
-            outputs, _ = core.step()
-        except Exception as error:
-            del core
-            self._fail(error)
-            raise  # _fail raised already
-        if outputs is None:
-            return
-        for answer in outputs.utility_outputs:
-            self._answers[answer.call_id] = answer
-        if outputs.outputs:
-            outputs.utility_outputs = []
-            self._undelivered.append(outputs)
+        # NOTE: a step cut short, or its outputs dropped, would leave other requests half updated: a Ctrl-C
+        # is raised once the step's outputs are kept.
+        with deferred_interrupts():
+            try:
+                outputs, _ = core.step()
+            except KeyboardInterrupt:
+                # A second Ctrl-C raised at once, mid-step: the step's requests are half updated.
+                del core
+                self._discard("interrupted in the middle of a step (a second Ctrl-C); call engine.restart()")
+                raise
+            except Exception as error:
+                del core
+                self._fail(error)
+                raise  # _fail raised already
+            if outputs is None:
+                return
+            for answer in outputs.utility_outputs:
+                self._answers[answer.call_id] = answer
+            if outputs.outputs:
+                outputs.utility_outputs = []
+                self._undelivered.append(outputs)
 
     def _fail(self, error: Exception) -> None:
         """The step failed: the engine is dead. Free the model and the KV cache now, not with the traceback."""
-        self._failure = f"{type(error).__name__}: {error}"
         # NOTE: the traceback's frames hold the model and the cache (the runner's locals); IPython keeps the
         # last traceback alive, so a restart would allocate a second copy. Clear them.
         traceback.clear_frames(error.__traceback__)
+        self._discard(f"{type(error).__name__}: {error}")
+        raise EngineDeadError(f"the in-process engine failed in a step: {self._failure}") from None
+
+    def _discard(self, failure: str) -> None:
+        """Mark the engine dead for ``failure`` and release the model and the KV cache now."""
+        self._failure = failure
         core, self._core = self._core, None
         if core is not None:
             core.shutdown()
         del core
         gc.collect()
-        raise EngineDeadError(f"the in-process engine failed in a step: {self._failure}") from None
 
     def call_utility(
         self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None

@@ -23,15 +23,15 @@ import collections
 import concurrent.futures
 import contextlib
 import os
-import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from enginekit.client.interrupts import deferred_interrupts
 from enginekit.runtime.engine_process import EngineProcess
 from enginekit.wire.messages import EngineCoreOutputs
 
@@ -231,7 +231,9 @@ class LoopReceiver:
         """Read the socket on the calling thread until a batch is queued, the engine is gone, or ``timeout``."""
         self._check_not_driven_elsewhere()
         deadline = None if timeout is None else time.monotonic() + timeout
-        with _interrupts_between_messages() as interrupted:
+        # NOTE: pyzmq runs signal handlers inside recv (after part of a message: lost) and in a frame's
+        # destructor (dropped there): a Ctrl-C is raised between messages instead.
+        with deferred_interrupts() as interrupted:
             while not (self._batches or self.dead or interrupted):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -244,7 +246,7 @@ class LoopReceiver:
         ``timeout``). Batches read on the way stay queued."""
         self._check_not_driven_elsewhere()
         deadline = None if timeout is None else time.monotonic() + timeout
-        with _interrupts_between_messages() as interrupted:
+        with deferred_interrupts() as interrupted:
             while not (future.done() or interrupted):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -314,40 +316,6 @@ class LoopReceiver:
             loop.call_soon_threadsafe(_release, loop, fds)
         else:
             _release(loop, fds)
-
-
-@contextlib.contextmanager
-def _interrupts_between_messages() -> Iterator[list[bool]]:
-    """While the main thread reads the socket, Ctrl-C is noted and raised between messages, not inside one.
-
-    NOTE: pyzmq runs signal handlers inside its calls, ``Frame.__dealloc__`` included. There Python's own
-    handler would raise ``KeyboardInterrupt`` into a destructor, which prints it and drops it (the call goes
-    on as if never interrupted), or into ``recv_multipart`` after part of a message (lost; the rest is read
-    as the next message). Instead the interrupt is noted, the read loop stops after the message it is on
-    (within one read slice), and ``KeyboardInterrupt`` is raised on the way out. A second Ctrl-C raises at
-    once. Only over Python's default handler, on the main thread; the previous handler is restored exactly.
-    """
-    interrupted: list[bool] = []
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield interrupted
-        return
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        if interrupted:
-            raise KeyboardInterrupt
-        interrupted.append(True)
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield interrupted
-    finally:
-        if signal.getsignal(signal.SIGINT) is on_sigint:
-            signal.signal(signal.SIGINT, previous)
-    if interrupted:
-        raise KeyboardInterrupt
 
 
 def _on_readable(receiver_ref: weakref.ref[LoopReceiver], loop: asyncio.AbstractEventLoop, fd: int) -> None:
