@@ -287,7 +287,7 @@ def test_async_sync_call_raises_an_interrupt_that_lands_in_a_destructor_and_keep
 def test_an_interrupt_while_a_batch_is_routed_loses_nothing_of_another_threads_request(mode):
     # A batch holds every running request's tokens: the main thread's Ctrl-C must not drop a worker's.
     with Engine("builtin", mode=mode, **OPTIONS) as engine:
-        params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)  # overlaps the other call
         expected = engine.generate("another thread", params)[0].outputs[0].token_ids
         processor, interrupted = engine._router.processor, []
         process = processor.process
