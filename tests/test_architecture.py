@@ -7,8 +7,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sdk" / "enginekit"
 
-# Which top-level parts may import which (besides the shared public types at the package root: config,
-# errors, sampling_params, outputs, logs). The facade is on top; notebook/ sits beside it, used by it, and uses
+# Which top-level parts may import which (besides the shared modules at the package root: the public types
+# config, errors, sampling_params, outputs, logs, and ``interrupts``, Ctrl-C at safe points, which imports
+# nothing of enginekit). The facade is on top; notebook/ sits beside it, used by it, and uses
 # an engine only through the public API it is handed.
 ALLOWED = {
     "facade": {"package", "client", "core", "model", "notebook", "runtime", "wire"},
@@ -19,7 +20,7 @@ ALLOWED = {
     "model": set(),
     "wire": set(),
 }
-SHARED = {"config", "errors", "sampling_params", "outputs", "logs"}
+SHARED = {"config", "errors", "sampling_params", "outputs", "logs", "interrupts"}
 
 
 def module_name(path: Path) -> str:

@@ -41,51 +41,43 @@ def test_outputs_roundtrip_with_finish_reason():
     assert decoded.outputs[0].finish_reason is FinishReason.STOP and decoded.outputs[0].stop_reason == "END"
 
 
-def test_received_tensor_is_not_copied():
+def received_over_zmq(frames):
+    """Send ``frames`` over an in-process zmq pair; the frames as received (``copy=False``), still alive."""
     context = zmq.Context()
     sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
     try:
         receiver.bind("inproc://serial-test")
         sender.connect("inproc://serial-test")
-        embeds = torch.randn(64, 32)
-        frames = MsgpackEncoder().encode(EngineCoreRequest("r", [0] * 64, SamplingParams(), 0.0, embeds))
         sender.send_multipart(frames, copy=False)
-        received = receiver.recv_multipart(copy=False)
-        decoded = MsgpackDecoder(EngineCoreRequest).decode(received)
-        frame_address = numpy.frombuffer(received[1].buffer, dtype=numpy.uint8).ctypes.data
-        assert decoded.prompt_embeds.data_ptr() == frame_address  # a view of the received frame
-        assert torch.equal(decoded.prompt_embeds, embeds)
+        return receiver.recv_multipart(copy=False)
     finally:
         sender.close(linger=0)
         receiver.close(linger=0)
         context.term()
+
+
+def test_received_tensor_is_not_copied():
+    embeds = torch.randn(64, 32)
+    received = received_over_zmq(
+        MsgpackEncoder().encode(EngineCoreRequest("r", [0] * 64, SamplingParams(), 0.0, embeds))
+    )
+    decoded = MsgpackDecoder(EngineCoreRequest).decode(received)
+    frame_address = numpy.frombuffer(received[1].buffer, dtype=numpy.uint8).ctypes.data
+    assert decoded.prompt_embeds.data_ptr() == frame_address  # a view of the received frame
+    assert torch.equal(decoded.prompt_embeds, embeds)
 
 
 def test_a_copying_decoder_gives_tensors_of_their_own():
     # The front end's decoder: its tensors reach the user, who may write into them and drop them anywhere.
-    context = zmq.Context()
-    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
-    try:
-        receiver.bind("inproc://serial-copy-test")
-        sender.connect("inproc://serial-copy-test")
-        values = torch.randn(4, 3)
-        sender.send_multipart(
-            MsgpackEncoder().encode(EngineCoreOutputs([EngineCoreOutput("r", [1], logprob_values=values)]))
-        )
-        received = receiver.recv_multipart(copy=False)
-        decoded = (
-            MsgpackDecoder(EngineCoreOutputs, copy_tensors=True).decode(received).outputs[0].logprob_values
-        )
-        frame = numpy.frombuffer(received[1].buffer, dtype=numpy.uint8)
-        assert decoded.data_ptr() != frame.ctypes.data and torch.equal(decoded, values)
-        decoded.add_(1.0)  # its own memory: the frame keeps the bytes it received
-        assert torch.equal(
-            torch.frombuffer(bytearray(frame.tobytes()), dtype=torch.float32).view(4, 3), values
-        )
-    finally:
-        sender.close(linger=0)
-        receiver.close(linger=0)
-        context.term()
+    values = torch.randn(4, 3)
+    received = received_over_zmq(
+        MsgpackEncoder().encode(EngineCoreOutputs([EngineCoreOutput("r", [1], logprob_values=values)]))
+    )
+    decoded = MsgpackDecoder(EngineCoreOutputs, copy_tensors=True).decode(received).outputs[0].logprob_values
+    frame = numpy.frombuffer(received[1].buffer, dtype=numpy.uint8)
+    assert decoded.data_ptr() != frame.ctypes.data and torch.equal(decoded, values)
+    decoded.add_(1.0)  # its own memory: the frame keeps the bytes it received
+    assert torch.equal(torch.frombuffer(bytearray(frame.tobytes()), dtype=torch.float32).view(4, 3), values)
 
 
 @pytest.mark.parametrize(

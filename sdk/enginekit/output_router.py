@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, Protocol
 
 from enginekit.client.base import EngineCoreClient
-from enginekit.client.interrupts import deferred_interrupts
 from enginekit.errors import EngineError
+from enginekit.interrupts import deferred_interrupts
 from enginekit.output_processor import OutputProcessor, RequestState
 from enginekit.outputs import RequestOutput
 from enginekit.sampling_params import RequestOutputKind

@@ -16,10 +16,10 @@ import traceback
 from typing import Any
 
 from enginekit.client.base import EngineCoreClient
-from enginekit.client.interrupts import deferred_interrupts
 from enginekit.config import EngineConfig
 from enginekit.core.engine_core import EngineCore
 from enginekit.errors import EngineDeadError, EngineShutdownError, UtilityCallError
+from enginekit.interrupts import deferred_interrupts
 from enginekit.model.loader import ModelSpec
 from enginekit.wire.messages import (
     AbortRequest,

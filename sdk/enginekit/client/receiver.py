@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from enginekit.client.interrupts import deferred_interrupts
+from enginekit.interrupts import deferred_interrupts
 from enginekit.runtime.engine_process import EngineProcess
 from enginekit.wire.messages import EngineCoreOutputs
 

@@ -14,10 +14,11 @@ import asyncio
 import collections
 import contextlib
 import contextvars
-import signal
-import threading
+import functools
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from enginekit.interrupts import deferred_interrupts
 
 T = TypeVar("T")
 
@@ -31,8 +32,12 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
     make_reentrant(loop)
     task = asyncio.ensure_future(coro, loop=loop)
-    interrupted: list[bool] = []
-    with _sigint_cancels(task, loop, interrupted), _releasing_deferred(loop):
+    # NOTE: a KeyboardInterrupt raised wherever the main thread happens to be would land in whichever
+    # callback the loop is running (the kernel's, or a zmq socket's, which then loses an edge-triggered event
+    # and never reads that socket again). Ctrl-C cancels the task instead, as ``asyncio.run`` does, and the call
+    # raises ``KeyboardInterrupt`` once the task has cleaned up (also when it had already finished).
+    on_interrupt = functools.partial(_cancel, task, loop)
+    with deferred_interrupts(on_interrupt) as interrupted, _releasing_deferred(loop):
         try:
             return loop.run_until_complete(task)
         except asyncio.CancelledError:
@@ -49,40 +54,10 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
             raise
 
 
-@contextlib.contextmanager
-def _sigint_cancels(task: asyncio.Future[Any], loop: asyncio.AbstractEventLoop, interrupted: list[bool]):
-    """While a sync call blocks on the running loop, Ctrl-C cancels its task, as ``asyncio.run`` does.
-
-    NOTE: a ``KeyboardInterrupt`` raised wherever the main thread happens to be would land in whichever
-    callback the loop is running (the kernel's, or a zmq socket's, which then loses an edge-triggered event
-    and never reads that socket again). The handler is installed only on the main thread over Python's
-    default one, for the duration of the call, and the previous handler is restored exactly; the call then
-    raises ``KeyboardInterrupt`` once its task has cleaned up (also when the task had already finished: the
-    interrupt is never dropped). A second Ctrl-C raises at once.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        if interrupted:
-            raise KeyboardInterrupt
-        interrupted.append(True)
-        if not task.done():
-            task.cancel()
-            loop.call_soon_threadsafe(_wake_up)
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGINT) is on_sigint:
-            signal.signal(signal.SIGINT, previous)
-    if interrupted:
-        raise KeyboardInterrupt  # it came as the task finished: raised here, not inside a callback
+def _cancel(task: asyncio.Future[Any], loop: asyncio.AbstractEventLoop) -> None:
+    if not task.done():
+        task.cancel()
+        loop.call_soon_threadsafe(_wake_up)  # a loop blocked in select then sees the cancellation
 
 
 def _wake_up() -> None:

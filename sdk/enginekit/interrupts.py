@@ -1,0 +1,56 @@
+"""Ctrl-C at a safe point: while a critical section runs on the main thread, an interrupt is noted and raised
+when it ends.
+
+A ``KeyboardInterrupt`` raised wherever the main thread happens to be can cut a batch of outputs in half (the
+rest, meant for requests of other threads, is lost), leave an in-process step half applied, land inside a loop
+callback, or land in a destructor, where Python prints it and drops it (pyzmq checks signals while freeing a
+frame). Inside ``deferred_interrupts()`` the interrupt waits for the end of the section instead; a second Ctrl-C
+raises at once, as an escape hatch. It takes over only Python's default handler, only on the main thread, and
+restores it exactly. A section inside another shares the outer one (and its ``on_interrupt``) at almost no cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_active: list[bool] | None = None  # the outermost section's notes, while its handler is in place
+
+
+@contextlib.contextmanager
+def deferred_interrupts(on_interrupt: Callable[[], None] | None = None) -> Iterator[list[bool]]:
+    """Yield a list that gets an item when Ctrl-C arrives (a loop may stop early on it), after calling
+    ``on_interrupt`` (a blocking call cancels its task there); raise ``KeyboardInterrupt`` on the way out if it
+    did. An exception leaving the section goes on as it is."""
+    global _active
+    if _active is not None and threading.current_thread() is threading.main_thread():
+        yield _active
+        return
+    interrupted: list[bool] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield interrupted
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted.append(True)
+        if on_interrupt is not None:
+            on_interrupt()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    _active = interrupted
+    try:
+        yield interrupted
+    finally:
+        _active = None
+        if signal.getsignal(signal.SIGINT) is on_sigint:
+            signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
