@@ -57,6 +57,9 @@ class ModelRunner:
         # Uninitialised, so memory is touched only as the cache fills; blocks are zeroed on first use.
         self.kv_caches = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self._num_zeroed_blocks = 0
+        self._gather_buffer = torch.empty(
+            (2, 0, block_size * config.num_kv_heads * config.head_dim), device=device, dtype=dtype
+        )
         self.decode_graphs: DecodeGraphs | None = None
         if decode_graphs:
             for kv_cache in self.kv_caches:
@@ -163,7 +166,22 @@ class ModelRunner:
         for chunk in chunks[row:]:
             meta.prefills.append(self._prefill_chunk(chunk, row))
             row += chunk.num_tokens
+        rows = [
+            t.numel()
+            for t in [meta.decode_block_tables] + [c.block_table for c in meta.prefills]
+            if t is not None
+        ]
+        if rows:
+            meta.gather_buffer = self._gather_rows(max(rows))
         return meta
+
+    def _gather_rows(self, rows: int) -> torch.Tensor:
+        """The scratch that every layer gathers its contexts into, grown by half again when too small (so a
+        growing batch reallocates it a few times, not every step); its size is one layer's padded block tables."""
+        if self._gather_buffer.shape[1] < rows:
+            size = max(rows, self._gather_buffer.shape[1] * 3 // 2)
+            self._gather_buffer = self._gather_buffer.new_empty((2, size, self._gather_buffer.shape[2]))
+        return self._gather_buffer
 
     def _decode_metadata(self, meta: AttentionMetadata, decodes: list[SequenceChunk]) -> None:
         context_lens = [chunk.start + 1 for chunk in decodes]
@@ -204,4 +222,5 @@ class ModelRunner:
             self.decode_graphs.release()
             self.decode_graphs = None
         self.kv_caches = []
+        self._gather_buffer = self._gather_buffer.new_empty((2, 0, 0))
         self.model = None  # type: ignore[assignment]

@@ -1,0 +1,117 @@
+"""Paged attention against plain causal attention over each sequence's contiguous keys and values, and the
+runner's gather scratch: one buffer for every layer and step, grown only when a step needs more rows."""
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from enginekit import Engine, SamplingParams
+from enginekit.model import llama
+from enginekit.model.attention import AttentionMetadata, PrefillChunk, paged_attention
+
+BLOCK = 4
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def dense_attention(q, k, v, context_start):
+    """Causal attention of new queries ``q`` [n, H, D] over a whole context ``k``/``v`` [length, KVH, D]."""
+    n, length = q.shape[0], k.shape[0]
+    mask = torch.arange(length)[None, :] <= torch.arange(context_start, context_start + n)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+def layout(lengths, new_tokens, generator):
+    """Random, scattered block tables for sequences of ``lengths`` tokens (context plus new tokens)."""
+    blocks = list(range(1, 64))
+    random.Random(0).shuffle(blocks)
+    tables = []
+    for length in lengths:
+        count = -(-length // BLOCK)
+        tables.append([blocks.pop() for _ in range(count)])
+    cache = torch.zeros(2, 64 * BLOCK, KV_HEADS, DIM)
+    contexts = [torch.randn(2, length, KV_HEADS, DIM, generator=generator) for length in lengths]
+    for table, context, length, new in zip(tables, contexts, lengths, new_tokens):
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length - new)]
+        cache[:, slots] = context[:, : length - new]
+    return cache, tables, contexts
+
+
+@pytest.mark.parametrize("with_buffer", [False, True])
+def test_paged_attention_equals_dense_attention_per_sequence(with_buffer):
+    generator = torch.Generator().manual_seed(1)
+    # Three decodes of unequal contexts, a prefill chunk after cached context, and a fresh prompt.
+    lengths, new_tokens = [9, 3, 16, 11, 6], [1, 1, 1, 5, 6]
+    cache, tables, contexts = layout(lengths, new_tokens, generator)
+    q = torch.randn(sum(new_tokens), HEADS, DIM, generator=generator)
+    k = torch.cat([c[0, length - new :] for c, length, new in zip(contexts, lengths, new_tokens)])
+    v = torch.cat([c[1, length - new :] for c, length, new in zip(contexts, lengths, new_tokens)])
+    slots = [
+        table[p // BLOCK] * BLOCK + p % BLOCK
+        for table, length, new in zip(tables, lengths, new_tokens)
+        for p in range(length - new, length)
+    ]
+    max_blocks = max(len(t) for t in tables[:3])
+    meta = AttentionMetadata(
+        torch.tensor(slots),
+        BLOCK,
+        num_decode=3,
+        decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:3]]),
+        decode_len=max(lengths[:3]),
+        decode_mask=(torch.arange(16)[None, :] < torch.tensor(lengths[:3])[:, None])[:, None, None, :],
+    )
+    meta.prefills = [
+        PrefillChunk(
+            3, 5, 6, torch.tensor(tables[3]), torch.arange(11)[None, :] <= torch.arange(6, 11)[:, None]
+        ),
+        PrefillChunk(8, 6, 0),
+    ]
+    if with_buffer:
+        meta.gather_buffer = torch.full(
+            (2, 32, BLOCK * KV_HEADS * DIM), float("nan")
+        )  # stale rows are never read
+    out = paged_attention(q, k, v, cache, meta, DIM**-0.5)
+
+    row = 0
+    for context, length, new in zip(contexts, lengths, new_tokens):
+        expected = dense_attention(q[row : row + new], context[0], context[1], length - new)
+        torch.testing.assert_close(out[row : row + new], expected)
+        row += new
+
+
+def test_the_runner_gathers_into_one_buffer_grown_only_when_a_step_needs_more(monkeypatch):
+    buffers = []
+
+    def attention(q, k, v, kv_cache, meta, scale):
+        if meta.num_decode:
+            buffers.append(meta.gather_buffer)
+        return paged_attention(q, k, v, kv_cache, meta, scale)
+
+    monkeypatch.setattr(llama, "paged_attention", attention)
+    with Engine("builtin", mode="inproc", block_size=BLOCK, num_kv_blocks=512, max_model_len=256) as engine:
+        runner = engine.client.core.runner
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        sizes = set()
+        execute = runner.execute
+
+        def recording(batch):
+            result = execute(batch)
+            sizes.add((runner._gather_buffer.data_ptr(), runner._gather_buffer.shape[1]))
+            return result
+
+        runner.execute = recording
+        engine.generate([[5] * 20] * 8, params, progress=False)
+        # 8 sequences growing from 6 to 15 blocks: a few sizes (each half again the last), not one per step.
+        # (The first step gathers nothing: a fresh prompt attends over its own keys.)
+        rows = sorted(size for _, size in sizes if size)
+        assert 1 <= len(rows) <= 4, sizes
+        assert rows[-1] >= 8 * 15
+        assert all(b >= a * 3 // 2 for a, b in itertools.pairwise(rows))
+        # Every layer of every decode step gathered into the runner's buffer.
+        assert len(buffers) == 39 * 4 and all(b is not None for b in buffers)
+        assert buffers[-1] is runner._gather_buffer
