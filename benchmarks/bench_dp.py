@@ -113,14 +113,15 @@ steps are 50-100x the built-in model's).
 Two ranks run two step loops at once, so the per-step Python work (scheduling, batch preparation,
 detokenization) that the GIL serializes within one process runs in parallel. But each rank also runs half the
 batch, and one engine's step does not take half as long at half the batch: part of it is fixed per step (per-op
-dispatch and OpenMP wake-ups for every layer, the sampler, the step's bookkeeping). The ceiling column measures
-exactly that, in the same rounds: one engine with half the requests, doubled, over the same engine with all of
-them. At 64 concurrent it is about 1.6x, so the 1.6x target sits at the ceiling itself, and what N=2 reaches is
-most of it; the rest is the front end (receiving and routing twice the outputs) and both engines' IO threads
-sharing the two cores with the ranks. At 128 the ceiling is higher (one engine gains little from 64 to 128
-concurrent), and so is the ratio. The real model's step is matmul-bound: two ranks with one thread each
-against one engine with both cores gain little. What would move the built-in figure: a cheaper fixed part of a
-step (fewer, larger ops per layer; paged attention in one kernel), which raises the ceiling, and on more cores
-than ranks, a core left for the front end. The rounds are short (about a second for the built-in model), so
-single rounds range widely on this shared machine; the medians are steadier.
+dispatch for every layer, the sampler, the step's bookkeeping). The ceiling column measures exactly that, in the
+same rounds: one engine with half the requests, doubled, over the same engine with all of them. What N=2
+reaches below the ceiling is CPU it does not get: the front end (receiving and routing twice the outputs, a few
+microseconds per token) and the zmq IO threads of three processes share the two cores with the two ranks, so
+each rank's step loop gets most of a core, not all of it. At 128 the ceiling is higher (one engine gains little
+from 64 to 128 concurrent). The real model's step is matmul-bound, and there two ranks with one thread each
+also beat one engine with both cores, whose two workers wait passively at every op (thread section). What
+would move the built-in figure: a cheaper fixed part of a step (fewer, larger ops per layer; paged attention in
+one kernel), which raises the ceiling, and on more cores than ranks, a core left for the front end. The rounds
+are short (about a second for the built-in model), so single rounds range widely on this shared machine; the
+medians are steadier.
 """

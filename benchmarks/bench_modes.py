@@ -49,6 +49,19 @@ task. The ratio is the median of per-round ratios (min-max).
         ratios.update(
             {(spec.key, mode, concurrency): ratio for (mode, concurrency), ratio in measured.items()}
         )
+    # The process hop alone: one torch thread in every mode, so no OpenMP worker waits (spinning in this
+    # process, passive in the engine process) between ops and only the IPC and the front end differ.
+    builtin = ctx.model("builtin")
+    one_thread = compare_modes(
+        ctx,
+        report,
+        builtin,
+        ctx.pick((8, 32), (8, 32, 128)),
+        (prompt_len, output_len),
+        repeats,
+        1,
+        title=f"{builtin.label}, one torch thread in every mode: generated tokens/s by mode",
+    )
     misses = []
     for (model, mode, concurrency), ratio in sorted(ratios.items()):
         if concurrency >= 8:
@@ -63,24 +76,35 @@ task. The ratio is the median of per-round ratios (min-max).
         "Below target: " + (", ".join(misses) if misses else "none") + ". At 1 concurrent request there is "
         "no target; the ratio there shows the fixed per-step cost of the process hop."
     )
+    report.findings.append(
+        "With one torch thread in every mode (the built-in model), mp / inproc is "
+        + ", ".join(f"{one_thread[('mp', c)].median:.2f}" for c in sorted({c for _, c in one_thread}))
+        + " and async / inproc "
+        + ", ".join(f"{one_thread[('async', c)].median:.2f}" for c in sorted({c for _, c in one_thread}))
+        + f" at {', '.join(str(c) for c in sorted({c for _, c in one_thread}))} concurrent: what the process hop "
+        "itself costs, without the OpenMP workers' wait policy."
+    )
     report.limits = f"""
-In mp and async modes every step's outputs are encoded by the engine's output thread, sent over an ipc://
-socket, decoded by the front end's receive thread (or asyncio task) and applied by the output processor,
-while the next step runs. On {threads} cores that work competes with the forward pass for CPU and for the
-GIL: in the engine process the IO threads need the GIL between torch ops, and the front-end process needs
-a core of its own. Where the forward pass is short (small batches, tiny models) the per-step IPC cannot be
-hidden, and the ratio drops; with larger batches a step takes long enough to cover it. The async figures
-also include the asyncio loop's wake-ups per output batch.
+Two costs make up the gap, and the third table separates them.
 
-What would move it: fewer, larger messages (one output message per step is already the design; keep it
-that way) and cheaper per-request output objects in the front end (the output processor touches every request
-every step). The engine process's OpenMP workers wait passively by default, so the IO threads and the front
-end take a core between ops without stalling a spinning worker (see the thread-count section); with equal
-threads inproc still spins, which is a little faster on a quiet machine and far slower on a busy one.
-On the tiny models that difference is most of the gap: their ops last microseconds, so a passive worker woken by
-a futex for each op costs more than the second thread gives, and a background engine with one torch thread runs
-them faster than with two (compare the data-parallel section's N=1 rows). The default keeps every core and the
-passive wait because the real model needs both cores and a busy machine must not stall it (thread section).
+**The process hop.** In mp and async modes every step's outputs are encoded by the engine's output thread,
+sent over an ipc:// socket, decoded by the front end's receive thread (or the asyncio loop's reader) and routed,
+while the next step runs. With one torch thread in every mode (third table) that is all that differs, and mp
+and async keep most of inproc's rate on the built-in model; what is lost is largest at 8-32 concurrent, where
+a step lasts about a millisecond and the hop's fixed part cannot hide behind it.
+
+**The OpenMP workers' wait.** With {threads} threads, inproc runs in this process, whose OpenMP runtime spins
+between parallel regions; the engine process's workers wait passively (the default the thread section chose,
+because spinning collapses when anything else runs on the machine). A passive worker is woken by a futex at
+every parallel region (each projection, attention call and large gather), tens of microseconds on this VM, and
+a tiny model's step is little more than those wake-ups: compare the mp rows of the first and third tables, where
+the same background engine runs faster with one thread than with two. The real model's ops are long enough
+that two passive threads beat one (thread section), so its mode ratios are much closer to 1.
+
+What would move it: fewer parallel regions per step (fused small ops, one attention kernel for the whole
+batch), or a background engine that picks its thread count per step size from measured step times. That
+second lever needs results that do not depend on the thread count, and today they do in the last bits:
+decode attention splits its work differently with one thread and with two.
 """
 
 
