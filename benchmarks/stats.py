@@ -201,6 +201,23 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def _cpu_features() -> str:
+    """The vector and matrix extensions that decide which matmul paths are fast (bfloat16 above all)."""
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    flags = set(value.split())
+                    return " ".join(flag for flag in wanted if flag in flags) or "none of " + ", ".join(
+                        wanted
+                    )
+    except OSError:
+        pass
+    return "unknown"
+
+
 def _memory_total_bytes() -> int | None:
     try:
         import psutil
@@ -229,6 +246,7 @@ def machine_info() -> dict:
     """What the numbers were measured on: CPU, cores, memory, Python, torch, OS."""
     info: dict = {
         "cpu": _cpu_model(),
+        "cpu_features": _cpu_features(),
         "logical_cores": os.cpu_count(),
         "usable_cores": _usable_cores(),
         "memory_gib": None,
@@ -260,6 +278,7 @@ def machine_info() -> dict:
 
 _INFO_LABELS = {
     "cpu": "CPU",
+    "cpu_features": "CPU features (vector and matrix)",
     "logical_cores": "Logical cores",
     "usable_cores": "Cores usable by this process",
     "memory_gib": "Memory (GiB)",
