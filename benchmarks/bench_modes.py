@@ -94,12 +94,12 @@ and async keep most of inproc's rate on the built-in model; what is lost is larg
 a step lasts about a millisecond and the hop's fixed part cannot hide behind it.
 
 **The OpenMP workers' wait.** With {threads} threads, inproc runs in this process, whose OpenMP runtime spins
-between parallel regions; the engine process's workers wait passively (the default the thread section chose,
-because spinning collapses when anything else runs on the machine). A passive worker is woken by a futex at
-every parallel region (each projection, attention call and large gather), tens of microseconds on this VM, and
-a tiny model's step is little more than those wake-ups: compare the mp rows of the first and third tables, where
-the same background engine runs faster with one thread than with two. The real model's ops are long enough
-that two passive threads beat one (thread section), so its mode ratios are much closer to 1.
+between parallel regions as long as libgomp's default allows; the engine process's workers spin briefly
+(`GOMP_SPINCOUNT=10000`), then sleep, and its thread governor drops a thread while other processes keep a core
+busy (thread section). A worker that has fallen asleep is woken by a futex at the next parallel region, tens of
+microseconds on this VM, and a tiny model's step is little more than its parallel regions. Before the short
+spin, the engine's workers waited passively at every op, and mp / inproc here was 0.27-0.62 on the built-in
+model.
 
 What would move it: fewer parallel regions per step (fused small ops, one attention kernel for the whole
 batch), or a background engine that picks its thread count per step size from measured step times. That

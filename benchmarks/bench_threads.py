@@ -23,16 +23,21 @@ from .report import SectionReport
 from .stats import Summary, fmt, summarize
 
 TITLE = "Thread count and OpenMP wait policy per mode, quiet and loaded"
-LIBGOMP_DEFAULT_SPIN = "300000"  # libgomp's own spin count when OMP_WAIT_POLICY is unset
-SHORT_SPIN = "10000"  # a middle ground: spin a few microseconds at a barrier, then sleep
+SHORT_SPIN = "10000"  # the launcher's default: spin a few microseconds at a barrier, then sleep
 
-# (label, mode, torch threads (None: the engine's default), environment for the engine process)
-VARIANTS: tuple[tuple[str, str, int | None, dict[str, str]], ...] = (
-    ("mp default (all cores, passive)", "mp", None, {}),
-    ("mp all cores, spinning", "mp", None, {"GOMP_SPINCOUNT": LIBGOMP_DEFAULT_SPIN}),
-    ("mp all cores, short spin", "mp", None, {"GOMP_SPINCOUNT": SHORT_SPIN}),
-    ("mp 1 thread, passive", "mp", 1, {}),
-    ("inproc all cores (this process: spinning)", "inproc", 0, {}),
+# (label, mode, torch threads (None: the engine's default), environment for the engine process, engine options)
+VARIANTS: tuple[tuple[str, str, int | None, dict[str, str], dict[str, Any]], ...] = (
+    ("mp default (all cores, short spin, adaptive threads)", "mp", None, {}, {}),
+    ("mp all cores, short spin, fixed threads", "mp", None, {}, {"adaptive_threads": False}),
+    (
+        "mp all cores, passive, fixed threads (the previous default)",
+        "mp",
+        None,
+        {"OMP_WAIT_POLICY": "PASSIVE"},
+        {"adaptive_threads": False},
+    ),
+    ("mp 1 thread", "mp", 1, {}, {}),
+    ("inproc all cores (this process: spinning)", "inproc", 0, {}, {}),
 )
 
 
@@ -45,13 +50,14 @@ def run(ctx: Context, report: SectionReport) -> None:
     spec = ctx.model("smollm2")
     report.method = f"""
 SmolLM2-135M-Instruct (float32), *N* requests of {prompt_len}-token prompts and {output_len} greedy tokens,
-{repeats} interleaved rounds, in five setups: a background engine (mp) as it starts by default (torch
-threads on all {cores} usable cores, OpenMP workers waiting passively: `OMP_WAIT_POLICY=PASSIVE` in its
-environment), the same with libgomp's default spinning wait (`GOMP_SPINCOUNT={LIBGOMP_DEFAULT_SPIN}`) and with
-a short spin (`GOMP_SPINCOUNT={SHORT_SPIN}`), a background engine with 1 torch thread, and an in-process engine on all cores (this process's OpenMP runtime,
-which spins: the policy is read once, when torch loads). *Loaded* runs the same rounds beside one other
-process spinning on one core (`python -c "while True: pass"`), as a notebook user's laptop running
-anything else. Ratios are against the default mp setup, per round.
+{repeats} interleaved rounds, in five setups: a background engine (mp) as it starts by default (up to
+{cores} torch threads, as many as other processes leave cores free, checked four times a second; OpenMP
+workers that spin briefly at a barrier, `GOMP_SPINCOUNT={SHORT_SPIN}` in its environment, then sleep); the
+same with its threads fixed (`adaptive_threads=False`); the previous default, fixed threads waiting
+passively (`OMP_WAIT_POLICY=PASSIVE`); a background engine with 1 torch thread; and an in-process engine on
+all cores (this process's OpenMP runtime, which spins: the policy is read once, when torch loads). *Loaded*
+runs the same rounds beside one other process spinning on one core (`python -c "while True: pass"`), as a
+notebook user's laptop running anything else. Ratios are against the default mp setup, per round.
 """
     if cores == 1:
         report.findings.append("This machine has one core: there is no thread count to choose.")
@@ -60,13 +66,14 @@ anything else. Ratios are against the default mp setup, per round.
     engines: dict[str, Any] = {}
     samples: dict[tuple[str, int, str], list[float]] = {}
     try:
-        for label, mode, threads, environ in VARIANTS:
+        for label, mode, threads, environ, options in VARIANTS:
             with _environ(environ):
                 engines[label] = make_engine(
                     spec,
                     mode,
                     num_threads=cores if threads == 0 else threads,
                     num_kv_blocks=kv_blocks_for(workload),
+                    **options,
                 )
         for load in ("quiet", "loaded"):
             with _busy_process() if load == "loaded" else contextlib.nullcontext():
@@ -118,23 +125,24 @@ anything else. Ratios are against the default mp setup, per round.
             f"{label} / default: quiet {', '.join(f'{r:.2f}x' for r in quiet)}, loaded "
             f"{', '.join(f'{r:.2f}x' for r in loaded)} (at {', '.join(map(str, concurrency_list))} concurrent)."
         )
-    report.limits = f"""
-An OpenMP parallel region ends at a barrier: every worker must arrive before the op returns. A spinning
-worker holds its core while it waits, so on {cores} cores with anything else runnable (another process, or
-in mp mode the engine's own IO threads and the front end) the thread that the barrier waits for is often
-the one that was descheduled, and each of the hundreds of ops per step waits a scheduler tick for it. A
-passive worker sleeps at the barrier and is woken by a futex: a few microseconds per op on a quiet machine,
-and no collapse on a busy one. One torch thread avoids barriers altogether but leaves half the machine
-idle on a quiet one.
+    report.limits = """
+An OpenMP parallel region ends at a barrier: every worker must arrive before the op returns. A passive
+worker sleeps there and is woken by a futex at the next op: tens of microseconds on this VM, at each of the
+hundreds of ops in a step. A spinning worker is ready at once, but holds its core while it waits, so beside
+another busy process the worker that a barrier waits for is often the descheduled one, and every op waits a
+scheduler tick for it. One torch thread has no barriers at all, and is the fastest beside a busy process,
+but leaves half the machine idle on a quiet one.
 
-Defaults chosen from these figures: a background engine takes every usable core (shared out between
-data-parallel ranks) and passive waits, unless the user sets `OMP_WAIT_POLICY`, `GOMP_SPINCOUNT` or
-`KMP_BLOCKTIME` (the launcher reads the environment when it imports torch). An in-process engine cannot
-change the policy of an OpenMP runtime that is already loaded; a notebook user on a busy laptop can set
-`OMP_WAIT_POLICY=PASSIVE` before importing torch. The short spin is the middle ground that was tried: it
-bounds how long a worker holds its core at a barrier; its rows show how much of spinning's quiet gain it
-keeps and what it still costs beside a busy process, where a passive default does not collapse. Pinning threads to cores was not tried: on a machine
-shared with other work it makes a descheduled worker wait for its own core instead of any free one.
+The default combines them: workers spin briefly (long enough to span the gap between one op and the next,
+then they sleep, so an idle engine leaves its cores), and the engine process counts, four times a second,
+the CPU other processes took on its cores (`/proc/stat` less its own time) and runs as many threads as they
+leave free (`core/threads.py`). A user's `OMP_WAIT_POLICY`, `GOMP_SPINCOUNT` or `KMP_BLOCKTIME` wins (the
+launcher reads the environment when it imports torch), and `adaptive_threads=False` fixes the thread count.
+An in-process engine cannot change the policy of an OpenMP runtime that is already loaded; a notebook user
+on a busy laptop can set `OMP_WAIT_POLICY=PASSIVE` before importing torch, or run the engine in the
+background. The governor reacts within about half a second (two readings that agree), so a busy process
+that starts mid-request costs that long. Pinning threads to cores was not tried: on a machine shared with
+other work it makes a descheduled worker wait for its own core instead of any free one.
 """
 
 

@@ -289,31 +289,43 @@ def test_an_interrupt_while_a_batch_is_routed_loses_nothing_of_another_threads_r
     with Engine("builtin", mode=mode, **OPTIONS) as engine:
         params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)  # overlaps the other call
         expected = engine.generate("another thread", params)[0].outputs[0].token_ids
-        processor, interrupted = engine._router.processor, []
+        processor = engine._router.processor
         process = processor.process
 
-        def process_after_an_interrupt(batch):
-            main = threading.current_thread() is threading.main_thread()
-            if main and not interrupted and len({output.request_id for output in batch.outputs}) > 1:
-                interrupted.append(True)
-                signal.raise_signal(signal.SIGINT)  # Python runs the handler here, before the batch is routed
-            process(batch)
+        def attempt() -> bool:
+            interrupted, result = [], {}
 
-        processor.process = process_after_an_interrupt
-        result = {}
-        worker = threading.Thread(
-            target=lambda: result.update(
-                ids=engine.generate("another thread", params)[0].outputs[0].token_ids
+            def process_after_an_interrupt(batch):
+                main = threading.current_thread() is threading.main_thread()
+                if main and not interrupted and len({output.request_id for output in batch.outputs}) > 1:
+                    interrupted.append(True)
+                    signal.raise_signal(
+                        signal.SIGINT
+                    )  # Python runs the handler here, before the batch is routed
+                process(batch)
+
+            processor.process = process_after_an_interrupt
+            worker = threading.Thread(
+                target=lambda: result.update(
+                    ids=engine.generate("another thread", params)[0].outputs[0].token_ids
+                )
             )
-        )
-        worker.start()
-        with pytest.raises(KeyboardInterrupt):
-            engine.generate("interrupt me", long_params(engine))
-        worker.join(60)
-        processor.process = process
-        assert interrupted and not worker.is_alive()
-        assert result == {"ids": expected}
-        assert engine.call_utility("get_request_ids") == []
+            worker.start()
+            try:
+                engine.generate("interrupt me", long_params(engine))
+                raised = False
+            except KeyboardInterrupt:
+                raised = True
+            worker.join(60)
+            processor.process = process
+            assert raised == bool(interrupted) and not worker.is_alive()
+            assert result == {"ids": expected}
+            assert engine.call_utility("get_request_ids") == []
+            return raised
+
+        # NOTE: in-process, the thread that steps routes the whole batch; which thread holds the engine's lock
+        # while both requests run is up to the scheduler, so the main thread may route none of their batches.
+        assert any(attempt() for _ in range(5))
 
 
 def test_a_second_interrupt_that_cuts_an_inproc_step_short_marks_the_engine_dead():

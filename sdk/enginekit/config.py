@@ -45,9 +45,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     seed
         Seed of the built-in model's weights and of requests sampled without their own seed.
     num_threads
-        torch intra-op threads of the engine core. ``None``: in a background process, all usable cores but
-        one (left to the front end and the IO threads); in-process, the process's current torch setting.
+        torch intra-op threads of the engine core. ``None``: in a background process, every usable core
+        (shared out between data-parallel ranks); in-process, the process's current torch setting.
         In-process, an explicit value is applied while the engine runs and restored at shutdown.
+    adaptive_threads
+        A background engine on CPU runs up to ``num_threads`` threads and fewer while other processes keep
+        its cores busy (checked four times a second), so a busy machine does not stall every op. ``False``
+        keeps exactly ``num_threads``: logprobs then repeat bit for bit from run to run (the thread count
+        changes the last bits of attention).
     startup_timeout
         Seconds to wait for the engine process to report READY.
     shutdown_timeout
@@ -95,6 +100,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
+    adaptive_threads: bool = True
     startup_timeout: float = 120.0
     shutdown_timeout: float = 0.0
     address: str | None = None

@@ -69,7 +69,7 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     if device == "cuda":
         changes["device"] = f"cuda:{rank}"
     if config.num_threads is None and not device.startswith("cuda"):
-        # NOTE: the cores are shared out; passive OpenMP waits leave room for the IO threads and front end.
+        # NOTE: the cores are shared out; a rank with several runs fewer while the others keep them busy.
         changes["num_threads"] = max(1, usable_cores() // num_ranks)
     return config.replace(**changes) if changes else config
 

@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from enginekit.core.engine_core import EngineCore, ShutdownState
+from enginekit.core.threads import ThreadGovernor
 from enginekit.core.validation import sampling_params_error
 from enginekit.model.runner import ExecutorError
 from enginekit.wire.messages import (
@@ -78,6 +79,11 @@ class EngineCoreProc(EngineCore):
             self._startup_reports.put_nowait(None)
             self._startup_flushed.wait(2.0)
             raise
+        self.thread_governor = (
+            ThreadGovernor.for_this_process(torch.get_num_threads())
+            if args.config.adaptive_threads and self.device.type == "cpu"
+            else None
+        )
         self.report_phase("handshake")
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self._input_thread_ready.wait(0.1):
@@ -130,6 +136,8 @@ class EngineCoreProc(EngineCore):
             time.sleep(GIL_YIELD_S)
             if not self.is_running or not self.output_thread.is_alive():
                 break
+        if self.thread_governor is not None:
+            self.thread_governor.poll()
         try:
             outputs, ran_forward = self.step()
         except ExecutorError as error:
@@ -180,6 +188,10 @@ class EngineCoreProc(EngineCore):
             "cwd": os.getcwd(),
             "sys_path": list(sys.path),
             "torch_threads": torch.get_num_threads(),
+            "max_torch_threads": (
+                self.thread_governor.max_threads if self.thread_governor else torch.get_num_threads()
+            ),
+            "thread_changes": self.thread_governor.changes if self.thread_governor else 0,
         }
 
     def utility_debug_output_queue(self) -> dict[str, int]:

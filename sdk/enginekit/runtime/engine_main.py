@@ -100,8 +100,7 @@ def main() -> None:
         os._exit(3)  # the front end went away before it sent our arguments
     logging.basicConfig(level=args.config.log_level.upper(), stream=sys.stderr, format=LOG_FORMAT)
     threading.Thread(target=_watch_parent, args=(stdin,), name="enginekit-parent-watch", daemon=True).start()
-    # NOTE: every core, because OpenMP's workers wait passively (``engine_environ``): a worker that is
-    # done sleeps instead of spinning, so the IO threads and the front end still get a core when they need it.
+    # NOTE: every core; the engine runs fewer while other processes keep them busy (``core/threads.py``).
     torch.set_num_threads(args.config.num_threads or default_num_threads())
     try:
         code = run_engine_core(args)

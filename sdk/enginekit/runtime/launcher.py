@@ -62,10 +62,12 @@ IMPORT_TIME_PREFIXES = (
 )  # see docs/lifecycle.md: keeps restarts fast for ten idle minutes, then frees the RSS
 
 
-# OpenMP workers that spin at every barrier (libgomp's default) collapse when any other process wants a core:
-# 3-4x slower on a 2-core machine with one busy process, against 7-10% lost to passive waits on an idle one
-# (docs/benchmarks.md, "Thread count per mode"). A user's setting of either variable wins.
-OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# OpenMP workers spin briefly at a barrier, then sleep: long enough to span the gap between one op and the next
+# (a passive worker, woken by a futex at every op, cost a third of the real model's speed on an idle machine),
+# short enough that an idle engine leaves its cores. Beside a busy process spinning would stall every op; there
+# the engine runs fewer threads (``core/threads.py``). See docs/benchmarks.md, the thread section. A user's
+# setting of any of these variables wins.
+OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 OPENMP_OVERRIDES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
