@@ -276,7 +276,9 @@ def test_async_sync_call_raises_an_interrupt_that_lands_in_a_destructor_and_keep
         receiver._handle_frames = handle_with_interrupt
         with pytest.raises(KeyboardInterrupt):
             engine.generate("interrupt me", long_params(engine))
-        assert list(receiver._batches) == handled  # the message was handled whole and stays queued
+        # The message was handled whole and stays queued, first; messages already waiting behind it may have
+        # been drained into the queue too (the reader reads until the socket would block).
+        assert list(receiver._batches)[:1] == handled
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         receiver._handle_frames = handle_frames
         assert_interrupted_requests_aborted(engine)
