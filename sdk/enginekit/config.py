@@ -81,6 +81,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_load_balancing
         ``"internal"`` (the client sends each request to the rank with the fewest unfinished ones) or
         ``"external"`` (needs ``data_parallel_rank``); ``None`` picks external exactly when a rank is given.
+    data_parallel_size_local
+        Ranks this front end starts itself (ranks ``0 .. local - 1``, internal load balancing); the others are
+        engines started by hand, on other hosts, with ``python -m enginekit.runtime.remote_rank``, that
+        connect back over TCP. ``None`` starts every rank here. Needs ``address="tcp://HOST:PORT"`` with a
+        fixed port and ``data_parallel_keys``.
+    data_parallel_keys
+        The file that holds the CURVE keys and ports remote ranks need (mode 0600; copy it to their hosts).
+        The front end writes it at startup, keeping the keys of an existing file so that copies stay valid.
     cuda_graphs
         Replay decode steps from captured CUDA graphs (one per padded batch size and context length, captured
         on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
@@ -112,6 +120,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None
     data_parallel_load_balancing: Literal["internal", "external"] | None = None
+    data_parallel_size_local: int | None = None
+    data_parallel_keys: str | None = None
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
@@ -164,6 +174,35 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(
                 "data_parallel_load_balancing='external' runs one rank per front end: give data_parallel_rank"
             )
+        self._check_remote_ranks()
+
+    def _check_remote_ranks(self) -> None:
+        local, size = self.data_parallel_size_local, self.data_parallel_size
+        if local is None:
+            if self.data_parallel_keys is not None:
+                raise ValueError("data_parallel_keys is for remote ranks: give data_parallel_size_local too")
+            return
+        if not 0 <= local <= size:
+            raise ValueError(
+                f"data_parallel_size_local must be in [0, data_parallel_size={size}], got {local}"
+            )
+        if self.data_parallel_rank is not None or self.data_parallel_load_balancing == "external":
+            raise ValueError(
+                "data_parallel_size_local starts ranks behind one front end (internal load balancing); "
+                "it cannot be combined with data_parallel_rank or external load balancing"
+            )
+        if local == size:
+            return
+        port = (self.address or "").rpartition(":")[2]
+        if not (self.address or "").startswith("tcp://") or not port.isdigit() or port == "0":
+            raise ValueError(
+                f"remote ranks (data_parallel_size_local={local} < data_parallel_size={size}) connect over "
+                f"TCP to a fixed port: give address='tcp://HOST:PORT', got {self.address!r}"
+            )
+        if not self.data_parallel_keys:
+            raise ValueError(
+                "remote ranks need data_parallel_keys: the file the front end writes their CURVE keys to"
+            )
 
     @property
     def data_parallel_ranks(self) -> list[int]:
@@ -171,6 +210,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.data_parallel_rank is not None:
             return [self.data_parallel_rank]
         return list(range(self.data_parallel_size))
+
+    @property
+    def data_parallel_remote_ranks(self) -> list[int]:
+        """The ranks that connect from elsewhere (``data_parallel_size_local`` and up); the rest start here."""
+        if self.data_parallel_size_local is None:
+            return []
+        return list(range(self.data_parallel_size_local, self.data_parallel_size))
 
     @classmethod
     def from_options(cls, model: str | os.PathLike[str] | None = None, **options: Any) -> EngineConfig:

@@ -25,8 +25,9 @@ from enginekit.client.balancer import LoadBalancer
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.pending import PendingCalls
 from enginekit.client.receiver import LoopReceiver, ThreadReceiver
+from enginekit.client.remote import RankWatcher, RemoteRank
 from enginekit.client.sockets import EngineSockets
-from enginekit.client.startup import EngineRank, check_placement, start_engines
+from enginekit.client.startup import EngineRank, check_placement, spawn_engines, wait_for_ready
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineDeadError, EngineShutdownError
 from enginekit.model.loader import ModelSpec
@@ -64,14 +65,27 @@ class MPClient(EngineCoreClient):
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineOutput, copy_tensors=True)  # they reach the user
         self._pending = PendingCalls()
-        ranks = config.data_parallel_ranks
-        self.engines = [EngineRank(rank, EngineProcess(config.start_method)) for rank in ranks]
+        ranks, remote = config.data_parallel_ranks, config.data_parallel_remote_ranks
+        self.engines = [
+            EngineRank(
+                rank,
+                RemoteRank(rank, config.data_parallel_keys or "")
+                if rank in remote
+                else EngineProcess(config.start_method),
+            )
+            for rank in ranks
+        ]
         self.balancer = LoadBalancer(ranks) if len(ranks) > 1 else None
         self.sockets: EngineSockets | None = None
         self.receiver: ThreadReceiver | LoopReceiver | None = None
+        self.watcher: RankWatcher | None = None
         try:
             self.sockets = EngineSockets(config)
-            start_engines(config, self.sockets, self.engines)
+            spawn_engines(config, self.sockets, self.engines)
+            if self.sockets.watch is not None:
+                remote_ranks = [e.process for e in self.engines if isinstance(e.process, RemoteRank)]
+                self.watcher = RankWatcher(self.sockets.watch, remote_ranks)
+            wait_for_ready(config, self.sockets, self.engines)
             processes = [engine.process for engine in self.engines]
             self.receiver = self.receiver_type(
                 self.sockets.output, processes, self._handle_frames, self._on_process_exit
@@ -90,7 +104,7 @@ class MPClient(EngineCoreClient):
         self.engine_pid = self.engine_pids[0]
 
     @property
-    def process(self) -> EngineProcess:
+    def process(self) -> EngineProcess | RemoteRank:
         """The (first) engine process."""
         return self.engines[0].process
 
@@ -101,6 +115,9 @@ class MPClient(EngineCoreClient):
     # ---- sending ------------------------------------------------------------------------------------
     def _send(self, message: Any, rank: int | None = None) -> None:
         self._check_usable()
+        self._send_unchecked(message, rank)
+
+    def _send_unchecked(self, message: Any, rank: int | None) -> None:
         assert self.sockets is not None
         identity = self._engine(rank).identity
         with self._send_lock:  # NOTE: encoding too: the encoder collects one message's tensor frames
@@ -283,9 +300,9 @@ class MPClient(EngineCoreClient):
             return
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         for engine in self.engines:
-            if self._dead_error is None and engine.process.is_alive():
+            if engine.process.is_alive():  # after a rank's death too: the others then exit at once
                 with contextlib.suppress(Exception):
-                    self._send(ShutdownRequest(timeout), engine.rank)
+                    self._send_unchecked(ShutdownRequest(timeout), engine.rank)
         self._closed = True  # from here on, a process exiting is not a death
         self._pending.fail_all(EngineShutdownError("the engine was shut down"))
         self._close_resources(stop_timeout=timeout + SHUTDOWN_GRACE_S)
@@ -296,7 +313,9 @@ class MPClient(EngineCoreClient):
         if self.receiver is not None:
             self.receiver.close()
         for engine in self.engines:
-            engine.process.stop(stop_timeout)
+            engine.process.stop(stop_timeout)  # a remote rank's hang-up is seen by the watcher: stop it after
+        if self.watcher is not None:
+            self.watcher.close()
         if self.sockets is not None:
             self.sockets.close()
 
@@ -320,7 +339,7 @@ class AsyncMPClient(MPClient):
     receiver_type = LoopReceiver
 
 
-def _describe_death(reason: str, process: EngineProcess) -> EngineDeadError:
+def _describe_death(reason: str, process: EngineProcess | RemoteRank) -> EngineDeadError:
     process.wait_dead(1.0)  # it usually exits right after its last message
     tail = "\n".join(process.error_tail().splitlines()[-12:]) if not process.is_alive() else ""
     return EngineDeadError(

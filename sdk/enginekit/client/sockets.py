@@ -6,17 +6,24 @@ sockets live in a private run folder (mode 0700, removed when closed), so no two
 user can connect. TCP binds loopback unless an address names another host; then a per-engine CURVE key pair
 protects both sockets, and only the engine processes receive the client keys. With external load balancing
 (``data_parallel_rank=r``) a TCP port is offset by ``2 * r``, so the ranks' front ends can share one address.
+With remote ranks (``data_parallel_size_local``) a third socket, the watch ROUTER, binds the port after the
+output's, and the keys come from the ``data_parallel_keys`` file (created on first use, kept afterwards, so a
+copy on another host stays valid across restarts); the file is rewritten with the ports bound.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket as socket_module
 import tempfile
 
 import zmq
 
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineStartupError
+from enginekit.wire.keys import new_keys, read_keys, set_heartbeats, write_keys
+from enginekit.wire.messages import RemoteRankKeys
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
@@ -32,12 +39,16 @@ class EngineSockets:
         self.input.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.output.setsockopt(zmq.RCVHWM, config.max_pending_outputs)
         self.curve_client_keys: tuple[bytes, bytes, bytes] = (b"", b"", b"")
+        self.watch: zmq.Socket | None = None  # remote ranks join and are watched here
         try:
             if config.address is None or config.address.startswith("ipc://"):
                 base = f"ipc://{self.run_dir}/" if config.address is None else config.address
                 self.input_address, self.output_address = base + "input.sock", base + "output.sock"
                 self.input.bind(self.input_address)
                 self.output.bind(self.output_address)
+            elif config.data_parallel_remote_ranks:
+                assert config.data_parallel_keys is not None  # the config checked it
+                self._bind_for_remote_ranks(config.address, config.data_parallel_keys)
             else:
                 self._bind_tcp(config.address, 2 * (config.data_parallel_rank or 0))
         except zmq.ZMQError as error:
@@ -86,8 +97,57 @@ class EngineSockets:
                 port = str(int(port) + 1)
         self.input_address, self.output_address = addresses
 
+    def _bind_for_remote_ranks(self, address: str, keys_path: str) -> None:
+        """Fixed ports (input, output, watch), and the keys of the keys file (new ones if there is none)."""
+        if not zmq.has("curve"):
+            raise EngineStartupError(
+                "remote ranks need CURVE to protect their TCP sockets, and this libzmq has none",
+                phase="spawn",
+            )
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        host = host or "127.0.0.1"
+        try:
+            keys = read_keys(keys_path) if os.path.exists(keys_path) else None
+        except (OSError, ValueError) as error:
+            raise EngineStartupError(f"cannot read data_parallel_keys: {error}", phase="spawn") from error
+        announced = socket_module.gethostname() if host in ("0.0.0.0", "*", "[::]") else host
+        fresh = new_keys(announced, int(port))
+        if keys is None:
+            keys = fresh
+        else:  # same keys, this front end's ports and host
+            keys = RemoteRankKeys(
+                announced,
+                fresh.input_port,
+                fresh.output_port,
+                fresh.watch_port,
+                *(keys.curve_server_public, keys.curve_server_secret),
+                *(keys.curve_client_public, keys.curve_client_secret),
+            )
+        self.watch = self.context.socket(zmq.ROUTER)
+        self.watch.setsockopt(zmq.LINGER, 0)
+        set_heartbeats(self.watch)
+        for socket in (self.input, self.output, self.watch):
+            socket.curve_server = True
+            socket.curve_secretkey = keys.curve_server_secret.encode()
+            socket.curve_publickey = keys.curve_server_public.encode()
+        self.curve_client_keys = (
+            keys.curve_server_public.encode(),
+            keys.curve_client_public.encode(),
+            keys.curve_client_secret.encode(),
+        )
+        self.input_address = f"tcp://{host}:{keys.input_port}"
+        self.output_address = f"tcp://{host}:{keys.output_port}"
+        self.input.bind(self.input_address)
+        self.output.bind(self.output_address)
+        self.watch.bind(f"tcp://{host}:{keys.watch_port}")
+        try:
+            write_keys(keys_path, keys)
+        except OSError as error:
+            raise EngineStartupError(f"cannot write data_parallel_keys: {error}", phase="spawn") from error
+
     def close(self) -> None:
-        for socket in (self.input, self.output):
-            socket.close(linger=0)
+        for socket in (self.input, self.output, self.watch):
+            if socket is not None:
+                socket.close(linger=0)
         self.context.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)

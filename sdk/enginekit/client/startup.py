@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from enginekit.client.remote import RemoteRank
 from enginekit.client.sockets import EngineSockets
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineStartupError
@@ -30,7 +31,7 @@ class EngineRank:
     """One engine process of a front end: its data-parallel rank, routing identity and handshake."""
 
     rank: int
-    process: EngineProcess
+    process: EngineProcess | RemoteRank
     ready: ReadyMessage | None = None
 
     @property
@@ -38,8 +39,8 @@ class EngineRank:
         return engine_identity(self.rank)
 
 
-def start_engines(config: EngineConfig, sockets: EngineSockets, engines: list[EngineRank]) -> None:
-    """Start every rank's process, then wait until each has reported READY (or raise)."""
+def spawn_engines(config: EngineConfig, sockets: EngineSockets, engines: list[EngineRank]) -> None:
+    """Start every local rank's process; hand each remote rank the arguments it gets when it joins."""
     for engine in engines:
         args = EngineProcArgs(
             rank_config(config, engine.rank),
@@ -54,15 +55,15 @@ def start_engines(config: EngineConfig, sockets: EngineSockets, engines: list[En
             raise EngineStartupError(
                 f"{_who(engines, engine)}cannot start the engine process: {error}", phase="spawn"
             ) from error
-    _wait_for_ready(config, sockets, engines, time.monotonic() + config.startup_timeout)
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config one rank runs with: its own GPU, and its share of the CPU's threads."""
-    num_ranks = (
-        config.data_parallel_size
-    )  # with external load balancing, the other ranks share the machine too
-    if num_ranks == 1:
+    """The config one rank runs with: its own GPU, and its share of the CPU's threads.
+
+    A remote rank runs the config as given: its host has its own devices and cores."""
+    # NOTE: with external load balancing, the other ranks share the machine too.
+    num_ranks = local_rank_count(config)
+    if num_ranks == 1 or rank in config.data_parallel_remote_ranks:
         return config
     changes: dict[str, object] = {}
     device = config.device or ("cuda" if _cuda_available() else "cpu")
@@ -76,26 +77,30 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 def check_placement(config: EngineConfig) -> None:
     """Refuse more ranks than devices (GPUs on CUDA, cores on CPU), before anything starts."""
-    size = config.data_parallel_size
-    if size == 1:
+    size = local_rank_count(config)
+    if size <= 1:
         return
+    name = "data_parallel_size_local" if config.data_parallel_remote_ranks else "data_parallel_size"
     device = config.device or ("cuda" if _cuda_available() else "cpu")
     if device.startswith("cuda"):
         import torch
 
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device != "cuda":
-            raise ValueError(
-                f"data_parallel_size={size} places rank r on cuda:r: give device='cuda', not {device!r}"
-            )
+            raise ValueError(f"{name}={size} places rank r on cuda:r: give device='cuda', not {device!r}")
         if visible < size:
             raise ValueError(
-                f"data_parallel_size={size} needs {size} CUDA devices (rank r runs on cuda:r), {visible} visible"
+                f"{name}={size} needs {size} CUDA devices (rank r runs on cuda:r), {visible} visible"
             )
     elif size > usable_cores():
         raise ValueError(
-            f"data_parallel_size={size} needs a CPU core per rank, and this process may use {usable_cores()}"
+            f"{name}={size} needs a CPU core per rank, and this process may use {usable_cores()}"
         )
+
+
+def local_rank_count(config: EngineConfig) -> int:
+    """The ranks that share this machine: every rank, less those that run elsewhere."""
+    return config.data_parallel_size - len(config.data_parallel_remote_ranks)
 
 
 def usable_cores() -> int:
@@ -108,9 +113,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _wait_for_ready(
-    config: EngineConfig, sockets: EngineSockets, engines: list[EngineRank], deadline: float
-) -> None:
+def wait_for_ready(config: EngineConfig, sockets: EngineSockets, engines: list[EngineRank]) -> None:
+    """Take every rank's phase reports until each has reported READY, within ``startup_timeout`` (or raise)."""
+    deadline = time.monotonic() + config.startup_timeout
     by_identity = {engine.identity: engine for engine in engines}
     decoder = msgspec.msgpack.Decoder(StartupReport)
     while any(engine.ready is None for engine in engines):
@@ -139,15 +144,20 @@ def _wait_for_ready(
             stuck = next(engine for engine in engines if engine.ready is None)
             phase = stuck.process.phase
             stuck.process.stop(0.0)
+            ending = "the engine process was killed"
+            if isinstance(stuck.process, RemoteRank):
+                ending = "it runs elsewhere: the front end stopped waiting"
             raise startup_error(
                 f"{_who(engines, stuck)}engine did not report READY within startup_timeout="
-                f"{config.startup_timeout}s (stuck in {phase}); the engine process was killed",
+                f"{config.startup_timeout}s (stuck in {phase}); {ending}",
                 stuck.process,
                 phase,
             )
 
 
-def startup_error(headline: str, process: EngineProcess, phase: str | None = None) -> EngineStartupError:
+def startup_error(
+    headline: str, process: EngineProcess | RemoteRank, phase: str | None = None
+) -> EngineStartupError:
     """The error leads with the child's own exception, then says what happened, then shows its output."""
     tail = process.error_tail()
     cause = _last_error_line(tail)

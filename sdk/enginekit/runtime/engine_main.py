@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,8 +32,11 @@ ORPHAN_GRACE_S = 2.0
 LOG_FORMAT = "%(asctime)s engine[%(process)d] %(levelname)s %(name)s: %(message)s"
 
 
-def run_engine_core(args: EngineProcArgs) -> int:
-    """Run until shut down; any exception is broadcast as ``EngineDead``. Returns the exit code."""
+def run_engine_core(args: EngineProcArgs, on_started: Callable[[EngineCoreProc], None] | None = None) -> int:
+    """Run until shut down; any exception is broadcast as ``EngineDead``. Returns the exit code.
+
+    ``on_started`` sees the engine once it is up and its signal handlers are in place (a remote rank routes
+    its own there)."""
     engine: EngineCoreProc | None = None
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -45,6 +49,8 @@ def run_engine_core(args: EngineProcArgs) -> int:
         engine = EngineCoreProc(args)
         for sig in previous:
             signal.signal(sig, engine.signal_shutdown)
+        if on_started is not None:
+            on_started(engine)
         engine.run_busy_loop()
         engine.close_io()
         return 0

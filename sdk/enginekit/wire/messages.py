@@ -12,6 +12,8 @@ ROUTER -> DEALER (input)        front end -> engine          ``EngineRequest``: 
 PUSH -> PULL (output)           engine -> front end          ``EngineOutput``: outputs, dead
 DEALER -> ROUTER (handshake)    engine -> front end          ``StartupReport``: phase, ready
 stdin pipe                      front end -> engine process  ``EngineProcArgs`` (length-prefixed, once)
+DEALER -> ROUTER (watch)        remote rank <-> front end    ``RankJoin``; ``JoinReply``: accepted, refused
+keys file                       front end -> remote rank     ``RemoteRankKeys`` (JSON, copied by the user)
 unix socketpair                 front end <-> launcher       ``LauncherRequest`` / ``LauncherReply``
 ==============================  ===========================  =============================================
 """
@@ -39,8 +41,13 @@ __all__ = [
     "ExecutorFailed",
     "FinishReason",
     "InvalidRequest",
+    "JoinAccepted",
+    "JoinRefused",
+    "JoinReply",
     "PhaseReport",
+    "RankJoin",
     "ReadyMessage",
+    "RemoteRankKeys",
     "RequestError",
     "RequestStatus",
     "ShutdownRequest",
@@ -231,6 +238,46 @@ class EngineProcArgs(msgspec.Struct, **_MESSAGE):
 
 def engine_identity(engine_index: int) -> bytes:
     return b"engine-%d" % engine_index
+
+
+# ---- remote ranks: an engine started by hand elsewhere joins the front end ---------------------------------
+
+
+class RemoteRankKeys(msgspec.Struct, forbid_unknown_fields=True):
+    """The keys file: what a remote rank needs to reach its front end (written as JSON, mode 0600).
+
+    The CURVE keys are Z85 text. The host is the one the front end bound; a remote rank may be told another
+    name for the same machine.
+    """
+
+    host: str
+    input_port: int
+    output_port: int
+    watch_port: int
+    curve_server_public: str
+    curve_server_secret: str
+    curve_client_public: str
+    curve_client_secret: str
+
+
+class RankJoin(msgspec.Struct, tag="join", **_REQUEST):
+    """A remote rank asks for its arguments, on the watch socket, whose connection then tells its liveness."""
+
+    rank: int
+    pid: int
+    hostname: str
+
+
+class JoinAccepted(msgspec.Struct, tag="accepted", **_MESSAGE):
+    args: EngineProcArgs
+
+
+class JoinRefused(msgspec.Struct, tag="refused", **_MESSAGE):
+    reason: str
+    retry: bool = False  # the rank may ask again later (the front end is busy with another incarnation)
+
+
+JoinReply = JoinAccepted | JoinRefused
 
 
 # ---- front end <-> launcher --------------------------------------------------------------------------------

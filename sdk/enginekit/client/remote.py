@@ -1,0 +1,180 @@
+"""Remote ranks: engines started by hand elsewhere (``runtime/remote_rank.py``) that join this front end.
+
+A front end with ``data_parallel_size_local < data_parallel_size`` binds a third socket beside its input and
+output ones, the *watch* ROUTER (port + 2, CURVE-protected like them). Each remote rank connects to it and sends
+``RankJoin``; ``RankWatcher`` (a thread that owns the socket) answers with the rank's ``EngineProcArgs`` and
+from then on watches that connection: when it drops — the rank was killed, crashed, or its host went silent
+past the heartbeat timeout — the rank is gone, as a local rank is when its pidfd turns readable.
+
+``RemoteRank`` stands where a local rank's ``EngineProcess`` stands, with the same surface: its ``pidfd`` is
+the read end of a pipe the watcher writes to when the connection drops, so the receivers, the startup wait and
+the death path treat both alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from enginekit.wire.messages import EngineProcArgs, JoinAccepted, JoinRefused, RankJoin
+
+logger = logging.getLogger("enginekit.client")
+
+JOIN_PHASE = (
+    "join (start it on its host: python -m enginekit.runtime.remote_rank --keys {keys} --rank {rank})"
+)
+
+
+class RemoteRank:
+    """A rank that runs elsewhere, seen through its watch connection (the surface of ``EngineProcess``)."""
+
+    start_method = "remote"
+    forward_own_levels = False
+
+    def __init__(self, rank: int, keys_path: str) -> None:
+        self.rank = rank
+        self.pid = -1
+        self.hostname = ""
+        self.phase = JOIN_PHASE.format(keys=keys_path, rank=rank)
+        self.args: EngineProcArgs | None = None
+        self.joined = False
+        self.stopping = False  # told to shut down: its hang-up is expected
+        self._gone_read, self._gone_write = os.pipe()
+        self.pidfd: int | None = self._gone_read  # readable once the rank is gone
+        self._exit: str | None = None
+        self._lock = threading.Lock()
+
+    def start(self, args: EngineProcArgs) -> None:
+        """Nothing to start here: keep the arguments for when the rank joins."""
+        self.args = args
+
+    def mark_joined(self, pid: int, hostname: str) -> None:
+        self.pid, self.hostname, self.joined = pid, hostname, True
+        self.phase = "startup"
+
+    def mark_gone(self, reason: str) -> None:
+        with self._lock:
+            if self._exit is not None:
+                return
+            self._exit = reason
+            if self._gone_write >= 0:
+                os.write(self._gone_write, b"x")
+
+    def is_alive(self) -> bool:
+        return self._exit is None
+
+    def wait_dead(self, timeout: float) -> bool:
+        if self._exit is not None:
+            return True
+        fd = self.pidfd
+        return fd is None or bool(select.select([fd], [], [], timeout)[0])
+
+    def returncode(self) -> int | str | None:
+        return None if self._exit is None else "unknown (it ran on another host)"
+
+    def describe_exit(self) -> str:
+        if self._exit is not None:
+            return self._exit
+        where = f" (pid {self.pid} on {self.hostname})" if self.joined else ""
+        return f"the remote rank{where} is still connected"
+
+    def error_tail(self) -> str:
+        return ""  # its output is on its own host
+
+    def send_signal(self, signum: int) -> None:
+        """A remote rank cannot be signalled from here; it stops when told to or when the front end goes."""
+
+    def stop(self, timeout: float) -> None:
+        """Give a rank that was told to shut down ``timeout`` seconds to hang up, then forget it."""
+        self.stopping = True
+        if self.joined:
+            self.wait_dead(timeout)
+        self.mark_gone("stopped by its front end")
+        with self._lock:
+            for fd in (self._gone_read, self._gone_write):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._gone_read = self._gone_write = -1
+            self.pidfd = None
+
+
+class RankWatcher:
+    """A thread that owns the watch socket: answers joins, and marks a rank gone when its connection drops."""
+
+    def __init__(self, socket: zmq.Socket, ranks: list[RemoteRank]) -> None:
+        self._socket = socket
+        self._ranks = {rank.rank: rank for rank in ranks}
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._by_fd: dict[int, RemoteRank] = {}
+        self._wake_read, self._wake_write = os.pipe()
+        self._decoder = msgspec.msgpack.Decoder(RankJoin)
+        self._thread = threading.Thread(target=self._run, name="enginekit-rank-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._wake_read in events:
+                return
+            if self._monitor in events:
+                self._on_event(recv_monitor_message(self._monitor))
+            if self._socket in events:
+                self._on_join(self._socket.recv_multipart(copy=False))
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        if event["event"] != zmq.EVENT_DISCONNECTED:
+            return
+        rank = self._by_fd.pop(event["value"], None)
+        if rank is not None:
+            level = logging.INFO if rank.stopping else logging.WARNING
+            logger.log(
+                level, "remote engine rank %d (pid %d on %s) hung up", rank.rank, rank.pid, rank.hostname
+            )
+            rank.mark_gone(f"its connection from {rank.hostname} (pid {rank.pid}) closed")
+
+    def _on_join(self, frames: list[zmq.Frame]) -> None:
+        try:
+            join = self._decoder.decode(frames[-1].bytes)
+        except msgspec.MsgspecError as error:
+            logger.warning("ignored a malformed message on the watch socket: %s", error)
+            return
+        rank = self._ranks.get(join.rank)
+        if rank is None:
+            reply: JoinAccepted | JoinRefused = JoinRefused(
+                f"rank {join.rank} is not a remote rank of this front end (those are {sorted(self._ranks)})"
+            )
+        elif rank.joined or not rank.is_alive() or rank.args is None:
+            state = (
+                f"pid {rank.pid} on {rank.hostname} joined already" if rank.joined else "its engine is gone"
+            )
+            reply = JoinRefused(f"rank {join.rank}: {state}; waiting for the next front end", retry=True)
+        else:
+            rank.mark_joined(join.pid, join.hostname)
+            self._by_fd[frames[-1].get(zmq.SRCFD)] = rank
+            reply = JoinAccepted(rank.args)
+            logger.info("remote engine rank %d joined: pid %d on %s", join.rank, join.pid, join.hostname)
+        self._socket.send_multipart([frames[0], msgspec.msgpack.encode(reply)])
+
+    def close(self) -> None:
+        """Stop the thread; the socket is its owner's to close."""
+        if self._wake_write >= 0:
+            os.write(self._wake_write, b"x")
+            self._thread.join()
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._wake_read = self._wake_write = -1

@@ -1,0 +1,298 @@
+"""Remote ranks: engines started by hand (``python -m enginekit.runtime.remote_rank``) that join a front end
+over CURVE-protected TCP with the keys file it wrote. Proven here with real processes on loopback: the same
+tokens as one engine, a kill of the remote rank, a front end that dies, restart, and refusals."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from enginekit import Engine, EngineDeadError, EngineStartupError, SamplingParams
+from enginekit.diagnostics import snapshot, wait_until_clean
+from enginekit.runtime.launcher import Launcher
+from enginekit.wire.keys import read_keys
+from enginekit.wire.messages import RankJoin
+from process_support import wait_gone
+
+PROMPTS = [f"remote rank prompt {i}: " + "y" * i for i in range(8)]
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+SEEDED = [SamplingParams(max_tokens=8, temperature=0.9, seed=i) for i in range(8)]
+LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
+DEADLINE_S = 5.0
+JOIN_TIMEOUT_S = (
+    90.0  # a rank's process imports torch (twice: it re-executes under the engine's OpenMP settings)
+)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def free_port_triple():
+    """A base port whose next two are free as well (input, output, watch)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base > 65000:
+            continue
+        try:
+            held = []
+            for port in (base, base + 1, base + 2):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no three free ports in a row")
+
+
+def start_rank(keys, rank=1, *extra):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "enginekit.runtime.remote_rank",
+            "--keys",
+            str(keys),
+            "--rank",
+            str(rank),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def options(keys, port, **more):
+    return {
+        "data_parallel_size": 2,
+        "data_parallel_size_local": 1,
+        "address": f"tcp://127.0.0.1:{port}",
+        "data_parallel_keys": str(keys),
+        "num_kv_blocks": 128,
+        "startup_timeout": JOIN_TIMEOUT_S,
+        **more,
+    }
+
+
+def stop_rank(process, wait_s=15.0, sig=signal.SIGINT):
+    """Wait ``wait_s`` for it to exit by itself, else signal it (Ctrl-C stops a rank for good); its output."""
+    try:
+        output, _ = process.communicate(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(sig)
+        try:
+            output, _ = process.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+    return output
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with Engine("builtin", mode="mp") as engine:
+        return tokens(engine.generate(PROMPTS, GREEDY)), tokens(engine.generate(PROMPTS, SEEDED))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A front end (mode "mp") with rank 0 here and rank 1 a remote process that serves one engine after another."""
+    keys, port = tmp_path_factory.mktemp("remote") / "keys.json", free_port_triple()
+    remote = start_rank(keys)  # it waits for the keys file, then joins
+    engine = Engine("builtin", mode="mp", **options(keys, port))
+    yield engine, remote, keys
+    engine.shutdown()
+    stop_rank(remote, 0)
+
+
+def test_a_remote_rank_gives_the_tokens_of_one_engine(cluster, reference):
+    engine, remote, _ = cluster
+    greedy, seeded = reference
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == greedy
+    assert tokens(engine.generate(PROMPTS, SEEDED)) == seeded
+    ranks = engine.get_stats()["ranks"]
+    assert [rank["data_parallel_rank"] for rank in ranks] == [0, 1]
+    assert all(rank["num_generated_tokens"] > 0 for rank in ranks)  # both did work
+    assert engine.call_utility("ping", rank=1) == "pong"
+    assert engine.client.engine_pids[1] == remote.pid  # rank 1 is the process started by hand
+
+
+def test_the_keys_file_is_private_and_its_keys_survive_a_restart(cluster, reference):
+    engine, remote, keys = cluster
+    assert os.stat(keys).st_mode & 0o777 == 0o600
+    before = read_keys(keys)
+    engine.restart()  # the remote rank's engine ends, and the rank joins the new front end
+    after = read_keys(keys)
+    assert after.curve_server_public == before.curve_server_public and after.input_port == before.input_port
+    assert engine.client.engine_pids[1] == remote.pid and remote.poll() is None
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == reference[0]
+
+
+def test_a_peer_without_the_keys_gets_no_answer(cluster):
+    _, _, keys = cluster
+    watch_port = read_keys(keys).watch_port
+    context = zmq.Context()
+    try:
+        stranger = context.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        public, secret = zmq.curve_keypair()
+        stranger.curve_serverkey, stranger.curve_publickey, stranger.curve_secretkey = public, public, secret
+        stranger.connect(f"tcp://127.0.0.1:{watch_port}")
+        stranger.send(msgspec.msgpack.encode(RankJoin(1, os.getpid(), "stranger")))
+        assert not stranger.poll(1000)  # the CURVE handshake never completes: nothing in, nothing out
+        plain = context.socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(f"tcp://127.0.0.1:{watch_port}")
+        plain.send(msgspec.msgpack.encode(RankJoin(1, os.getpid(), "plain")))
+        assert not plain.poll(500)
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_rank_this_front_end_does_not_have_is_refused(cluster):
+    _, _, keys = cluster
+    wrong = start_rank(keys, 5)
+    output = stop_rank(wrong, JOIN_TIMEOUT_S)
+    assert wrong.returncode == 2, output
+    assert "rank 5 is not a remote rank of this front end (those are [1])" in output
+
+
+def test_killing_the_remote_rank_is_the_engines_death_and_a_new_one_rejoins(tmp_path, reference):
+    keys, port = tmp_path / "keys.json", free_port_triple()
+    remote = start_rank(keys)
+    engine = Engine("builtin", mode="async", **options(keys, port))
+    replacement = None
+    try:
+        local_pid = engine.client.engine_pids[0]
+        outcome = []
+        worker = threading.Thread(
+            target=lambda: outcome.append(_raises(lambda: engine.generate(PROMPTS[:4], LONG)))
+        )
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not any(s.version for s in list(engine._router.processor.states.values())):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        os.kill(remote.pid, signal.SIGKILL)
+        worker.join(DEADLINE_S)
+        assert not worker.is_alive(), "generate still waits after the remote rank died"
+        with pytest.raises(
+            EngineDeadError, match=rf"engine rank 1: .*connection from .* \(pid {remote.pid}\) closed"
+        ):
+            raise outcome[0]
+        with pytest.raises(EngineDeadError, match="engine rank 1"):
+            engine.call_utility("ping", rank=0)
+        replacement = start_rank(keys)
+        engine.restart()
+        assert engine.client.engine_pids[1] == replacement.pid
+        assert wait_gone([local_pid], 10) == []
+        assert tokens(engine.generate(PROMPTS, GREEDY)) == reference[0]
+    finally:
+        engine.shutdown()
+        stop_rank(remote, 0)
+        if replacement is not None:
+            stop_rank(replacement, 0)
+
+
+def test_a_remote_rank_that_never_comes_fails_the_start_and_leaves_nothing(tmp_path):
+    keys, port = tmp_path / "keys.json", free_port_triple()
+    started = time.monotonic()
+    with pytest.raises(
+        EngineStartupError, match=r"engine rank 1: .*stuck in join .*--keys .*keys.json --rank 1"
+    ):
+        Engine("builtin", mode="mp", **options(keys, port, startup_timeout=3.0))
+    assert time.monotonic() - started < 30
+    with Engine(
+        "builtin", mode="mp", address=f"tcp://127.0.0.1:{port}"
+    ) as engine:  # the ports are free again
+        assert engine.call_utility("ping") == "pong"
+
+
+def test_shutdown_with_a_remote_rank_leaves_nothing_behind(tmp_path, reference):
+    keys, port = tmp_path / "keys.json", free_port_triple()
+    Launcher.shared()
+    before = snapshot()
+    remote = start_rank(keys, 1, "--once")
+    engine = Engine("builtin", mode="mp", **options(keys, port))
+    local_pid = engine.client.engine_pids[0]
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == reference[0]
+    engine.shutdown()
+    output = stop_rank(remote)
+    assert remote.returncode == 0 and "shut down by its front end" in output, output
+    assert wait_gone([local_pid], 10) == []
+    diff = wait_until_clean(before, timeout=15)  # the watch thread, its socket, pipes and monitor included
+    assert not diff.leaks(), diff.leaks()
+
+
+FRONT_END = """
+import sys, time
+from enginekit import Engine
+engine = Engine("builtin", mode="mp", data_parallel_size=2, data_parallel_size_local=1,
+                address=sys.argv[1], data_parallel_keys=sys.argv[2], startup_timeout=90)
+print("ready", engine.client.engine_pids[0], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_front_end_that_dies_stops_the_remote_engine(tmp_path):
+    keys, port = tmp_path / "keys.json", free_port_triple()
+    remote = start_rank(keys, 1, "--once")
+    front_end = subprocess.Popen(
+        [sys.executable, "-c", FRONT_END, f"tcp://127.0.0.1:{port}", str(keys)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = front_end.stdout.readline().split()
+        assert line and line[0] == "ready", "the front end did not start"
+        local_pid = int(line[1])
+        os.kill(front_end.pid, signal.SIGKILL)
+        output = stop_rank(remote, 15, signal.SIGKILL)
+        assert remote.returncode == 0, output  # its engine shut down when the front end's connection dropped
+        assert "lost the front end" in output
+        assert wait_gone([local_pid], 10) == []
+    finally:
+        stop_rank(front_end, 0, signal.SIGKILL)
+        stop_rank(remote, 0, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("more", "message"),
+    [
+        ({"address": None}, r"connect over TCP to a fixed port: give address='tcp://HOST:PORT', got None"),
+        ({"address": "tcp://127.0.0.1:0"}, r"to a fixed port"),
+        ({"data_parallel_keys": None}, r"remote ranks need data_parallel_keys"),
+        (
+            {"data_parallel_size_local": 3},
+            r"data_parallel_size_local must be in \[0, data_parallel_size=2\], got 3",
+        ),
+        ({"data_parallel_rank": 1}, r"cannot be combined with data_parallel_rank"),
+        ({"data_parallel_size_local": None}, r"data_parallel_keys is for remote ranks"),
+    ],
+)
+def test_bad_remote_rank_options_fail_before_anything_starts(tmp_path, more, message):
+    with pytest.raises(ValueError, match=message):
+        Engine("builtin", mode="mp", **options(tmp_path / "keys.json", 40000, **more))
+    assert not (tmp_path / "keys.json").exists()
+
+
+def _raises(call):
+    try:
+        call()
+    except BaseException as error:
+        return error
+    return None
