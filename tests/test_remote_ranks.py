@@ -238,6 +238,21 @@ def test_shutdown_with_a_remote_rank_leaves_nothing_behind(tmp_path, reference):
     assert not diff.leaks(), diff.leaks()
 
 
+def test_a_remote_rank_that_fails_to_start_sends_its_error_to_the_front_end(tmp_path):
+    keys, port = tmp_path / "keys.json", free_port_triple()
+    remote = start_rank(keys, 1, "--once", "--device", "cuda")  # this machine has no GPU: its load fails
+    try:
+        with pytest.raises(EngineStartupError) as failure:
+            Engine("builtin", mode="mp", **options(keys, port))
+        message = str(failure.value)
+        assert "engine rank 1: engine startup failed" in message, message
+        assert "exited with code 1" in message and "CUDA" in message.splitlines()[0], message
+        assert "Last engine output:" in message and "engine core failed" in failure.value.error_tail
+    finally:
+        output = stop_rank(remote)
+    assert remote.returncode == 1, output
+
+
 FRONT_END = """
 import sys, time
 from enginekit import Engine

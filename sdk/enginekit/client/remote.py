@@ -24,7 +24,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from enginekit.wire.messages import EngineProcArgs, JoinAccepted, JoinRefused, RankJoin
+from enginekit.wire.messages import EngineProcArgs, JoinAccepted, JoinRefused, RankExit, RankMessage
 
 logger = logging.getLogger("enginekit.client")
 
@@ -51,6 +51,8 @@ class RemoteRank:
         self.pidfd: int | None = self._gone_read  # readable once the rank is gone
         self._exit: str | None = None
         self._lock = threading.Lock()
+        self.exit_code: int | None = None
+        self._error_tail = ""  # what the rank sent before it hung up, if it failed
 
     def start(self, args: EngineProcArgs) -> None:
         """Nothing to start here: keep the arguments for when the rank joins."""
@@ -59,6 +61,9 @@ class RemoteRank:
     def mark_joined(self, pid: int, hostname: str) -> None:
         self.pid, self.hostname, self.joined = pid, hostname, True
         self.phase = "startup"
+
+    def mark_failed(self, code: int, error_tail: str) -> None:
+        self.exit_code, self._error_tail = code, error_tail
 
     def mark_gone(self, reason: str) -> None:
         with self._lock:
@@ -78,7 +83,9 @@ class RemoteRank:
         return fd is None or bool(select.select([fd], [], [], timeout)[0])
 
     def returncode(self) -> int | str | None:
-        return None if self._exit is None else "unknown (it ran on another host)"
+        if self._exit is None:
+            return None
+        return self.exit_code if self.exit_code is not None else "unknown (it ran on another host)"
 
     def describe_exit(self) -> str:
         if self._exit is not None:
@@ -87,7 +94,7 @@ class RemoteRank:
         return f"the remote rank{where} is still connected"
 
     def error_tail(self) -> str:
-        return ""  # its output is on its own host
+        return self._error_tail  # the rest of its output is on its own host
 
     def send_signal(self, signum: int) -> None:
         """A remote rank cannot be signalled from here; it stops when told to or when the front end goes."""
@@ -115,7 +122,7 @@ class RankWatcher:
         self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._by_fd: dict[int, RemoteRank] = {}
         self._wake_read, self._wake_write = os.pipe()
-        self._decoder = msgspec.msgpack.Decoder(RankJoin)
+        self._decoder = msgspec.msgpack.Decoder(RankMessage)
         self._thread = threading.Thread(target=self._run, name="enginekit-rank-watch", daemon=True)
         self._thread.start()
 
@@ -128,28 +135,40 @@ class RankWatcher:
             events = dict(poller.poll())
             if self._wake_read in events:
                 return
+            if self._socket in events:
+                self._on_message(self._socket.recv_multipart(copy=False))
             if self._monitor in events:
                 self._on_event(recv_monitor_message(self._monitor))
-            if self._socket in events:
-                self._on_join(self._socket.recv_multipart(copy=False))
 
     def _on_event(self, event: dict[str, Any]) -> None:
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return
+        while self._socket.poll(0):  # what the rank sent just before it hung up (its RankExit) comes first
+            self._on_message(self._socket.recv_multipart(copy=False))
         rank = self._by_fd.pop(event["value"], None)
-        if rank is not None:
-            level = logging.INFO if rank.stopping else logging.WARNING
-            logger.log(
-                level, "remote engine rank %d (pid %d on %s) hung up", rank.rank, rank.pid, rank.hostname
-            )
-            rank.mark_gone(f"its connection from {rank.hostname} (pid {rank.pid}) closed")
+        if rank is None:
+            return
+        level = logging.INFO if rank.stopping else logging.WARNING
+        logger.log(level, "remote engine rank %d (pid %d on %s) hung up", rank.rank, rank.pid, rank.hostname)
+        how = (
+            "closed"
+            if rank.exit_code is None
+            else f"closed after its engine exited with code {rank.exit_code}"
+        )
+        rank.mark_gone(f"its connection from {rank.hostname} (pid {rank.pid}) {how}")
 
-    def _on_join(self, frames: list[zmq.Frame]) -> None:
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
         try:
-            join = self._decoder.decode(frames[-1].bytes)
+            message = self._decoder.decode(frames[-1].bytes)
         except msgspec.MsgspecError as error:
             logger.warning("ignored a malformed message on the watch socket: %s", error)
             return
+        if isinstance(message, RankExit):
+            failed = self._by_fd.get(frames[-1].get(zmq.SRCFD))
+            if failed is not None:
+                failed.mark_failed(message.code, message.error_tail)
+            return
+        join = message
         rank = self._ranks.get(join.rank)
         if rank is None:
             reply: JoinAccepted | JoinRefused = JoinRefused(

@@ -18,6 +18,7 @@ instead. Ctrl-C or SIGTERM stops it for good.
 from __future__ import annotations
 
 import argparse
+import collections
 import faulthandler
 import logging
 import os
@@ -32,12 +33,14 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from enginekit.runtime.engine_main import LOG_FORMAT
 from enginekit.runtime.launcher import engine_environ
 from enginekit.wire.keys import curve_client, read_keys, set_heartbeats
 from enginekit.wire.messages import (
     EngineProcArgs,
     JoinRefused,
     JoinReply,
+    RankExit,
     RankJoin,
     RemoteRankKeys,
     ShutdownRequest,
@@ -47,6 +50,18 @@ logger = logging.getLogger("enginekit.remote_rank")
 
 JOIN_RETRY_S = 1.0
 EXIT_REFUSED = 2
+ERROR_TAIL_LINES = 40
+
+
+class TailHandler(logging.Handler):
+    """Keeps the last lines of this process's log, to send to the front end when an engine fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.extend(self.format(record).splitlines())
 
 
 # ---- the rank ----------------------------------------------------------------------------------------------
@@ -70,10 +85,13 @@ class RemoteRankServer:
         self.stopped = False  # a signal asked this process to stop for good
         self._engine: Any = None
         self._front_end_lost = threading.Event()
+        self._tail = TailHandler()
 
     def serve(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._stop)
+        self._tail.setFormatter(logging.Formatter(LOG_FORMAT))
+        logging.getLogger().addHandler(self._tail)
         code = 0
         while not self.stopped:
             keys = self._wait_for_keys()
@@ -165,6 +183,10 @@ class RemoteRankServer:
             watch.disable_monitor()
             monitor.close(linger=0)
         ended = "the front end went away" if self._front_end_lost.is_set() else "shut down by its front end"
+        if code and not self._front_end_lost.is_set():
+            ended = "failed"
+            watch.send(msgspec.msgpack.encode(RankExit(code, "\n".join(self._tail.lines))))
+            watch.close(linger=2000)  # delivered before the hang-up tells the front end the rank is gone
         logger.warning("rank %d: engine ended (%s, exit code %s)", self.rank, ended, code)
         return code
 
@@ -221,8 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     if environ != os.environ:  # the OpenMP defaults of a local engine must be set before torch starts
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], environ)
-    from enginekit.runtime.engine_main import LOG_FORMAT
-
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format=LOG_FORMAT)
     faulthandler.enable(all_threads=False)
     server = RemoteRankServer(

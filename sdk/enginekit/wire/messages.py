@@ -12,7 +12,8 @@ ROUTER -> DEALER (input)        front end -> engine          ``EngineRequest``: 
 PUSH -> PULL (output)           engine -> front end          ``EngineOutput``: outputs, dead
 DEALER -> ROUTER (handshake)    engine -> front end          ``StartupReport``: phase, ready
 stdin pipe                      front end -> engine process  ``EngineProcArgs`` (length-prefixed, once)
-DEALER -> ROUTER (watch)        remote rank <-> front end    ``RankJoin``; ``JoinReply``: accepted, refused
+DEALER -> ROUTER (watch)        remote rank <-> front end    ``RankMessage``: join, exit; ``JoinReply``:
+                                                             accepted, refused
 keys file                       front end -> remote rank     ``RemoteRankKeys`` (JSON, copied by the user)
 unix socketpair                 front end <-> launcher       ``LauncherRequest`` / ``LauncherReply``
 ==============================  ===========================  =============================================
@@ -45,7 +46,9 @@ __all__ = [
     "JoinRefused",
     "JoinReply",
     "PhaseReport",
+    "RankExit",
     "RankJoin",
+    "RankMessage",
     "ReadyMessage",
     "RemoteRankKeys",
     "RequestError",
@@ -266,6 +269,16 @@ class RankJoin(msgspec.Struct, tag="join", **_REQUEST):
     rank: int
     pid: int
     hostname: str
+
+
+class RankExit(msgspec.Struct, tag="exit", **_REQUEST):
+    """A remote rank's engine failed: its exit code and the tail of its log, sent before it hangs up."""
+
+    code: int
+    error_tail: str
+
+
+RankMessage = RankJoin | RankExit
 
 
 class JoinAccepted(msgspec.Struct, tag="accepted", **_MESSAGE):
