@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import faulthandler
 import logging
 import os
@@ -136,14 +137,22 @@ class RemoteRankServer:
         """Send ``RankJoin`` until the front end answers (ZeroMQ reconnects until it is there)."""
         watch = context.socket(zmq.DEALER)
         watch.setsockopt(zmq.LINGER, 0)
+        # NOTE: only over a connection that is up: a join queued for a front end that is closing (a restart)
+        # would be lost with it. Sent again every JOIN_RETRY_S until answered; a repeat is refused, unread.
+        watch.setsockopt(zmq.IMMEDIATE, 1)
         curve_client(watch, keys)
         set_heartbeats(watch)
         watch.connect(f"tcp://{self._host(keys)}:{keys.watch_port}")
-        watch.send(msgspec.msgpack.encode(RankJoin(self.rank, os.getpid(), socket_module.gethostname())))
+        join = msgspec.msgpack.encode(RankJoin(self.rank, os.getpid(), socket_module.gethostname()))
         logger.info("rank %d: joining the front end at %s:%d", self.rank, self._host(keys), keys.watch_port)
         decoder = msgspec.msgpack.Decoder(JoinReply)
+        sent_at = -JOIN_RETRY_S
         while not self.stopped:
-            if watch.poll(200):
+            if time.monotonic() - sent_at >= JOIN_RETRY_S:
+                with contextlib.suppress(zmq.Again):
+                    watch.send(join, zmq.NOBLOCK)
+                sent_at = time.monotonic()
+            if watch.poll(100):
                 try:
                     return decoder.decode(watch.recv()), watch
                 except msgspec.MsgspecError as error:
@@ -185,7 +194,8 @@ class RemoteRankServer:
         ended = "the front end went away" if self._front_end_lost.is_set() else "shut down by its front end"
         if code and not self._front_end_lost.is_set():
             ended = "failed"
-            watch.send(msgspec.msgpack.encode(RankExit(code, "\n".join(self._tail.lines))))
+            with contextlib.suppress(zmq.Again):  # the front end may be gone already
+                watch.send(msgspec.msgpack.encode(RankExit(code, "\n".join(self._tail.lines))), zmq.NOBLOCK)
             watch.close(linger=2000)  # delivered before the hang-up tells the front end the rank is gone
         logger.warning("rank %d: engine ended (%s, exit code %s)", self.rank, ended, code)
         return code
