@@ -49,7 +49,7 @@ from enginekit.wire.messages import (
 
 logger = logging.getLogger("enginekit.remote_rank")
 
-JOIN_RETRY_S = 1.0
+JOIN_RETRY_S = 1.0  # after a refusal that says to ask again
 EXIT_REFUSED = 2
 ERROR_TAIL_LINES = 40
 
@@ -100,7 +100,7 @@ class RemoteRankServer:
                 break
             context = zmq.Context(io_threads=1)
             try:
-                reply, watch = self._join(context, keys)
+                reply, watch, monitor = self._join(context, keys)
                 if isinstance(reply, JoinRefused):
                     logger.warning("rank %d: the front end refused it: %s", self.rank, reply.reason)
                     if not reply.retry:
@@ -109,7 +109,7 @@ class RemoteRankServer:
                     continue
                 if reply is None:
                     break  # stopped while waiting
-                code = self._run(reply.args, keys, watch)
+                code = self._run(reply.args, keys, watch, monitor)
             finally:
                 context.destroy(linger=0)
             if self.once:
@@ -133,36 +133,45 @@ class RemoteRankServer:
             time.sleep(0.2)
         return None
 
-    def _join(self, context: zmq.Context, keys: RemoteRankKeys) -> tuple[JoinReply | None, zmq.Socket]:
-        """Send ``RankJoin`` until the front end answers (ZeroMQ reconnects until it is there)."""
+    def _join(
+        self, context: zmq.Context, keys: RemoteRankKeys
+    ) -> tuple[JoinReply | None, zmq.Socket, zmq.Socket]:
+        """Send ``RankJoin`` over each connection that comes up, until the front end answers.
+
+        Returns the reply, the watch socket and its monitor (connections up and down: one per socket's life,
+        since a monitor's address stays taken for a while after it is closed)."""
         watch = context.socket(zmq.DEALER)
         watch.setsockopt(zmq.LINGER, 0)
         # NOTE: only over a connection that is up: a join queued for a front end that is closing (a restart)
-        # would be lost with it. Sent again every JOIN_RETRY_S until answered; a repeat is refused, unread.
+        # would be lost with it. So the join goes out when each CURVE handshake succeeds (a reconnection to
+        # the next front end included); a repeat on a connection that was answered is refused, unread.
         watch.setsockopt(zmq.IMMEDIATE, 1)
         curve_client(watch, keys)
         set_heartbeats(watch)
+        monitor = watch.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         watch.connect(f"tcp://{self._host(keys)}:{keys.watch_port}")
         join = msgspec.msgpack.encode(RankJoin(self.rank, os.getpid(), socket_module.gethostname()))
         logger.info("rank %d: joining the front end at %s:%d", self.rank, self._host(keys), keys.watch_port)
         decoder = msgspec.msgpack.Decoder(JoinReply)
-        sent_at = -JOIN_RETRY_S
+        poller = zmq.Poller()
+        poller.register(watch, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while not self.stopped:
-            if time.monotonic() - sent_at >= JOIN_RETRY_S:
+            events = dict(poller.poll(200))
+            if monitor in events and recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 with contextlib.suppress(zmq.Again):
                     watch.send(join, zmq.NOBLOCK)
-                sent_at = time.monotonic()
-            if watch.poll(100):
+            if watch in events:
                 try:
-                    return decoder.decode(watch.recv()), watch
+                    return decoder.decode(watch.recv()), watch, monitor
                 except msgspec.MsgspecError as error:
                     logger.warning("rank %d: dropped a malformed reply: %s", self.rank, error)
-        return None, watch
+        return None, watch, monitor
 
     def _host(self, keys: RemoteRankKeys) -> str:
         return self.host or keys.host
 
-    def _run(self, args: EngineProcArgs, keys: RemoteRankKeys, watch: zmq.Socket) -> int:
+    def _run(self, args: EngineProcArgs, keys: RemoteRankKeys, watch: zmq.Socket, monitor: zmq.Socket) -> int:
         import torch
 
         from enginekit.runtime.engine_main import default_num_threads, run_engine_core
@@ -170,7 +179,6 @@ class RemoteRankServer:
         args = self._localise(args, keys)
         torch.set_num_threads(self.num_threads or args.config.num_threads or default_num_threads())
         self._front_end_lost.clear()
-        monitor = watch.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         done = threading.Event()
         watcher = threading.Thread(
             target=self._watch_front_end, args=(monitor, done), name="enginekit-front-end-watch", daemon=True
@@ -189,8 +197,6 @@ class RemoteRankServer:
             self._engine = None
             done.set()
             watcher.join()
-            watch.disable_monitor()
-            monitor.close(linger=0)
         ended = "the front end went away" if self._front_end_lost.is_set() else "shut down by its front end"
         if code and not self._front_end_lost.is_set():
             ended = "failed"
