@@ -1,7 +1,8 @@
-"""Test support: waiting for processes to be gone."""
+"""Test support: waiting for processes to be gone; a call on a thread; an engine that has started generating."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import psutil
@@ -22,3 +23,26 @@ def is_running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def in_thread(function):
+    """Run ``function`` on a daemon thread; the list gets its result, or the exception it raised."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(function())
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def wait_until_generating(engine, timeout: float = 60.0) -> None:
+    """Wait until some request of ``engine`` has received a token."""
+    deadline = time.monotonic() + timeout
+    while not any(state.version for state in list(engine._router.processor.states.values())):
+        assert time.monotonic() < deadline, "no request received a token"
+        time.sleep(0.005)

@@ -4,15 +4,13 @@
 import asyncio
 import os
 import signal
-import threading
-import time
 
 import pytest
 
 from enginekit import Engine, EngineDeadError, SamplingParams
 from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.runtime.launcher import Launcher
-from process_support import wait_gone
+from process_support import in_thread, wait_gone, wait_until_generating
 
 PROMPTS = [f"data parallel prompt {i}: " + "x" * i for i in range(12)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
@@ -97,15 +95,8 @@ def test_a_dead_rank_is_the_engines_death_and_restart_brings_both_back(mode):
     engine = Engine("builtin", mode=mode, data_parallel_size=2, num_kv_blocks=64)
     try:
         pids = list(engine.client.engine_pids)
-        outcome = []
-        worker = threading.Thread(
-            target=lambda: outcome.append(_raises(lambda: engine.generate(PROMPTS[:4], LONG))), daemon=True
-        )
-        worker.start()
-        deadline = time.monotonic() + 60
-        while not any(s.version for s in list(engine._router.processor.states.values())):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        worker, outcome = in_thread(lambda: engine.generate(PROMPTS[:4], LONG))
+        wait_until_generating(engine)
         os.kill(pids[1], signal.SIGKILL)
         worker.join(DEADLINE_S)
         assert not worker.is_alive(), "generate still waits after a rank died"
@@ -121,14 +112,6 @@ def test_a_dead_rank_is_the_engines_death_and_restart_brings_both_back(mode):
         assert wait_gone([pids[0]], 10) == []  # the surviving rank was stopped by the restart
     finally:
         engine.shutdown()
-
-
-def _raises(call):
-    try:
-        call()
-    except BaseException as error:
-        return error
-    return None
 
 
 def test_shutdown_leaves_no_process_thread_or_file_behind():

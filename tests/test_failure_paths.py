@@ -15,6 +15,7 @@ from enginekit import Engine, EngineShutdownError, EngineStartupError, SamplingP
 from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.errors import EngineDeadError
 from enginekit.runtime.launcher import Launcher
+from process_support import in_thread
 
 MODES = ["inproc", "mp", "async"]
 DEADLINE_S = 5.0
@@ -31,20 +32,6 @@ def wait_for(condition, timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
-
-
-def in_thread(function):
-    outcome = []
-
-    def run():
-        try:
-            outcome.append(function())
-        except BaseException as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -7,8 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 
 import msgspec
 import pytest
@@ -19,7 +17,7 @@ from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.runtime.launcher import Launcher
 from enginekit.wire.keys import read_keys
 from enginekit.wire.messages import RankJoin
-from process_support import wait_gone
+from process_support import in_thread, wait_gone, wait_until_generating
 
 PROMPTS = [f"remote rank prompt {i}: " + "y" * i for i in range(8)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -180,15 +178,8 @@ def test_killing_the_remote_rank_is_the_engines_death_and_a_new_one_rejoins(tmp_
     replacement = None
     try:
         local_pid = engine.client.engine_pids[0]
-        outcome = []
-        worker = threading.Thread(
-            target=lambda: outcome.append(_raises(lambda: engine.generate(PROMPTS[:4], LONG)))
-        )
-        worker.start()
-        deadline = time.monotonic() + 60
-        while not any(s.version for s in list(engine._router.processor.states.values())):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        worker, outcome = in_thread(lambda: engine.generate(PROMPTS[:4], LONG))
+        wait_until_generating(engine)
         os.kill(remote.pid, signal.SIGKILL)
         worker.join(DEADLINE_S)
         assert not worker.is_alive(), "generate still waits after the remote rank died"
@@ -212,12 +203,12 @@ def test_killing_the_remote_rank_is_the_engines_death_and_a_new_one_rejoins(tmp_
 
 def test_a_remote_rank_that_never_comes_fails_the_start_and_leaves_nothing(tmp_path):
     keys, port = tmp_path / "keys.json", free_port_triple()
-    started = time.monotonic()
+    # The deadline it waited out is the one given (named in the message), not the fixture's 90 s.
     with pytest.raises(
-        EngineStartupError, match=r"engine rank 1: .*stuck in join .*--keys .*keys.json --rank 1"
+        EngineStartupError,
+        match=r"engine rank 1: .*within startup_timeout=3.0s \(stuck in join .*--keys .*keys.json --rank 1",
     ):
         Engine("builtin", mode="mp", **options(keys, port, startup_timeout=3.0))
-    assert time.monotonic() - started < 30
     with Engine(
         "builtin", mode="mp", address=f"tcp://127.0.0.1:{port}"
     ) as engine:  # the ports are free again
@@ -305,11 +296,3 @@ def test_bad_remote_rank_options_fail_before_anything_starts(tmp_path, more, mes
     with pytest.raises(ValueError, match=message):
         Engine("builtin", mode="mp", **options(tmp_path / "keys.json", 40000, **more))
     assert not (tmp_path / "keys.json").exists()
-
-
-def _raises(call):
-    try:
-        call()
-    except BaseException as error:
-        return error
-    return None

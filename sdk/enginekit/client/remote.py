@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import threading
 from typing import Any
 
@@ -24,6 +23,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from enginekit.runtime.engine_process import readable
 from enginekit.wire.messages import EngineProcArgs, JoinAccepted, JoinRefused, RankExit, RankMessage
 
 logger = logging.getLogger("enginekit.client")
@@ -35,9 +35,6 @@ JOIN_PHASE = (
 
 class RemoteRank:
     """A rank that runs elsewhere, seen through its watch connection (the surface of ``EngineProcess``)."""
-
-    start_method = "remote"
-    forward_own_levels = False
 
     def __init__(self, rank: int, keys_path: str) -> None:
         self.rank = rank
@@ -77,15 +74,7 @@ class RemoteRank:
         return self._exit is None
 
     def wait_dead(self, timeout: float) -> bool:
-        if self._exit is not None:
-            return True
-        fd = self.pidfd
-        return fd is None or bool(select.select([fd], [], [], timeout)[0])
-
-    def returncode(self) -> int | str | None:
-        if self._exit is None:
-            return None
-        return self.exit_code if self.exit_code is not None else "unknown (it ran on another host)"
+        return self._exit is not None or self.pidfd is None or readable(self.pidfd, timeout)
 
     def describe_exit(self) -> str:
         if self._exit is not None:
@@ -95,9 +84,6 @@ class RemoteRank:
 
     def error_tail(self) -> str:
         return self._error_tail  # the rest of its output is on its own host
-
-    def send_signal(self, signum: int) -> None:
-        """A remote rank cannot be signalled from here; it stops when told to or when the front end goes."""
 
     def stop(self, timeout: float) -> None:
         """Give a rank that was told to shut down ``timeout`` seconds to hang up, then forget it."""

@@ -18,12 +18,12 @@ import shutil
 import socket as socket_module
 import tempfile
 
+import msgspec
 import zmq
 
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineStartupError
 from enginekit.wire.keys import new_keys, read_keys, set_heartbeats, write_keys
-from enginekit.wire.messages import RemoteRankKeys
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
@@ -74,10 +74,7 @@ class EngineSockets:
             # never completes the handshake, so it can neither send requests nor read outputs.
             server_public, server_secret = zmq.curve_keypair()
             client_public, client_secret = zmq.curve_keypair()
-            for socket in (self.input, self.output):
-                socket.curve_server = True
-                socket.curve_secretkey = server_secret
-                socket.curve_publickey = server_public
+            _curve_server((self.input, self.output), server_public, server_secret)
             self.curve_client_keys = (server_public, client_public, client_secret)
         elif host not in LOOPBACK_HOSTS:
             raise EngineStartupError(
@@ -112,24 +109,18 @@ class EngineSockets:
             raise EngineStartupError(f"cannot read data_parallel_keys: {error}", phase="spawn") from error
         announced = socket_module.gethostname() if host in ("0.0.0.0", "*", "[::]") else host
         fresh = new_keys(announced, int(port))
-        if keys is None:
-            keys = fresh
-        else:  # same keys, this front end's ports and host
-            keys = RemoteRankKeys(
-                announced,
-                fresh.input_port,
-                fresh.output_port,
-                fresh.watch_port,
-                *(keys.curve_server_public, keys.curve_server_secret),
-                *(keys.curve_client_public, keys.curve_client_secret),
-            )
+        if keys is not None:  # the same keys, at this front end's host and ports
+            ports = {name: getattr(fresh, name) for name in ("input_port", "output_port", "watch_port")}
+            fresh = msgspec.structs.replace(keys, host=announced, **ports)
+        keys = fresh
         self.watch = self.context.socket(zmq.ROUTER)
         self.watch.setsockopt(zmq.LINGER, 0)
         set_heartbeats(self.watch)
-        for socket in (self.input, self.output, self.watch):
-            socket.curve_server = True
-            socket.curve_secretkey = keys.curve_server_secret.encode()
-            socket.curve_publickey = keys.curve_server_public.encode()
+        _curve_server(
+            (self.input, self.output, self.watch),
+            keys.curve_server_public.encode(),
+            keys.curve_server_secret.encode(),
+        )
         self.curve_client_keys = (
             keys.curve_server_public.encode(),
             keys.curve_client_public.encode(),
@@ -151,3 +142,10 @@ class EngineSockets:
                 socket.close(linger=0)
         self.context.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _curve_server(sockets: tuple[zmq.Socket, ...], public: bytes, secret: bytes) -> None:
+    for socket in sockets:
+        socket.curve_server = True
+        socket.curve_secretkey = secret
+        socket.curve_publickey = public

@@ -122,7 +122,7 @@ class EngineProcess:
         if self.pid < 0:
             return False
         if self.pidfd is not None:
-            return not _readable(self.pidfd, 0)
+            return not readable(self.pidfd, 0)
         return self._popen is not None and self._popen.poll() is None
 
     def wait_dead(self, timeout: float) -> bool:
@@ -130,7 +130,7 @@ class EngineProcess:
         if self.pid < 0:
             return True
         if self.pidfd is not None:
-            return _readable(self.pidfd, timeout)
+            return readable(self.pidfd, timeout)
         if self._popen is None:
             return True  # stopped already: its pidfd is closed
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -247,7 +247,8 @@ _RECORD = re.compile(
 )
 
 
-def _readable(fd: int | None, timeout: float) -> bool:
+def readable(fd: int | None, timeout: float) -> bool:
+    """Whether ``fd`` turns readable within ``timeout`` seconds (a pidfd: the process has exited)."""
     if fd is None:
         return False
     return bool(select.select([fd], [], [], timeout)[0])

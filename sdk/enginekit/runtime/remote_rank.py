@@ -31,10 +31,11 @@ import time
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from enginekit.runtime.engine_main import LOG_FORMAT
+from enginekit.runtime.engine_main import LOG_FORMAT, default_num_threads, run_engine_core
 from enginekit.runtime.launcher import engine_environ
 from enginekit.wire.keys import curve_client, read_keys, set_heartbeats
 from enginekit.wire.messages import (
@@ -172,10 +173,6 @@ class RemoteRankServer:
         return self.host or keys.host
 
     def _run(self, args: EngineProcArgs, keys: RemoteRankKeys, watch: zmq.Socket, monitor: zmq.Socket) -> int:
-        import torch
-
-        from enginekit.runtime.engine_main import default_num_threads, run_engine_core
-
         args = self._localise(args, keys)
         torch.set_num_threads(self.num_threads or args.config.num_threads or default_num_threads())
         self._front_end_lost.clear()
