@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -24,6 +25,8 @@ from enginekit.runtime.launcher import LauncherError
 from enginekit.wire.messages import EngineProcArgs, PhaseReport, ReadyMessage, StartupReport, engine_identity
 
 logger = logging.getLogger("enginekit.client")
+
+REPORT_GRACE_MS = 200  # how long a dead engine's last reports may still take to arrive
 
 
 @dataclass
@@ -120,21 +123,14 @@ def wait_for_ready(config: EngineConfig, sockets: EngineSockets, engines: list[E
     decoder = msgspec.msgpack.Decoder(StartupReport)
     while any(engine.ready is None for engine in engines):
         if sockets.input.poll(100):
-            frames = sockets.input.recv_multipart()
-            engine = by_identity.get(frames[0]) if len(frames) == 2 else None
-            report = None
-            if engine is not None:
-                with contextlib.suppress(msgspec.MsgspecError):
-                    report = decoder.decode(frames[1])
-            if isinstance(report, ReadyMessage):
-                engine.ready = report
-            elif isinstance(report, PhaseReport):
-                engine.process.phase = report.phase
-            else:
-                logger.warning("ignored an unexpected message during the handshake")
+            _take_report(sockets, by_identity, decoder)
             continue
         for engine in engines:
             if engine.ready is None and not engine.process.is_alive():
+                # NOTE: its last reports may still be on their way (sent just before it exited): take them,
+                # so the error names the phase it failed in.
+                while sockets.input.poll(REPORT_GRACE_MS):
+                    _take_report(sockets, by_identity, decoder)
                 process = engine.process
                 raise startup_error(
                     f"{_who(engines, engine)}engine startup failed during {process.phase}: {process.describe_exit()}",
@@ -153,6 +149,24 @@ def wait_for_ready(config: EngineConfig, sockets: EngineSockets, engines: list[E
                 stuck.process,
                 phase,
             )
+
+
+def _take_report(
+    sockets: EngineSockets, by_identity: dict[bytes, EngineRank], decoder: msgspec.msgpack.Decoder[Any]
+) -> None:
+    """Apply one startup message: a phase report, or READY."""
+    frames = sockets.input.recv_multipart()
+    engine = by_identity.get(frames[0]) if len(frames) == 2 else None
+    report = None
+    if engine is not None:
+        with contextlib.suppress(msgspec.MsgspecError):
+            report = decoder.decode(frames[1])
+    if isinstance(report, ReadyMessage):
+        engine.ready = report
+    elif isinstance(report, PhaseReport):
+        engine.process.phase = report.phase
+    else:
+        logger.warning("ignored an unexpected message during the handshake")
 
 
 def startup_error(

@@ -78,6 +78,10 @@ class EngineCoreProc(EngineCore):
             # NOTE: the phase reports must reach the front end before we exit: it names the failing phase.
             self._startup_reports.put_nowait(None)
             self._startup_flushed.wait(2.0)
+            # Closing the socket only queues them: let the context deliver them (a slow machine may not even
+            # have connected yet), or the process exits with its last reports unsent.
+            self.close_io()
+            terminate_context(self._zmq)
             raise
         self.thread_governor = (
             ThreadGovernor.for_this_process(torch.get_num_threads())
@@ -321,3 +325,10 @@ def _invalid_add(frames: list[Any], error: Exception) -> InvalidRequest | None:
         cause = ValueError(f"malformed request: {error}")
     kind = "TypeError" if isinstance(cause, TypeError) else "ValueError"
     return InvalidRequest(raw[1], RequestError(kind, str(cause)))
+
+
+def terminate_context(context: zmq.Context, timeout: float = 5.0) -> None:
+    """Let queued messages reach the front end before the process exits (bounded wait)."""
+    closer = threading.Thread(target=context.term, name="enginekit-zmq-term", daemon=True)
+    closer.start()
+    closer.join(timeout=timeout)

@@ -20,9 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import zmq
 
-from enginekit.core.engine_core_proc import EngineCoreProc
+from enginekit.core.engine_core_proc import EngineCoreProc, terminate_context
 from enginekit.wire.messages import EngineProcArgs
 from enginekit.wire.serial import read_frame
 
@@ -68,14 +67,7 @@ def run_engine_core(args: EngineProcArgs, on_started: Callable[[EngineCoreProc],
             engine.closing = True
             engine.shutdown()
             gc.unfreeze()
-            _terminate(engine._zmq)
-
-
-def _terminate(context: zmq.Context) -> None:
-    """Let queued output messages reach the front end before the process exits (bounded wait)."""
-    closer = threading.Thread(target=context.term, name="enginekit-zmq-term", daemon=True)
-    closer.start()
-    closer.join(timeout=5.0)
+            terminate_context(engine._zmq)
 
 
 def _watch_parent(stdin: Any) -> None:
