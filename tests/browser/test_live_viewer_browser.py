@@ -23,6 +23,7 @@ MIDRUN = ["8 running", "8 waiting", "running 8", "waiting 8", "waiting · 0/48 t
 
 
 @pytest.mark.browser
+@pytest.mark.timeout(600)  # JupyterLab start plus the run's own 420 s bound: above the suite's 300 s default
 def test_live_viewer_notebook_shows_states_mid_run_and_the_outcome_at_the_end(tmp_path: Path) -> None:
     shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)
     final_shot, midrun_shot = ARTIFACTS / "live_viewer.png", ARTIFACTS / "live_viewer_midrun.png"
