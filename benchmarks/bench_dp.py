@@ -117,10 +117,12 @@ dispatch for every layer, the sampler, the step's bookkeeping). The ceiling colu
 same rounds: one engine with half the requests, doubled, over the same engine with all of them. What N=2
 reaches below the ceiling is CPU it does not get: the front end (receiving and routing twice the outputs, a few
 microseconds per token) and the zmq IO threads of three processes share the two cores with the two ranks, so
-each rank's step loop gets most of a core, not all of it. At 128 the ceiling is higher (one engine gains little
-from 64 to 128 concurrent). The real model's step is matmul-bound, and there two ranks with one thread each
-also beat one engine with both cores, whose two workers wait passively at every op (thread section). What
-would move the built-in figure: a cheaper fixed part of a step (fewer, larger ops per layer; paged attention in
+each rank's step loop gets most of a core, not all of it. Measured apart on the built-in model at 64
+concurrent, the front end's threads took 5-10 us of CPU per generated token, about 5% of a core at these
+rates. At 128 the ceiling is higher (one engine gains little from 64 to 128 concurrent). The real model's step
+is matmul-bound: one engine with two threads already keeps both cores busy (its workers spin briefly between
+ops, thread section), so two one-thread ranks gain little over it, and their figure against the one-thread
+engine mostly shows what a second core adds to a matmul-bound step. What would move the built-in figure: a cheaper fixed part of a step (fewer, larger ops per layer; paged attention in
 one kernel), which raises the ceiling, and on more cores than ranks, a core left for the front end. The rounds
 are short (about a second for the built-in model), so single rounds range widely on this shared machine; the
 medians are steadier.

@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 from .baselines import clear_model_cache, matmul_gflops
-from .bench_modes import compare_modes
 from .bench_throughput import FINDINGS_ONLY, Row, _measure, _rate, gflops_of, table_row
 from .common import (
     Context,
@@ -23,7 +22,6 @@ from .report import SectionReport
 from .stats import Summary, fmt, summarize
 
 TITLE = "Real model: SmolLM2-135M-Instruct against transformers, llama.cpp and the machine"
-MODE_TARGET = 0.97
 
 
 def sizes(ctx: Context) -> dict[str, Any]:
@@ -31,7 +29,6 @@ def sizes(ctx: Context) -> dict[str, Any]:
         quick=dict(
             concurrency=(1, 8),
             bf16_concurrency=(1, 8),
-            mode_concurrency=(8,),
             llama_cpp_concurrency=(1,),
             equal=(16, 8),
             prompt_range=(8, 32),
@@ -42,7 +39,6 @@ def sizes(ctx: Context) -> dict[str, Any]:
         full=dict(
             concurrency=(1, 8, 32, 128),
             bf16_concurrency=(1, 8, 32),
-            mode_concurrency=(8, 32),
             llama_cpp_concurrency=(1, 8),
             equal=(64, 32),
             prompt_range=(16, 128),
@@ -130,9 +126,8 @@ time, so *N* concurrent requests there are *N* requests one after another.
             table,
             ["r", "l", "l", "l", "l", "r", "r"],
         )
-    mode_ratios = _modes(ctx, report, spec, size, threads)
     llama_cpp = _llama_cpp(ctx, report, spec, size, threads)
-    report.targets = _targets(ratios, shares, mode_ratios)
+    report.targets = _targets(ratios, shares)
     if llama_cpp:
         report.findings.append(llama_cpp)
     bf16 = [ratios.get(("bfloat16", "equal", c)) for c in size["bf16_concurrency"]]
@@ -144,23 +139,6 @@ time, so *N* concurrent requests there are *N* requests one after another.
         + "; compare the tokens/s with the float32 table for the engine's own bf16 / fp32 cost."
     )
     report.limits = _limits(peak, bandwidth, ratios, shares)
-
-
-def _modes(
-    ctx: Context, report: SectionReport, spec: ModelSpec, size: dict[str, Any], threads: int
-) -> dict[tuple[str, int], Summary]:
-    """mp and async against inproc on the real model, equal torch threads, equal lengths."""
-    return compare_modes(
-        ctx,
-        report,
-        spec,
-        size["mode_concurrency"],
-        size["equal"],
-        size["repeats"],
-        threads,
-        seed=9,
-        title=f"{spec.label}, float32: generated tokens/s by mode (all with num_threads={threads})",
-    )
 
 
 def _llama_cpp(
@@ -245,7 +223,6 @@ def _rate_of(runner: Any) -> Any:
 def _targets(
     ratios: dict[tuple[str, str, int], Summary],
     shares: dict[tuple[str, int], float],
-    mode_ratios: dict[tuple[str, int], Summary],
 ) -> list[str]:
     lines = []
 
@@ -275,8 +252,6 @@ def _targets(
         lines.append(
             f"real model, fp32, 128 concurrent: >= 40% of the matmul peak -- measured {share:.0%}: {verdict}"
         )
-    for (mode, concurrency), ratio in sorted(mode_ratios.items()):
-        check(f"{mode} / inproc at {concurrency} concurrent, equal threads", ratio, MODE_TARGET)
     return lines
 
 
