@@ -3,6 +3,7 @@ over CURVE-protected TCP with the keys file it wrote. Proven here with real proc
 tokens as one engine, a kill of the remote rank, a front end that dies, restart, and refusals."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.runtime.launcher import Launcher
 from enginekit.wire.keys import read_keys
 from enginekit.wire.messages import RankJoin
+from hf_checkpoints import build_checkpoint
 from process_support import in_thread, wait_gone, wait_until_generating
 
 PROMPTS = [f"remote rank prompt {i}: " + "y" * i for i in range(8)]
@@ -244,6 +246,51 @@ def test_a_remote_rank_that_fails_to_start_sends_its_error_to_the_front_end(tmp_
     finally:
         output = stop_rank(remote)
     assert remote.returncode == 1, output
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny checkpoint, a copy of it under another path (as on another host), and a different model."""
+    root = tmp_path_factory.mktemp("models")
+    original = build_checkpoint(root / "original")
+    copy = shutil.copytree(original, root / "copy")
+    other = build_checkpoint(root / "other", num_layers=3)
+    return original, copy, other
+
+
+def test_a_remote_rank_loads_the_same_model_from_its_own_path(tmp_path, checkpoints):
+    original, copy, _ = checkpoints
+    with Engine(str(original), mode="mp") as one:
+        expected = tokens(one.generate(PROMPTS, GREEDY))
+    keys, port = tmp_path / "keys.json", free_port_triple()
+    remote = start_rank(keys, 1, "--once", "--model", str(copy))
+    try:
+        with Engine(str(original), mode="mp", **options(keys, port)) as engine:
+            assert tokens(engine.generate(PROMPTS, GREEDY)) == expected
+            assert all(rank["num_generated_tokens"] > 0 for rank in engine.get_stats()["ranks"])
+    finally:
+        output = stop_rank(remote)
+    assert remote.returncode == 0, output
+
+
+def test_a_remote_rank_with_another_model_fails_the_start_naming_the_difference(tmp_path, checkpoints):
+    original, _, other = checkpoints
+    keys, port = tmp_path / "keys.json", free_port_triple()
+    remote = start_rank(keys, 1, "--once", "--model", str(other))
+    try:
+        with pytest.raises(EngineStartupError) as failure:
+            Engine(str(original), mode="mp", **options(keys, port))
+        message = str(failure.value)
+        assert message.startswith("engine rank 1: the engine loaded another model than the front end's"), (
+            message
+        )
+        assert "--model must be the same model" in message and "num_layers 3 (front end: 2)" in message, (
+            message
+        )
+        assert failure.value.phase == "model check"
+    finally:
+        output = stop_rank(remote)
+    assert remote.returncode == 0, output  # its front end went away: with --once it exits
 
 
 FRONT_END = """

@@ -55,7 +55,7 @@ class MPClient(EngineCoreClient):
     receiver_type: ClassVar[type[ThreadReceiver] | type[LoopReceiver]]
 
     def __init__(self, config: EngineConfig, spec: ModelSpec | None = None) -> None:
-        # ``spec`` is unused: each engine process reads the model itself.
+        # Each engine process reads the model itself; ``spec`` (the front end's) is what they must have loaded.
         check_placement(config)
         self.config = config
         self._closed = False
@@ -85,7 +85,7 @@ class MPClient(EngineCoreClient):
             if self.sockets.watch is not None:
                 remote_ranks = [e.process for e in self.engines if isinstance(e.process, RemoteRank)]
                 self.watcher = RankWatcher(self.sockets.watch, remote_ranks)
-            wait_for_ready(config, self.sockets, self.engines)
+            wait_for_ready(config, self.sockets, self.engines, spec.config if spec is not None else None)
             processes = [engine.process for engine in self.engines]
             self.receiver = self.receiver_type(
                 self.sockets.output, processes, self._handle_frames, self._on_process_exit

@@ -20,6 +20,7 @@ from enginekit.client.remote import RemoteRank
 from enginekit.client.sockets import EngineSockets
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineStartupError
+from enginekit.model.config import ModelConfig
 from enginekit.runtime.engine_process import EngineProcess
 from enginekit.runtime.launcher import LauncherError
 from enginekit.wire.messages import EngineProcArgs, PhaseReport, ReadyMessage, StartupReport, engine_identity
@@ -116,8 +117,11 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def wait_for_ready(config: EngineConfig, sockets: EngineSockets, engines: list[EngineRank]) -> None:
-    """Take every rank's phase reports until each has reported READY, within ``startup_timeout`` (or raise)."""
+def wait_for_ready(
+    config: EngineConfig, sockets: EngineSockets, engines: list[EngineRank], model: ModelConfig | None = None
+) -> None:
+    """Take every rank's phase reports until each has reported READY, within ``startup_timeout`` (or raise);
+    then check that each loaded ``model``, the one the front end tokenizes for."""
     deadline = time.monotonic() + config.startup_timeout
     by_identity = {engine.identity: engine for engine in engines}
     decoder = msgspec.msgpack.Decoder(StartupReport)
@@ -149,6 +153,32 @@ def wait_for_ready(config: EngineConfig, sockets: EngineSockets, engines: list[E
                 stuck.process,
                 phase,
             )
+    if model is not None:
+        _check_models(config, engines, model)
+
+
+def _check_models(config: EngineConfig, engines: list[EngineRank], model: ModelConfig) -> None:
+    """A rank that loaded another model (a remote rank's ``--model`` that is not the same one) fails the start:
+    its tokens would be decoded with the wrong vocabulary, or its outputs differ from the other ranks'."""
+    for engine in engines:
+        loaded = engine.ready.model if engine.ready is not None else None
+        if loaded is None or loaded == model:
+            continue
+        differences = ", ".join(
+            f"{name} {getattr(loaded, name)!r} (front end: {getattr(model, name)!r})"
+            for name in model.__struct_fields__
+            if getattr(loaded, name) != getattr(model, name)
+        )
+        hint = (
+            " (a remote rank's --model must be the same model)"
+            if isinstance(engine.process, RemoteRank)
+            else ""
+        )
+        raise EngineStartupError(
+            f"{_who(engines, engine)}the engine loaded another model than the front end's "
+            f"{config.model or 'default model'!r}{hint}: {differences}",
+            phase="model check",
+        )
 
 
 def _take_report(

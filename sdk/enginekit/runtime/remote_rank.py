@@ -6,6 +6,10 @@ that protect them. Copy the file to the other host and start each remaining rank
 
     python -m enginekit.runtime.remote_rank --keys FILE --rank 1 [--host FRONT_END_HOST] [--threads N]
 
+The rank loads the model the front end names; where that path does not exist on its host, ``--model PATH``
+names the same model's copy there. Its READY carries the model's config, and the front end fails the start
+if it is not the one it tokenizes for.
+
 The rank connects a *watch* socket to the front end and sends ``RankJoin``; the front end answers with the
 engine's arguments (its config, the addresses, this rank's index), and the rank runs the same engine process
 a local rank runs (``run_engine_core``). The watch connection is the rank's liveness, both ways: the front end
@@ -80,10 +84,11 @@ class RemoteRankServer:
         host: str | None = None,
         num_threads: int | None = None,
         device: str | None = None,
+        model: str | None = None,
         once: bool = False,
     ) -> None:
         self.keys_path, self.rank, self.host = keys_path, rank, host
-        self.num_threads, self.device, self.once = num_threads, device, once
+        self.num_threads, self.device, self.model, self.once = num_threads, device, model, once
         self.stopped = False  # a signal asked this process to stop for good
         self._engine: Any = None
         self._front_end_lost = threading.Event()
@@ -212,9 +217,11 @@ class RemoteRankServer:
             engine.input_queue.put_nowait(ShutdownRequest(0.0))
 
     def _localise(self, args: EngineProcArgs, keys: RemoteRankKeys) -> EngineProcArgs:
-        """This host's view: the front end's addresses under the host we reached it by; our device."""
+        """This host's view: the front end's addresses under the host we reached it by; our device and model
+        path (the front end checks the model is the same when the engine is ready)."""
         host = self._host(keys)
-        config = args.config.replace(device=self.device) if self.device else args.config
+        changes = {name: value for name, value in (("device", self.device), ("model", self.model)) if value}
+        config = args.config.replace(**changes) if changes else args.config
         return msgspec.structs.replace(
             args,
             config=config,
@@ -249,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, help="torch threads (default: every usable core)")
     parser.add_argument("--device", help="'cpu', 'cuda' or 'cuda:N' (default: the front end's setting)")
+    parser.add_argument(
+        "--model",
+        help="the same model at its path on this host, a folder or .gguf file (default: the front end's path)",
+    )
     parser.add_argument("--once", action="store_true", help="exit when the first engine ends")
     parser.add_argument("--log-level", default="warning", choices=("warning", "info", "debug"))
     args = parser.parse_args(argv)
@@ -259,7 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format=LOG_FORMAT)
     faulthandler.enable(all_threads=False)
     server = RemoteRankServer(
-        args.keys, args.rank, host=args.host, num_threads=args.threads, device=args.device, once=args.once
+        args.keys,
+        args.rank,
+        host=args.host,
+        num_threads=args.threads,
+        device=args.device,
+        model=args.model,
+        once=args.once,
     )
     return server.serve()
 

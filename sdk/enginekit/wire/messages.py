@@ -28,6 +28,7 @@ import msgspec
 import torch
 
 from enginekit.config import EngineConfig
+from enginekit.model.config import ModelConfig
 from enginekit.sampling_params import SamplingParams
 
 __all__ = [
@@ -217,6 +218,7 @@ class ReadyMessage(msgspec.Struct, tag="ready", **_MESSAGE):
     pid: int
     device: str
     engine_index: int = 0
+    model: ModelConfig | None = None  # what it loaded: the front end checks it is the model it tokenizes for
 
 
 StartupReport = PhaseReport | ReadyMessage
