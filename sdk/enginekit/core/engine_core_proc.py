@@ -111,7 +111,7 @@ class EngineCoreProc(EngineCore):
             pid=os.getpid(),
             device=str(self.device),
             engine_index=self.engine_index,
-            model=self.model_config,
+            model=msgspec.to_builtins(self.model_config),
         )
 
     # ---- the busy loop ------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ import msgspec
 import torch
 
 from enginekit.config import EngineConfig
-from enginekit.model.config import ModelConfig
 from enginekit.sampling_params import SamplingParams
 
 __all__ = [
@@ -218,7 +217,8 @@ class ReadyMessage(msgspec.Struct, tag="ready", **_MESSAGE):
     pid: int
     device: str
     engine_index: int = 0
-    model: ModelConfig | None = None  # what it loaded: the front end checks it is the model it tokenizes for
+    # The loaded model's config (``ModelConfig``'s fields): the front end checks it is the model it tokenizes for.
+    model: dict[str, Any] | None = None
 
 
 StartupReport = PhaseReport | ReadyMessage
