@@ -160,24 +160,20 @@ def wait_for_ready(
 def _check_models(config: EngineConfig, engines: list[EngineRank], model: ModelConfig) -> None:
     """A rank that loaded another model (a remote rank's ``--model`` that is not the same one) fails the start:
     its tokens would be decoded with the wrong vocabulary, or its outputs differ from the other ranks'."""
-    expected = msgspec.msgpack.decode(msgspec.msgpack.encode(model))  # as it travels: tuples become lists
     for engine in engines:
-        loaded = engine.ready.model if engine.ready is not None else None
-        if loaded is None or loaded == expected:
+        if engine.ready is None or engine.ready.model is None:
+            continue
+        loaded = msgspec.convert(engine.ready.model, ModelConfig)
+        if loaded == model:
             continue
         differences = ", ".join(
-            f"{name} {loaded.get(name)!r} (front end: {expected.get(name)!r})"
-            for name in sorted(expected.keys() | loaded.keys())
-            if loaded.get(name) != expected.get(name)
-        )
-        hint = (
-            " (a remote rank's --model must be the same model)"
-            if isinstance(engine.process, RemoteRank)
-            else ""
+            f"{name} {getattr(loaded, name)!r} (front end: {getattr(model, name)!r})"
+            for name in model.__struct_fields__
+            if getattr(loaded, name) != getattr(model, name)
         )
         raise EngineStartupError(
             f"{_who(engines, engine)}the engine loaded another model than the front end's "
-            f"{config.model or 'default model'!r}{hint}: {differences}",
+            f"{config.model or 'default model'!r} (a remote rank's --model must be the same model): {differences}",
             phase="model check",
         )
 
