@@ -8,16 +8,20 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from enginekit import Engine, EngineDeadError, EngineStartupError, SamplingParams
+from enginekit.client.remote import RankWatcher, RemoteRank
+from enginekit.config import EngineConfig
 from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.runtime.launcher import Launcher
 from enginekit.wire.keys import read_keys
-from enginekit.wire.messages import RankJoin
+from enginekit.wire.messages import EngineProcArgs, RankJoin
 from hf_checkpoints import build_checkpoint
 from process_support import in_thread, wait_gone, wait_until_generating
 
@@ -343,3 +347,76 @@ def test_bad_remote_rank_options_fail_before_anything_starts(tmp_path, more, mes
     with pytest.raises(ValueError, match=message):
         Engine("builtin", mode="mp", **options(tmp_path / "keys.json", 40000, **more))
     assert not (tmp_path / "keys.json").exists()
+
+
+class _StepByStep(RankWatcher):
+    """The watcher without its thread: the test reads the socket and the monitor in the order a busy watcher
+    thread may."""
+
+    def _run(self):
+        pass
+
+
+def _open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _join(context, port, rank):
+    peer = context.socket(zmq.DEALER)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    peer.send(msgspec.msgpack.encode(RankJoin(rank=rank, pid=os.getpid(), hostname=f"host-{rank}")))
+    return peer
+
+
+@pytest.mark.parametrize("read_first", ["join", "hang-up"])
+def test_a_hang_up_and_a_join_on_its_reused_fd_are_told_apart_in_either_order(read_first):
+    # Rank 0 hangs up; rank 1's connection gets the fd rank 0's had. The watcher reads two queues, so it may
+    # read rank 1's join before rank 0's hang-up, or the hang-up first and the join while it drains the socket.
+    # Either way rank 0's hang-up must not mark rank 1 gone.
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    ranks = [RemoteRank(rank, "keys.json") for rank in (0, 1)]
+    for rank in ranks:
+        rank.start(EngineProcArgs(EngineConfig(), "tcp://front:1", "tcp://front:2", engine_index=rank.rank))
+    watcher = _StepByStep(router, ranks)
+    first = second = None
+    try:
+        before = _open_fds()
+        first = _join(context, port, 0)
+        assert router.poll(5000)
+        watcher._on_message(router.recv_multipart(copy=False))
+        [reused_fd] = watcher._by_fd
+        first.close(linger=0)
+        assert watcher._monitor.poll(5000)  # the hang-up is reported, and not read yet
+        for _ in range(
+            500
+        ):  # a bound, not a timing: both ends of the first connection close in zmq's IO thread
+            if _open_fds() <= before:
+                break
+            time.sleep(0.01)
+        second = _join(context, port, 1)  # the lowest free fds again: its own end, then the accepted one
+        assert router.poll(5000)
+        if read_first == "join":
+            frames = router.recv_multipart(copy=False)
+            assert frames[-1].get(zmq.SRCFD) == reused_fd  # the case under test: the fd was reused
+            watcher._on_message(frames)
+        else:
+            assert router.getsockopt(zmq.EVENTS) & zmq.POLLIN  # the join waits in the socket
+        while watcher._monitor.poll(200):
+            watcher._on_event(recv_monitor_message(watcher._monitor))
+        assert not ranks[0].is_alive()
+        assert ranks[1].is_alive() and ranks[1].joined
+        assert watcher._by_fd == {reused_fd: ranks[1]}  # the case under test: the fd was reused
+        second.close(linger=0)
+        assert watcher._monitor.poll(5000)
+        watcher._on_event(recv_monitor_message(watcher._monitor))
+        assert not ranks[1].is_alive()  # and its own hang-up is still seen
+    finally:
+        watcher.close()
+        for rank in ranks:
+            rank.stop(0)
+        for peer in (first, second, router):
+            if peer is not None:
+                peer.close(linger=0)
+        context.term()

@@ -24,7 +24,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from enginekit.runtime.engine_process import readable
-from enginekit.wire.messages import EngineProcArgs, JoinAccepted, JoinRefused, RankExit, RankMessage
+from enginekit.wire.messages import (
+    EngineProcArgs,
+    JoinAccepted,
+    JoinRefused,
+    RankExit,
+    RankJoin,
+    RankMessage,
+)
 
 logger = logging.getLogger("enginekit.client")
 
@@ -100,13 +107,21 @@ class RemoteRank:
 
 
 class RankWatcher:
-    """A thread that owns the watch socket: answers joins, and marks a rank gone when its connection drops."""
+    """A thread that owns the watch socket: answers joins, and marks a rank gone when its connection drops.
+
+    Hang-ups come from the socket's monitor, which names a connection by its fd; messages name it by the
+    routing id the ROUTER gave it. Routing ids are never reused, fds are: a connection that closes frees its
+    fd for the next one. Its hang-up was reported before that fd could be reused, so every hang-up reported so
+    far is applied before a join maps its fd to a rank: a late-read hang-up of an earlier connection on the
+    same fd can then not be taken for the new rank's.
+    """
 
     def __init__(self, socket: zmq.Socket, ranks: list[RemoteRank]) -> None:
         self._socket = socket
         self._ranks = {rank.rank: rank for rank in ranks}
         self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._by_fd: dict[int, RemoteRank] = {}
+        self._by_fd: dict[int, RemoteRank] = {}  # live connections, for hang-ups
+        self._by_route: dict[bytes, RemoteRank] = {}  # every accepted join, for messages
         self._wake_read, self._wake_write = os.pipe()
         self._decoder = msgspec.msgpack.Decoder(RankMessage)
         self._thread = threading.Thread(target=self._run, name="enginekit-rank-watch", daemon=True)
@@ -129,9 +144,26 @@ class RankWatcher:
     def _on_event(self, event: dict[str, Any]) -> None:
         if event["event"] != zmq.EVENT_DISCONNECTED:
             return
+        joins: list[tuple[list[zmq.Frame], RankJoin]] = []
         while self._socket.poll(0):  # what the rank sent just before it hung up (its RankExit) comes first
-            self._on_message(self._socket.recv_multipart(copy=False))
-        rank = self._by_fd.pop(event["value"], None)
+            frames = self._socket.recv_multipart(copy=False)
+            message = self._decode(frames)
+            if isinstance(message, RankJoin):
+                joins.append((frames, message))  # after this hang-up: its fd may be the joiner's now
+            elif message is not None:
+                self._on_exit(frames, message)
+        self._hung_up(event["value"])
+        for frames, join in joins:
+            self._on_join(frames, join)
+
+    def _apply_hang_ups(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._hung_up(event["value"])
+
+    def _hung_up(self, fd: int) -> None:
+        rank = self._by_fd.pop(fd, None)
         if rank is None:
             return
         level = logging.INFO if rank.stopping else logging.WARNING
@@ -143,18 +175,27 @@ class RankWatcher:
         )
         rank.mark_gone(f"its connection from {rank.hostname} (pid {rank.pid}) {how}")
 
-    def _on_message(self, frames: list[zmq.Frame]) -> None:
+    def _decode(self, frames: list[zmq.Frame]) -> RankJoin | RankExit | None:
         try:
-            message = self._decoder.decode(frames[-1].bytes)
+            return self._decoder.decode(frames[-1].bytes)
         except msgspec.MsgspecError as error:
             logger.warning("ignored a malformed message on the watch socket: %s", error)
-            return
-        if isinstance(message, RankExit):
-            failed = self._by_fd.get(frames[-1].get(zmq.SRCFD))
-            if failed is not None:
-                failed.mark_failed(message.code, message.error_tail)
-            return
-        join = message
+            return None
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        message = self._decode(frames)
+        if isinstance(message, RankJoin):
+            self._on_join(frames, message)
+        elif message is not None:
+            self._on_exit(frames, message)
+
+    def _on_exit(self, frames: list[zmq.Frame], message: RankExit) -> None:
+        failed = self._by_route.get(frames[0].bytes)
+        if failed is not None:
+            failed.mark_failed(message.code, message.error_tail)
+
+    def _on_join(self, frames: list[zmq.Frame], join: RankJoin) -> None:
+        self._apply_hang_ups()  # before this join's fd is mapped (see the class docstring)
         rank = self._ranks.get(join.rank)
         if rank is None:
             reply: JoinAccepted | JoinRefused = JoinRefused(
@@ -168,6 +209,7 @@ class RankWatcher:
         else:
             rank.mark_joined(join.pid, join.hostname)
             self._by_fd[frames[-1].get(zmq.SRCFD)] = rank
+            self._by_route[frames[0].bytes] = rank
             reply = JoinAccepted(rank.args)
             logger.info("remote engine rank %d joined: pid %d on %s", join.rank, join.pid, join.hostname)
         self._socket.send_multipart([frames[0], msgspec.msgpack.encode(reply)])
