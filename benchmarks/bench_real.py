@@ -318,6 +318,12 @@ projections at one row run as matrix-vector products that stream the weights at 
 bandwidth, and each of the 30 layers adds a dozen small ops (norms, rotary, residuals, attention over one
 query). A 2x lead over transformers would need a matrix-vector kernel at full bandwidth plus fused small ops;
 llama.cpp leads here because it reads 4.5-bit weights (about 90 MB per token) with fused dequantizing kernels.
+Measured on the second machine (2026-12-02, in-process, 64-token prompt): the forward pass with the
+projections replaced by preallocated outputs still took 25-30% of a token, a third of it the paged attention;
+over 30 layers' worth of distinct weights (210 MB, more than any cache) oneDNN's matrix-vector product read
+its weights at 55-70% of a `torch.sum` over the same bytes, MKL's pre-packed weights and `F.linear` at less;
+a hand-written attention (two batched matmuls and a softmax) was no faster than SDPA at one query; and
+`madvise(MADV_HUGEPAGE)` on the weights gave no huge pages on that VM (AnonHugePages stayed 0).
 
 **Equal lengths, 8-128 concurrent** (engine / transformers {ratio("equal", 8)}, {ratio("equal", 32)},
 {ratio("equal", 128)}). With equal lengths transformers wastes nothing on padding, so both run the same
