@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -18,6 +19,11 @@ if "ENGINEKIT_CACHE" not in os.environ:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running (lifecycle loops, load, kernels)")
+    # The Ctrl-C tests need Python's own SIGINT handler. A shell that starts the tests in the background
+    # (`make test &`, `nohup ... &`) hands them SIGINT ignored, which Python keeps, and so would the front ends
+    # they start: give this process, and through it theirs, the handler a terminal would.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
