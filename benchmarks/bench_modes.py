@@ -113,16 +113,16 @@ and async keep most of inproc's rate on the built-in model; what is lost is larg
 a step lasts about a millisecond and the hop's fixed part cannot hide behind it.
 
 **The OpenMP workers' wait.** With {threads} threads, inproc runs in this process, whose OpenMP runtime spins
-between parallel regions as long as libgomp's default allows (300000 spins, some milliseconds); the engine process's workers spin
-as long (`GOMP_SPINCOUNT=300000`, the launcher's default), then sleep, and its thread governor drops a thread while
+between parallel regions as long as libgomp's default allows (about 3 ms); the engine process's workers spin as
+long (`GOMP_SPINCOUNT=300000`, the launcher's default), then sleep, and its thread governor drops a thread while
 other processes keep a core busy (thread section). A worker that has fallen asleep is woken by a futex at the
 next parallel region, tens to hundreds of microseconds on this VM. Before the engine's workers spun at all,
 mp / inproc here was 0.27-0.62 on the built-in model.
 
 **The real model.** Its step is tens of milliseconds of matmuls, so the hop's fixed part hides behind it. With
-the previous default, a short spin (`GOMP_SPINCOUNT=10000`, about 0.3 ms), the engine's workers still fell asleep inside a
+the previous default spin of 0.1 ms (`GOMP_SPINCOUNT=10000`) the engine's workers still fell asleep inside a
 step, at gaps between parallel regions longer than that, and mp / inproc was 0.73-0.87 at 8 concurrent
-(0.80 in this section's previous run); its table above is measured with the same long spin as inproc.
+(0.80 in this section's previous run); its table above is measured with the same 3 ms spin as inproc.
 
 **The tiny models at 8-32 concurrent.** A step lasts about a millisecond. With one torch thread (the last table)
 the hop alone is what separates the modes. With two, the engine's output thread and the front end's receive

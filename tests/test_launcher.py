@@ -193,8 +193,8 @@ def test_the_launcher_refuses_to_fork_once_cuda_is_initialised(monkeypatch):
 
 
 @pytest.mark.parametrize("start_method", ["launcher", "spawn"])
-def test_an_engine_process_takes_every_core_with_libgomps_long_openmp_spin(start_method, monkeypatch):
-    # Workers spin some milliseconds between ops (a futex wake-up per op cost a third of the speed, and a short spin
+def test_an_engine_process_takes_every_core_with_a_3ms_openmp_spin(start_method, monkeypatch):
+    # Workers spin about 3 ms between ops (a futex wake-up per op cost a third of the speed, and a 0.1 ms spin
     # still let them sleep inside a step), then sleep; the engine runs fewer threads while other processes are
     # busy (test_threads.py).
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
