@@ -122,10 +122,14 @@ model.
 
 **The real model.** Its step is tens of milliseconds of matmuls, so the hop's fixed part hides behind it, and
 what is left is the OpenMP wait at about 450 parallel regions per step. A longer spin in the engine process
-(`GOMP_SPINCOUNT` 100000 or 300000, set in the environment) raised mp / inproc here by 0.05-0.13 in three
-quick interleaved comparisons at 8 and 32 concurrent, but in the thread section's comparison (quiet and beside
-a busy process, same rounds) it stayed within the round-to-round spread of the short spin, so the default was
-left as it is.
+(`GOMP_SPINCOUNT=300000`, libgomp's own default and so what inproc gets) closes that gap: on 2026-12-02, on
+the second machine, this section measured real-model mp / inproc at 1.10 and async / inproc at 1.02 at 8
+concurrent with it (0.80 and 0.90 above), and by hand 0.73, 0.93 and 0.97 with 10000, 100000 and 300000. In the
+thread section it was 1.05x and 1.15x of the short spin at 1 and 8 concurrent, quiet, and equal beside a busy
+process, where the governor runs one thread. It is not the default because of a notebook: with JupyterLab and a
+browser on the same 2 cores, the live viewer's browser test failed 2 runs of 2 with it (the browser never showed
+the mid-run states of a 15 s run) and passed with the short spin. A user with cores to spare can set
+`GOMP_SPINCOUNT=300000` before the engine starts; a spin that yields to a notebook is the lever left.
 
 What would move it: fewer parallel regions per step (fused small ops, one attention kernel for the whole
 batch), or a background engine that picks its thread count per step size from measured step times. That
