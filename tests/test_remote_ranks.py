@@ -389,9 +389,8 @@ def test_a_hang_up_and_a_join_on_its_reused_fd_are_told_apart_in_either_order(re
         [reused_fd] = watcher._by_fd
         first.close(linger=0)
         assert watcher._monitor.poll(5000)  # the hang-up is reported, and not read yet
-        for _ in range(
-            500
-        ):  # a bound, not a timing: both ends of the first connection close in zmq's IO thread
+        # Both ends of the first connection close in zmq's IO thread; 500 tries is a bound, not a timing.
+        for _ in range(500):
             if _open_fds() <= before:
                 break
             time.sleep(0.01)
