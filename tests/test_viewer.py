@@ -143,6 +143,30 @@ def test_engine_stats_are_requested_at_most_once_per_stats_interval() -> None:
     assert engine.num_stats_calls <= 3
 
 
+def test_a_slow_stats_answer_does_not_hold_back_the_next_render() -> None:
+    # A blocking generate asks for the engine's numbers itself, and the engine answers between steps: during a
+    # long prefill that is a second. The next render must still come one interval later, not seconds later.
+    clock = FakeClock()
+    viewer = _widget_viewer(clock, min_interval_s=0.1, stats_interval_s=10.0)
+    engine = FakeEngine()
+    answer = engine.get_stats
+
+    def slow_stats() -> dict:
+        clock.now += 1.0
+        return answer()
+
+    engine.get_stats = slow_stats  # type: ignore[method-assign]
+    (state,) = _states(1)
+    watch = viewer.attach(engine, outputs_of([state]))  # renders, and asks for the numbers (1 s)
+    assert engine.num_stats_calls == 1
+    counts: dict = {}
+    _count_changes(viewer._view._row_widgets[id(viewer.rows[0])][2], counts, "row")
+    clock.now += 0.15
+    _token(state, text="soon")
+    watch.update()
+    assert counts["row"] == 1 and engine.num_stats_calls == 1
+
+
 # ---- what the widget shows --------------------------------------------------------------------------
 
 

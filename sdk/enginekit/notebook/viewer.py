@@ -162,6 +162,9 @@ class Viewer:
         if not force and now < self._next_render_at:
             return
         self._maybe_refresh_stats(now, blocking)
+        # NOTE: a blocking stats call waits for the engine's current step (a prefill can take a second): that
+        # is not rendering, and counting it below would leave the viewer still for several seconds after it.
+        now = self._clock()
         changed = [row for row in self.rows if row.observe(now)]
         self._view.render(changed, now, final=self._num_attached == 0)
         # A render that takes long (many rows) spaces the next ones out: at most a fifth of the time.
