@@ -104,32 +104,32 @@ runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
         "itself costs, without the OpenMP workers' wait policy."
     )
     report.limits = f"""
-Two costs make up the gap, and the third table separates them.
+Two costs make up the gap, and the last table (one torch thread) separates them.
 
 **The process hop.** In mp and async modes every step's outputs are encoded by the engine's output thread,
 sent over an ipc:// socket, decoded by the front end's receive thread (or the asyncio loop's reader) and routed,
-while the next step runs. With one torch thread in every mode (third table) that is all that differs, and mp
+while the next step runs. With one torch thread in every mode (the last table) that is all that differs, and mp
 and async keep most of inproc's rate on the built-in model; what is lost is largest at 8-32 concurrent, where
 a step lasts about a millisecond and the hop's fixed part cannot hide behind it.
 
 **The OpenMP workers' wait.** With {threads} threads, inproc runs in this process, whose OpenMP runtime spins
-between parallel regions as long as libgomp's default allows; the engine process's workers spin briefly
-(`GOMP_SPINCOUNT=10000`), then sleep, and its thread governor drops a thread while other processes keep a core
-busy (thread section). A worker that has fallen asleep is woken by a futex at the next parallel region, tens of
-microseconds on this VM, and a tiny model's step is little more than its parallel regions. Before the short
-spin, the engine's workers waited passively at every op, and mp / inproc here was 0.27-0.62 on the built-in
-model.
+between parallel regions as long as libgomp's default allows (300000 spins, some milliseconds); the engine process's workers spin
+as long (`GOMP_SPINCOUNT=300000`, the launcher's default), then sleep, and its thread governor drops a thread while
+other processes keep a core busy (thread section). A worker that has fallen asleep is woken by a futex at the
+next parallel region, tens to hundreds of microseconds on this VM. Before the engine's workers spun at all,
+mp / inproc here was 0.27-0.62 on the built-in model.
 
-**The real model.** Its step is tens of milliseconds of matmuls, so the hop's fixed part hides behind it, and
-what is left is the OpenMP wait at about 450 parallel regions per step. A longer spin in the engine process
-(`GOMP_SPINCOUNT=300000`, libgomp's own default and so what inproc gets) closes that gap: on 2026-12-02, on
-the second machine, this section measured real-model mp / inproc at 1.10 and async / inproc at 1.02 at 8
-concurrent with it (0.80 and 0.90 above), and by hand 0.73, 0.93 and 0.97 with 10000, 100000 and 300000. In the
-thread section it was 1.05x and 1.15x of the short spin at 1 and 8 concurrent, quiet, and equal beside a busy
-process, where the governor runs one thread. It is not the default because of a notebook: with JupyterLab and a
-browser on the same 2 cores, the live viewer's browser test failed 2 runs of 2 with it (the browser never showed
-the mid-run states of a 15 s run) and passed with the short spin. A user with cores to spare can set
-`GOMP_SPINCOUNT=300000` before the engine starts; a spin that yields to a notebook is the lever left.
+**The real model.** Its step is tens of milliseconds of matmuls, so the hop's fixed part hides behind it. With
+the previous default, a short spin (`GOMP_SPINCOUNT=10000`, about 0.3 ms), the engine's workers still fell asleep inside a
+step, at gaps between parallel regions longer than that, and mp / inproc was 0.73-0.87 at 8 concurrent
+(0.80 in this section's previous run); its table above is measured with the same long spin as inproc.
+
+**The tiny models at 8-32 concurrent.** A step lasts about a millisecond. With one torch thread (the last table)
+the hop alone is what separates the modes. With two, the engine's output thread and the front end's receive
+thread need the CPU once per step beside two torch threads that hold both cores, and a torch worker they
+preempt holds up the barrier of the op it was running; in-process, the same output work runs between steps on
+the main thread and preempts nothing. Where the two-thread ratios fall below the one-thread ones, that is the
+difference.
 
 What would move it: fewer parallel regions per step (fused small ops, one attention kernel for the whole
 batch), or a background engine that picks its thread count per step size from measured step times. That

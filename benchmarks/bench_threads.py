@@ -23,19 +23,20 @@ from .report import SectionReport
 from .stats import Summary, fmt, summarize
 
 TITLE = "Thread count and OpenMP wait policy per mode, quiet and loaded"
-SHORT_SPIN = "10000"  # the launcher's default: spin a few microseconds at a barrier, then sleep
+SPIN = "300000"  # the launcher's default (libgomp's own): spin some milliseconds at a barrier, then sleep
+SHORT_SPIN = "10000"  # the previous default: about 0.3 ms here
 
 # (label, mode, torch threads (None: the engine's default), environment for the engine process, engine options)
 VARIANTS: tuple[tuple[str, str, int | None, dict[str, str], dict[str, Any]], ...] = (
-    ("mp default (all cores, short spin, adaptive threads)", "mp", None, {}, {}),
-    ("mp all cores, short spin, fixed threads", "mp", None, {}, {"adaptive_threads": False}),
+    ("mp default (all cores, long spin, adaptive threads)", "mp", None, {}, {}),
     (
-        "mp all cores, passive, fixed threads (the previous default)",
+        "mp all cores, short spin, adaptive threads (the previous default)",
         "mp",
         None,
-        {"OMP_WAIT_POLICY": "PASSIVE"},
-        {"adaptive_threads": False},
+        {"GOMP_SPINCOUNT": SHORT_SPIN},
+        {},
     ),
+    ("mp all cores, long spin, fixed threads", "mp", None, {}, {"adaptive_threads": False}),
     ("mp 1 thread", "mp", 1, {}, {}),
     ("inproc all cores (this process: spinning)", "inproc", 0, {}, {}),
 )
@@ -52,9 +53,9 @@ def run(ctx: Context, report: SectionReport) -> None:
 SmolLM2-135M-Instruct (float32), *N* requests of {prompt_len}-token prompts and {output_len} greedy tokens,
 {repeats} interleaved rounds, in five setups: a background engine (mp) as it starts by default (up to
 {cores} torch threads, as many as other processes leave cores free, checked four times a second; OpenMP
-workers that spin briefly at a barrier, `GOMP_SPINCOUNT={SHORT_SPIN}` in its environment, then sleep); the
-same with its threads fixed (`adaptive_threads=False`); the previous default, fixed threads waiting
-passively (`OMP_WAIT_POLICY=PASSIVE`); a background engine with 1 torch thread; and an in-process engine on
+workers that spin at a barrier, `GOMP_SPINCOUNT={SPIN}` in its environment, some milliseconds, then sleep); the
+previous default, the same with a short spin (`GOMP_SPINCOUNT={SHORT_SPIN}`); the default with its threads
+fixed (`adaptive_threads=False`); a background engine with 1 torch thread; and an in-process engine on
 all cores (this process's OpenMP runtime, which spins: the policy is read once, when torch loads). *Loaded*
 runs the same rounds beside one other process spinning on one core (`python -c "while True: pass"`), as a
 notebook user's laptop running anything else. Ratios are against the default mp setup, per round.
@@ -133,8 +134,9 @@ another busy process the worker that a barrier waits for is often the deschedule
 scheduler tick for it. One torch thread has no barriers at all, and is the fastest beside a busy process,
 but leaves half the machine idle on a quiet one.
 
-The default combines them: workers spin briefly (long enough to span the gap between one op and the next,
-then they sleep, so an idle engine leaves its cores), and the engine process counts, four times a second,
+The default combines them: workers spin some milliseconds (long enough to span every gap between one op and the
+next, the Python between two steps included, then they sleep, so an idle engine leaves its cores), and the
+engine process counts, four times a second,
 the CPU other processes took on its cores (`/proc/stat` less its own time) and runs as many threads as they
 leave free (`core/threads.py`). A user's `OMP_WAIT_POLICY`, `GOMP_SPINCOUNT` or `KMP_BLOCKTIME` wins (the
 launcher reads the environment when it imports torch), and `adaptive_threads=False` fixes the thread count.
@@ -143,6 +145,11 @@ on a busy laptop can set `OMP_WAIT_POLICY=PASSIVE` before importing torch, or ru
 background. The governor reacts within about half a second (two readings that agree), so a busy process
 that starts mid-request costs that long. Pinning threads to cores was not tried: on a machine shared with
 other work it makes a descheduled worker wait for its own core instead of any free one.
+
+The previous default spun about 0.3 ms (`GOMP_SPINCOUNT=10000`). A step of the real model has gaps longer than
+that between its parallel regions, so a worker fell asleep inside steps and paid a futex wake-up, hundreds of
+microseconds on this VM after a longer sleep, at the next op. Beside a busy process the spin length does not
+matter: the governor has dropped to one thread, which never waits at a barrier.
 """
 
 

@@ -52,7 +52,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         A background engine on CPU runs up to ``num_threads`` threads and fewer while other processes keep
         its cores busy (checked four times a second), so a busy machine does not stall every op. ``False``
         keeps exactly ``num_threads``: logprobs then repeat bit for bit from run to run (the thread count
-        changes the last bits of attention).
+        changes the last bits of attention), but beside a busy process its spinning workers stall every op;
+        on a shared machine set ``OMP_WAIT_POLICY=PASSIVE`` as well.
     startup_timeout
         Seconds to wait for the engine process to report READY.
     shutdown_timeout

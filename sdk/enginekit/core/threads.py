@@ -2,7 +2,7 @@
 keep its cores busy.
 
 An OpenMP parallel region ends at a barrier that waits for every worker. On an idle machine the workers spin
-there briefly (the launcher's ``GOMP_SPINCOUNT``) and two threads run an op fastest. Beside a busy process,
+there for some milliseconds (the launcher's ``GOMP_SPINCOUNT``) and two threads run an op fastest. Beside a busy process,
 the worker that the barrier waits for is often the descheduled one, and every op of a step waits for it: one
 thread is then fastest (docs/benchmarks.md, the thread section). So the engine process reads, four times a
 second from its step loop, how much CPU other processes took on its cores (``/proc/stat``, less this process's
