@@ -120,7 +120,7 @@ microseconds per token) and the zmq IO threads of three processes share the two 
 each rank's step loop gets most of a core, not all of it. Measured apart on the built-in model at 64
 concurrent, the front end's threads took 5-10 us of CPU per generated token, about 5% of a core at these
 rates. At 128 the ceiling is higher (one engine gains little from 64 to 128 concurrent). The real model's step
-is matmul-bound: one engine with two threads already keeps both cores busy (its workers spin briefly between
+is matmul-bound: one engine with two threads already keeps both cores busy (its workers spin between
 ops, thread section), so two one-thread ranks gain little over it, and their figure against the one-thread
 engine mostly shows what a second core adds to a matmul-bound step. What would move the built-in figure: a cheaper fixed part of a step (fewer, larger ops per layer; paged attention in
 one kernel), which raises the ceiling, and on more cores than ranks, a core left for the front end. The rounds

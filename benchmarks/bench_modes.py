@@ -124,6 +124,15 @@ the previous default, a short spin (`GOMP_SPINCOUNT=10000`, about 0.3 ms), the e
 step, at gaps between parallel regions longer than that, and mp / inproc was 0.73-0.87 at 8 concurrent
 (0.80 in this section's previous run); its table above is measured with the same long spin as inproc.
 
+**The long spin beside a notebook.** Workers that spin through every gap keep both cores busy while a step runs,
+and JupyterLab, the kernel and a browser share them. Measured on 2026-12-02 with the real model, 16 chats at 8
+concurrent in async mode: the front end's asyncio loop woke late by the same amount with either spin (a 10 ms
+timer, p99 3.3-3.7 ms late with the long spin, 3.7-4.4 ms with the short one). The live viewer's browser test had
+failed twice with the long spin, because the viewer counted a blocking stats call (which waits for the engine's
+current step, 0.9 s behind the first prefill) as its own render time and held the next render back 3 s; with
+that fixed (`notebook/viewer.py`) the test passed 4 runs of 4 with the long spin, one of them beside a busy
+process.
+
 **The tiny models at 8-32 concurrent.** A step lasts about a millisecond. With one torch thread (the last table)
 the hop alone is what separates the modes. With two, the engine's output thread and the front end's receive
 thread need the CPU once per step beside two torch threads that hold both cores, and a torch worker they
