@@ -21,7 +21,7 @@ from enginekit.config import EngineConfig
 from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.runtime.launcher import Launcher
 from enginekit.wire.keys import read_keys
-from enginekit.wire.messages import EngineProcArgs, RankJoin
+from enginekit.wire.messages import EngineProcArgs, RankExit, RankJoin
 from hf_checkpoints import build_checkpoint
 from process_support import in_thread, wait_gone, wait_until_generating
 
@@ -411,6 +411,43 @@ def test_a_hang_up_and_a_join_on_its_reused_fd_are_told_apart_in_either_order(re
         assert watcher._monitor.poll(5000)
         watcher._on_event(recv_monitor_message(watcher._monitor))
         assert not ranks[1].is_alive()  # and its own hang-up is still seen
+    finally:
+        watcher.close()
+        for rank in ranks:
+            rank.stop(0)
+        for peer in (first, second, router):
+            if peer is not None:
+                peer.close(linger=0)
+        context.term()
+
+
+def test_a_ranks_exit_code_reaches_its_death_message_when_another_ranks_join_is_read_first():
+    # Rank 0's engine fails: it sends its exit code, then hangs up. The ROUTER fair-queues its connections, so
+    # rank 1's join may be read first; handling it applies rank 0's hang-up, which must not outrun rank 0's
+    # RankExit, still unread in the socket: the death message names the exit code.
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    ranks = [RemoteRank(rank, "keys.json") for rank in (0, 1)]
+    for rank in ranks:
+        rank.start(EngineProcArgs(EngineConfig(), "tcp://front:1", "tcp://front:2", engine_index=rank.rank))
+    watcher = _StepByStep(router, ranks)
+    first = second = None
+    try:
+        first = _join(context, port, 0)
+        assert router.poll(5000)
+        watcher._on_message(router.recv_multipart(copy=False))
+        second = _join(context, port, 1)
+        assert router.poll(5000)
+        join = router.recv_multipart(copy=False)  # read, not yet handled: the watcher is busy
+        first.send(msgspec.msgpack.encode(RankExit(code=3, error_tail="Traceback: boom")))
+        first.close(linger=0)
+        assert watcher._monitor.poll(5000)  # the hang-up is reported, and not read yet
+        assert router.poll(5000)  # so is the exit, sent before it
+        watcher._on_message(join)
+        assert ranks[1].is_alive() and ranks[1].joined
+        assert not ranks[0].is_alive()
+        assert "exited with code 3" in ranks[0].describe_exit()
     finally:
         watcher.close()
         for rank in ranks:

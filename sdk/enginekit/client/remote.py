@@ -113,7 +113,8 @@ class RankWatcher:
     routing id the ROUTER gave it. Routing ids are never reused, fds are: a connection that closes frees its
     fd for the next one. Its hang-up was reported before that fd could be reused, so every hang-up reported so
     far is applied before a join maps its fd to a rank: a late-read hang-up of an earlier connection on the
-    same fd can then not be taken for the new rank's.
+    same fd can then not be taken for the new rank's. A hang-up is applied only once the socket is read empty,
+    after what its rank sent last (a ``RankExit``); joins read meanwhile wait until then.
     """
 
     def __init__(self, socket: zmq.Socket, ranks: list[RemoteRank]) -> None:
@@ -142,25 +143,33 @@ class RankWatcher:
                 self._on_event(recv_monitor_message(self._monitor))
 
     def _on_event(self, event: dict[str, Any]) -> None:
-        if event["event"] != zmq.EVENT_DISCONNECTED:
-            return
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            for frames, join in self._hang_up([event["value"]]):
+                self._on_join(frames, join)
+
+    def _hang_up(self, fds: list[int]) -> list[tuple[list[zmq.Frame], RankJoin]]:
+        """Apply these hang-ups after what their ranks sent just before them (a RankExit, with the exit code
+        the death message names); returns the joins read meanwhile, to handle after: their fd may be one of
+        these."""
         joins: list[tuple[list[zmq.Frame], RankJoin]] = []
-        while self._socket.poll(0):  # what the rank sent just before it hung up (its RankExit) comes first
+        while self._socket.poll(0):
             frames = self._socket.recv_multipart(copy=False)
             message = self._decode(frames)
             if isinstance(message, RankJoin):
-                joins.append((frames, message))  # after this hang-up: its fd may be the joiner's now
+                joins.append((frames, message))
             elif message is not None:
                 self._on_exit(frames, message)
-        self._hung_up(event["value"])
-        for frames, join in joins:
-            self._on_join(frames, join)
+        for fd in fds:
+            self._hung_up(fd)
+        return joins
 
-    def _apply_hang_ups(self) -> None:
+    def _reported_hang_ups(self) -> list[int]:
+        fds = []
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._hung_up(event["value"])
+                fds.append(event["value"])
+        return fds
 
     def _hung_up(self, fd: int) -> None:
         rank = self._by_fd.pop(fd, None)
@@ -195,7 +204,8 @@ class RankWatcher:
             failed.mark_failed(message.code, message.error_tail)
 
     def _on_join(self, frames: list[zmq.Frame], join: RankJoin) -> None:
-        self._apply_hang_ups()  # before this join's fd is mapped (see the class docstring)
+        fds = self._reported_hang_ups()  # applied before this join's fd is mapped (see the class docstring)
+        later = self._hang_up(fds) if fds else []
         rank = self._ranks.get(join.rank)
         if rank is None:
             reply: JoinAccepted | JoinRefused = JoinRefused(
@@ -213,6 +223,8 @@ class RankWatcher:
             reply = JoinAccepted(rank.args)
             logger.info("remote engine rank %d joined: pid %d on %s", join.rank, join.pid, join.hostname)
         self._socket.send_multipart([frames[0], msgspec.msgpack.encode(reply)])
+        for later_frames, later_join in later:  # in the order they came, each after the hang-ups before it
+            self._on_join(later_frames, later_join)
 
     def close(self) -> None:
         """Stop the thread; the socket is its owner's to close."""
