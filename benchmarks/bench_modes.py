@@ -113,25 +113,28 @@ and async keep most of inproc's rate on the built-in model; what is lost is larg
 a step lasts about a millisecond and the hop's fixed part cannot hide behind it.
 
 **The OpenMP workers' wait.** With {threads} threads, inproc runs in this process, whose OpenMP runtime spins
-between parallel regions as long as libgomp's default allows (300000 spins, some milliseconds); the engine process's workers spin
-as long (`GOMP_SPINCOUNT=300000`, the launcher's default), then sleep, and its thread governor drops a thread while
-other processes keep a core busy (thread section). A worker that has fallen asleep is woken by a futex at the
-next parallel region, tens to hundreds of microseconds on this VM. Before the engine's workers spun at all,
-mp / inproc here was 0.27-0.62 on the built-in model.
+between parallel regions as long as libgomp's default allows (300000 spins, some milliseconds); the engine
+process's workers spin as long (`GOMP_SPINCOUNT=300000`, the launcher's default), then sleep, and its thread
+governor drops a thread while other processes keep a core busy (thread section). A worker that has fallen
+asleep is woken by a futex at the next parallel region, tens to hundreds of microseconds on this VM. Before the
+engine's workers spun at all, mp / inproc here was 0.27-0.62 on the built-in model.
 
 **The real model.** Its step is tens of milliseconds of matmuls, so the hop's fixed part hides behind it. With
-the previous default, a short spin (`GOMP_SPINCOUNT=10000`, about 0.3 ms), the engine's workers still fell asleep inside a
-step, at gaps between parallel regions longer than that, and mp / inproc was 0.73-0.87 at 8 concurrent
-(0.80 in this section's previous run); its table above is measured with the same long spin as inproc.
+the previous default, a short spin (`GOMP_SPINCOUNT=10000`, about 0.3 ms), the engine's workers still fell
+asleep inside a step, at gaps between parallel regions longer than that, and mp / inproc was 0.73-0.87 at 8
+concurrent (0.80 in this section's run of 2026-12-01); its table above is measured with the same long spin as
+inproc. Three rounds do not resolve a few percent here: by hand, on 2026-12-02, six rounds at 32 concurrent
+(order alternating) gave per-round mp / inproc from 0.88 to 1.14, median 0.98, while the engine process's two
+torch threads each used a full core and its IO threads and the front end under 0.1 s of CPU per run.
 
-**The long spin beside a notebook.** Workers that spin through every gap keep both cores busy while a step runs,
-and JupyterLab, the kernel and a browser share them. Measured on 2026-12-02 with the real model, 16 chats at 8
-concurrent in async mode: the front end's asyncio loop woke late by the same amount with either spin (a 10 ms
-timer, p99 3.3-3.7 ms late with the long spin, 3.7-4.4 ms with the short one). The live viewer's browser test had
-failed twice with the long spin, because the viewer counted a blocking stats call (which waits for the engine's
-current step, 0.9 s behind the first prefill) as its own render time and held the next render back 3 s; with
-that fixed (`notebook/viewer.py`) the test passed 4 runs of 4 with the long spin, one of them beside a busy
-process.
+**The long spin beside a notebook.** Workers that spin through every gap keep both cores busy while a step
+runs, and JupyterLab, the kernel and a browser share them. Measured on 2026-12-02 with the real model, 16 chats
+at 8 concurrent in async mode: the front end's asyncio loop woke late by the same amount with either spin (a
+10 ms timer, p99 3.3-3.7 ms late with the long spin, 3.7-4.4 ms with the short one). The live viewer's browser
+test had failed twice with the long spin. What it found was a viewer that counted a blocking stats call
+(which waits for the engine's current step, 0.9 s behind the first prefill) as its own render time and held
+the next render back 3 s, long enough to miss the first wave of chats on a slower run; with that fixed
+(`notebook/viewer.py`) the test passed 4 runs of 4 with the long spin, one of them beside a busy process.
 
 **The tiny models at 8-32 concurrent.** A step lasts about a millisecond. With one torch thread (the last table)
 the hop alone is what separates the modes. With two, the engine's output thread and the front end's receive

@@ -2,12 +2,12 @@
 keep its cores busy.
 
 An OpenMP parallel region ends at a barrier that waits for every worker. On an idle machine the workers spin
-there for some milliseconds (the launcher's ``GOMP_SPINCOUNT``) and two threads run an op fastest. Beside a busy process,
-the worker that the barrier waits for is often the descheduled one, and every op of a step waits for it: one
-thread is then fastest (docs/benchmarks.md, the thread section). So the engine process reads, four times a
-second from its step loop, how much CPU other processes took on its cores (``/proc/stat``, less this process's
-own time) and runs as many threads as they leave cores free. A change needs two readings in a row that agree,
-so one burst does not flap it.
+there for some milliseconds (the launcher's ``GOMP_SPINCOUNT``) and two threads run an op fastest. Beside a
+busy process, the worker that the barrier waits for is often the descheduled one, and every op of a step waits
+for it: one thread is then fastest (docs/benchmarks.md, the thread section). So the engine process reads, four
+times a second from its step loop, how much CPU other processes took on its cores (``/proc/stat``, less this
+process's own time) and runs as many threads as they leave cores free. A change needs two readings in a row
+that agree, so one burst does not flap it.
 
 The thread count changes the last bits of some ops (decode attention splits its work by thread), so with
 ``adaptive_threads=False`` an engine keeps exactly ``num_threads`` and repeats its logprobs bit for bit.
