@@ -22,6 +22,8 @@ TITLE = "Mode overhead: mp and async against inproc"
 MODES = ("inproc", "mp", "async")
 CONCURRENCY = (1, 8, 32, 128)  # the quick run stops at 32
 REAL_CONCURRENCY = (8, 32)  # the real model's steps are 50-100x the tiny models': no 1 or 128
+# Its rounds range about 10% either way on a shared 2-core machine: six (each mode first twice) resolve a median.
+REAL_ROUNDS = 6
 TARGET = 0.97
 
 
@@ -38,7 +40,7 @@ background process (two IO threads there) and the caller's process receives outp
 task. The ratio is the median of per-round ratios (min-max). The real model (SmolLM2-135M-Instruct, float32)
 runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
 {ctx.pick((16, 8), (64, 32))[0]}-token prompts and {ctx.pick((16, 8), (64, 32))[1]} tokens each,
-{ctx.pick(1, 3)} rounds.
+{ctx.pick(1, REAL_ROUNDS)} rounds.
 """
     ratios: dict[tuple[str, str, int], Summary] = {}
     for spec in ctx.models():
@@ -62,7 +64,7 @@ runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
         real,
         ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY),
         real_lengths,
-        ctx.pick(1, 3),
+        ctx.pick(1, REAL_ROUNDS),
         threads,
         seed=9,
         title=f"{real.label}, float32: generated tokens/s by mode",
@@ -123,9 +125,10 @@ engine's workers spun at all, mp / inproc here was 0.27-0.62 on the built-in mod
 the previous default, a short spin (`GOMP_SPINCOUNT=10000`, about 0.3 ms), the engine's workers still fell
 asleep inside a step, at gaps between parallel regions longer than that, and mp / inproc was 0.73-0.87 at 8
 concurrent (0.80 in this section's run of 2026-12-01); its table above is measured with the same long spin as
-inproc. Three rounds do not resolve a few percent here: by hand, on 2026-12-02, six rounds at 32 concurrent
-(order alternating) gave per-round mp / inproc from 0.88 to 1.14, median 0.98, while the engine process's two
-torch threads each used a full core and its IO threads and the front end under 0.1 s of CPU per run.
+inproc. A round ranges about 10% either way here: by hand, on 2026-12-02, six rounds at 32 concurrent (order
+alternating) gave per-round mp / inproc from 0.88 to 1.14, median 0.98, while the engine process's two torch
+threads each used a full core and its IO threads and the front end under 0.1 s of CPU per run. So the table
+runs six rounds (it ran three before 2026-12-02, and measured 0.91 at 32 concurrent with the long spin).
 
 **The long spin beside a notebook.** Workers that spin through every gap keep both cores busy while a step
 runs, and JupyterLab, the kernel and a browser share them. Measured on 2026-12-02 with the real model, 16 chats
