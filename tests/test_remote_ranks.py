@@ -357,102 +357,104 @@ class _StepByStep(RankWatcher):
         pass
 
 
+class _WatchSocket:
+    """A watch ROUTER on loopback TCP, two remote ranks (0 and 1) and a ``_StepByStep`` watcher over them."""
+
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.ranks = [RemoteRank(rank, "keys.json") for rank in (0, 1)]
+        for rank in self.ranks:
+            rank.start(
+                EngineProcArgs(EngineConfig(), "tcp://front:1", "tcp://front:2", engine_index=rank.rank)
+            )
+        self.watcher = _StepByStep(self.router, self.ranks)
+        self._peers: list[zmq.Socket] = []
+
+    def join(self, rank: int) -> zmq.Socket:
+        """A rank's connection, which has sent its RankJoin."""
+        peer = self.context.socket(zmq.DEALER)
+        self._peers.append(peer)
+        peer.connect(f"tcp://127.0.0.1:{self.port}")
+        peer.send(msgspec.msgpack.encode(RankJoin(rank=rank, pid=os.getpid(), hostname=f"host-{rank}")))
+        return peer
+
+    def close(self) -> None:
+        self.watcher.close()
+        for rank in self.ranks:
+            rank.stop(0)
+        for peer in (*self._peers, self.router):
+            peer.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture
+def watch():
+    watch = _WatchSocket()
+    try:
+        yield watch
+    finally:
+        watch.close()
+
+
 def _open_fds():
     return set(os.listdir("/proc/self/fd"))
 
 
-def _join(context, port, rank):
-    peer = context.socket(zmq.DEALER)
-    peer.connect(f"tcp://127.0.0.1:{port}")
-    peer.send(msgspec.msgpack.encode(RankJoin(rank=rank, pid=os.getpid(), hostname=f"host-{rank}")))
-    return peer
-
-
 @pytest.mark.parametrize("read_first", ["join", "hang-up"])
-def test_a_hang_up_and_a_join_on_its_reused_fd_are_told_apart_in_either_order(read_first):
+def test_a_hang_up_and_a_join_on_its_reused_fd_are_told_apart_in_either_order(watch, read_first):
     # Rank 0 hangs up; rank 1's connection gets the fd rank 0's had. The watcher reads two queues, so it may
     # read rank 1's join before rank 0's hang-up, or the hang-up first and the join while it drains the socket.
     # Either way rank 0's hang-up must not mark rank 1 gone.
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    ranks = [RemoteRank(rank, "keys.json") for rank in (0, 1)]
-    for rank in ranks:
-        rank.start(EngineProcArgs(EngineConfig(), "tcp://front:1", "tcp://front:2", engine_index=rank.rank))
-    watcher = _StepByStep(router, ranks)
-    first = second = None
-    try:
-        before = _open_fds()
-        first = _join(context, port, 0)
-        assert router.poll(5000)
-        watcher._on_message(router.recv_multipart(copy=False))
-        [reused_fd] = watcher._by_fd
-        first.close(linger=0)
-        assert watcher._monitor.poll(5000)  # the hang-up is reported, and not read yet
-        # Both ends of the first connection close in zmq's IO thread; 500 tries is a bound, not a timing.
-        for _ in range(500):
-            if _open_fds() <= before:
-                break
-            time.sleep(0.01)
-        second = _join(context, port, 1)  # the lowest free fds again: its own end, then the accepted one
-        assert router.poll(5000)
-        if read_first == "join":
-            frames = router.recv_multipart(copy=False)
-            assert frames[-1].get(zmq.SRCFD) == reused_fd  # the case under test: the fd was reused
-            watcher._on_message(frames)
-        else:
-            assert router.getsockopt(zmq.EVENTS) & zmq.POLLIN  # the join waits in the socket
-        while watcher._monitor.poll(200):
-            watcher._on_event(recv_monitor_message(watcher._monitor))
-        assert not ranks[0].is_alive()
-        assert ranks[1].is_alive() and ranks[1].joined
-        assert watcher._by_fd == {reused_fd: ranks[1]}  # the case under test: the fd was reused
-        second.close(linger=0)
-        assert watcher._monitor.poll(5000)
+    router, ranks, watcher = watch.router, watch.ranks, watch.watcher
+    before = _open_fds()
+    first = watch.join(0)
+    assert router.poll(5000)
+    watcher._on_message(router.recv_multipart(copy=False))
+    [reused_fd] = watcher._by_fd
+    first.close(linger=0)
+    assert watcher._monitor.poll(5000)  # the hang-up is reported, and not read yet
+    # Both ends of the first connection close in zmq's IO thread; 500 tries is a bound, not a timing.
+    for _ in range(500):
+        if _open_fds() <= before:
+            break
+        time.sleep(0.01)
+    second = watch.join(1)  # the lowest free fds again: its own end, then the accepted one
+    assert router.poll(5000)
+    if read_first == "join":
+        frames = router.recv_multipart(copy=False)
+        assert frames[-1].get(zmq.SRCFD) == reused_fd  # the case under test: the fd was reused
+        watcher._on_message(frames)
+    else:
+        assert router.getsockopt(zmq.EVENTS) & zmq.POLLIN  # the join waits in the socket
+    while watcher._monitor.poll(200):
         watcher._on_event(recv_monitor_message(watcher._monitor))
-        assert not ranks[1].is_alive()  # and its own hang-up is still seen
-    finally:
-        watcher.close()
-        for rank in ranks:
-            rank.stop(0)
-        for peer in (first, second, router):
-            if peer is not None:
-                peer.close(linger=0)
-        context.term()
+    assert not ranks[0].is_alive()
+    assert ranks[1].is_alive() and ranks[1].joined
+    assert watcher._by_fd == {reused_fd: ranks[1]}  # the case under test: the fd was reused
+    second.close(linger=0)
+    assert watcher._monitor.poll(5000)
+    watcher._on_event(recv_monitor_message(watcher._monitor))
+    assert not ranks[1].is_alive()  # and its own hang-up is still seen
 
 
-def test_a_ranks_exit_code_reaches_its_death_message_when_another_ranks_join_is_read_first():
+def test_a_ranks_exit_code_reaches_its_death_message_when_another_ranks_join_is_read_first(watch):
     # Rank 0's engine fails: it sends its exit code, then hangs up. The ROUTER fair-queues its connections, so
     # rank 1's join may be read first; handling it applies rank 0's hang-up, which must not outrun rank 0's
     # RankExit, still unread in the socket: the death message names the exit code.
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    ranks = [RemoteRank(rank, "keys.json") for rank in (0, 1)]
-    for rank in ranks:
-        rank.start(EngineProcArgs(EngineConfig(), "tcp://front:1", "tcp://front:2", engine_index=rank.rank))
-    watcher = _StepByStep(router, ranks)
-    first = second = None
-    try:
-        first = _join(context, port, 0)
-        assert router.poll(5000)
-        watcher._on_message(router.recv_multipart(copy=False))
-        second = _join(context, port, 1)
-        assert router.poll(5000)
-        join = router.recv_multipart(copy=False)  # read, not yet handled: the watcher is busy
-        first.send(msgspec.msgpack.encode(RankExit(code=3, error_tail="Traceback: boom")))
-        first.close(linger=0)
-        assert watcher._monitor.poll(5000)  # the hang-up is reported, and not read yet
-        assert router.poll(5000)  # so is the exit, sent before it
-        watcher._on_message(join)
-        assert ranks[1].is_alive() and ranks[1].joined
-        assert not ranks[0].is_alive()
-        assert "exited with code 3" in ranks[0].describe_exit()
-    finally:
-        watcher.close()
-        for rank in ranks:
-            rank.stop(0)
-        for peer in (first, second, router):
-            if peer is not None:
-                peer.close(linger=0)
-        context.term()
+    router, ranks, watcher = watch.router, watch.ranks, watch.watcher
+    first = watch.join(0)
+    assert router.poll(5000)
+    watcher._on_message(router.recv_multipart(copy=False))
+    watch.join(1)
+    assert router.poll(5000)
+    join = router.recv_multipart(copy=False)  # read, not yet handled: the watcher is busy
+    first.send(msgspec.msgpack.encode(RankExit(code=3, error_tail="Traceback: boom")))
+    first.close(linger=0)
+    assert watcher._monitor.poll(5000)  # the hang-up is reported, and not read yet
+    assert router.poll(5000)  # so is the exit, sent before it
+    watcher._on_message(join)
+    assert ranks[1].is_alive() and ranks[1].joined
+    assert not ranks[0].is_alive()
+    assert "exited with code 3" in ranks[0].describe_exit()
