@@ -3,8 +3,9 @@
 Every front-end message arrives through ``handle``: requests are validated and added or refused, aborts
 applied, utilities called (a Future result is answered when it completes) and shutdown started. ``step``
 schedules, runs the model once and returns everything produced since the last step: token deltas, refusals
-and utility answers. In-process mode calls both directly; the engine process feeds ``handle`` from its input
-queue and sends what ``step`` returns.
+and utility answers (each request's output is built by ``StepOutputs``, ``core/step_outputs.py``). In-process
+mode calls both directly; the engine process feeds ``handle`` from its input queue and sends what ``step``
+returns.
 """
 
 from __future__ import annotations
@@ -27,29 +28,24 @@ from enginekit.core.kv_cache import KVCacheManager
 from enginekit.core.request import Request
 from enginekit.core.resources import release_device_memory, resolve_device, size_kv_cache
 from enginekit.core.scheduler import Scheduler
+from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.core.validation import RequestLimits, validate_request
 from enginekit.model.loader import ModelSpec, load_model, load_model_spec
 from enginekit.model.runner import ModelRunner
-from enginekit.model.sampler import SamplerOutput
 from enginekit.wire.messages import (
     AbortRequest,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     ExecutorFailed,
     FinishReason,
     InvalidRequest,
-    RequestError,
     ShutdownRequest,
     UtilityOutput,
     UtilityRequest,
     WakeupRequest,
 )
-from enginekit.wire.messages import RequestStatus as WireStatus
 
 logger = logging.getLogger("enginekit.core")
-
-SHUTTING_DOWN = "engine shutting down"
 
 
 class ShutdownState(enum.Enum):
@@ -81,7 +77,11 @@ class EngineCore:
             raise
         self.shutdown_state = ShutdownState.RUNNING
         self.shutdown_deadline = 0.0
-        self._outputs: list[EngineCoreOutput] = []  # produced outside a step: aborts, refusals
+        self.outputs = StepOutputs(
+            self.scheduler,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
+            max_model_len=self.max_model_len,
+        )
         self._utility_outputs: list[UtilityOutput] = []
         self._idle_waiters: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -91,10 +91,9 @@ class EngineCore:
             ShutdownRequest: lambda message: self.request_shutdown(message.timeout),
             WakeupRequest: lambda message: None,
             ExecutorFailed: self._executor_failed,
-            InvalidRequest: self._refuse_invalid,
+            InvalidRequest: self.outputs.refuse_invalid,
         }
         self.num_steps = 0
-        self.num_generated_tokens = 0
         self.start_time = time.monotonic()
 
     def _build(self, config: EngineConfig, spec: ModelSpec | None) -> None:
@@ -103,7 +102,6 @@ class EngineCore:
         spec = spec or load_model_spec(config.model)
         self.model_config = model_config = spec.config
         self.tokenizer = spec.tokenizer
-        self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.num_kv_blocks, self.max_model_len = size_kv_cache(config, model_config, self.dtype)
         self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
         model = load_model(spec, device=self.device, dtype=self.dtype, seed=config.seed)
@@ -141,9 +139,7 @@ class EngineCore:
     def _add(self, request: EngineCoreRequest) -> None:
         request_id = request.request_id
         if self.shutdown_state is not ShutdownState.RUNNING:
-            self._outputs.append(
-                EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT, stop_reason=SHUTTING_DOWN)
-            )
+            self.outputs.shutting_down(request_id)
             return
         if request_id in self.scheduler.requests:
             # NOTE: never answer under the id of a running request: that would end it for its caller.
@@ -152,7 +148,7 @@ class EngineCore:
         try:
             validate_request(request, self.limits)
         except ValueError as error:
-            self.refuse(request_id, error)
+            self.outputs.refuse(request_id, error)
             return
         params = request.sampling_params
         detokenizer = IncrementalDetokenizer(
@@ -163,31 +159,12 @@ class EngineCore:
         )
         self.scheduler.add_request(Request(request, detokenizer=detokenizer))
 
-    def refuse(self, request_id: str, error: BaseException) -> None:
-        """Answer a request the engine will not serve with the error its caller gets."""
-        logger.warning("rejected request %s: %s", request_id, error)
-        kind = "TypeError" if isinstance(error, TypeError) else "ValueError"
-        self._outputs.append(
-            EngineCoreOutput(
-                request_id, [], finish_reason=FinishReason.ABORT, error=RequestError(kind, str(error))
-            )
-        )
-
-    def _refuse_invalid(self, message: InvalidRequest) -> None:
-        if message.request_id in self.scheduler.requests:
-            logger.warning("dropped an undecodable request under the running id %s", message.request_id)
-            return
-        logger.warning("rejected request %s: %s", message.request_id, message.error.message)
-        self._outputs.append(
-            EngineCoreOutput(message.request_id, [], finish_reason=FinishReason.ABORT, error=message.error)
-        )
-
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests by id; unknown or finished ids are ignored (abort is idempotent)."""
         for request_id in request_ids:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
-                self._finish(request, FinishReason.ABORT, None, self._outputs)
+                self.outputs.finish(request, FinishReason.ABORT)
 
     def abort_all(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
@@ -233,7 +210,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether ``step`` would produce something: requests to run, or answers to send."""
         return bool(
-            self._outputs
+            self.outputs.pending
             or self._utility_outputs
             or self.scheduler.has_unfinished_requests()
             or self._idle_waiters
@@ -252,17 +229,17 @@ class EngineCore:
                 self._wake_idle_waiters()
             if self.shutdown_state is ShutdownState.REQUESTED:
                 self.shutdown_state = ShutdownState.DONE
-        if not (self._outputs or self._utility_outputs):
+        if not (self.outputs.pending or self._utility_outputs):
             return None, ran_forward
-        outputs, self._outputs = self._outputs, []
+        outputs = self.outputs.take()
         utility_outputs, self._utility_outputs = self._utility_outputs, []
         return EngineCoreOutputs(outputs, utility_outputs, self.engine_index), ran_forward
 
     def _run_scheduled(self) -> bool:
         scheduled = self.scheduler.schedule()
-        changes = self._status_changes(scheduled.started, scheduled.preempted)
+        changes = status_changes(scheduled.started, scheduled.preempted)
         if scheduled.is_empty:
-            self._report_status(changes)
+            self.outputs.report_status(changes)
             return False
         batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache)
         sampled = self.runner.execute(batch)
@@ -273,105 +250,15 @@ class EngineCore:
         for index, parts in (sampled.prompt_logprobs or {}).items():
             requests[index].prompt_logprobs.append(parts)
         for row, request in enumerate(sampling):
-            output = self._append_token(request, sampled.token_ids[row], row, sampled)
-            status = changes.pop(request.request_id, None)
-            if status is not None:
-                self._stamp(output, request, status)
-            if request.prompt_logprobs is not None and request.sampling_params.prompt_logprobs is not None:
-                self._attach_prompt_logprobs(output, request)
-        self._report_status(changes)
+            self.outputs.token(request, sampled, row, changes.pop(request.request_id, None))
+        self.outputs.report_status(changes)
         return True
-
-    @staticmethod
-    def _attach_prompt_logprobs(output: EngineCoreOutput, request: Request) -> None:
-        """The prompt is done: send its logprobs once, with the first token (none for a one-token prompt)."""
-        parts = request.prompt_logprobs or []
-        if parts:
-            values, ids, ranks = (torch.cat(column) for column in zip(*parts))
-        else:
-            width = request.sampling_params.prompt_logprobs + 1
-            values, ids, ranks = torch.empty(0, width), torch.empty(0, width, dtype=torch.long), None
-        output.prompt_logprob_values, output.prompt_logprob_token_ids = values, ids
-        output.prompt_logprob_ranks = ranks
-        request.prompt_logprobs = None
-
-    def _status_changes(self, started: list[Request], preempted: list[Request]) -> dict[str, WireStatus]:
-        now = time.time()
-        for request in started:
-            request.first_scheduled_time = request.first_scheduled_time or now
-        changes = {request.request_id: WireStatus.RUNNING for request in started}
-        changes.update({request.request_id: WireStatus.PREEMPTED for request in preempted})
-        return changes
-
-    def _report_status(self, changes: dict[str, WireStatus]) -> None:
-        """Status changes of requests that produced no token this step get an output of their own."""
-        for request_id, status in changes.items():
-            request = self.scheduler.requests.get(request_id)
-            if request is not None:
-                self._outputs.append(self._stamp(EngineCoreOutput(request_id, []), request, status))
-
-    @staticmethod
-    def _stamp(output: EngineCoreOutput, request: Request, status: WireStatus) -> EngineCoreOutput:
-        output.status = status
-        output.first_scheduled_time = request.first_scheduled_time
-        output.num_preemptions = request.num_preemptions
-        return output
 
     def _wake_idle_waiters(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
         stats = self.utility_get_stats()
         for future in waiters:
             future.set_result(stats)
-
-    def _append_token(
-        self, request: Request, token_id: int, row: int, sampled: SamplerOutput
-    ) -> EngineCoreOutput:
-        request.all_token_ids.append(token_id)
-        self.num_generated_tokens += 1
-        params = request.sampling_params
-        num_output = request.num_output_tokens
-        stop_string = request.detokenizer.update(token_id)
-        finish_reason, stop_reason = None, None
-        if stop_string is not None:
-            finish_reason, stop_reason = FinishReason.STOP, stop_string
-        elif num_output >= params.min_tokens and not params.ignore_eos and token_id in self.eos_token_ids:
-            finish_reason = FinishReason.STOP
-        elif num_output >= params.min_tokens and token_id in params.stop_token_ids:
-            finish_reason, stop_reason = FinishReason.STOP, token_id
-        elif num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            finish_reason = FinishReason.LENGTH
-        output = EngineCoreOutput(
-            request.request_id, [token_id], num_cached_tokens=max(request.num_cached_tokens, 0)
-        )
-        if params.logprobs is not None:
-            width = params.logprobs + 1
-            output.logprob_values = sampled.logprob_values[row : row + 1, :width].clone()
-            output.logprob_token_ids = sampled.logprob_token_ids[row : row + 1, :width].clone()
-            output.logprob_ranks = sampled.logprob_ranks[row : row + 1, :width].clone()
-        if finish_reason is None:
-            output.new_text = request.detokenizer.flush()
-            self._outputs.append(output)
-        else:
-            self._finish(request, finish_reason, stop_reason, self._outputs, output)
-        return output
-
-    def _finish(
-        self,
-        request: Request,
-        reason: FinishReason,
-        stop_reason: str | int | None,
-        outputs: list[EngineCoreOutput],
-        output: EngineCoreOutput | None = None,
-    ) -> None:
-        self.scheduler.finish_request(request, reason)
-        if output is None:
-            output = EngineCoreOutput(
-                request.request_id, [], num_cached_tokens=max(request.num_cached_tokens, 0)
-            )
-        output.new_text = request.detokenizer.flush_final()
-        output.finish_reason = reason
-        output.stop_reason = stop_reason
-        outputs.append(output)
 
     # ---- utilities: call_utility("name", ...) runs utility_name(...) -------------------------------
     def utility_ping(self) -> str:
@@ -392,7 +279,7 @@ class EngineCore:
             else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
-            "num_generated_tokens": self.num_generated_tokens,
+            "num_generated_tokens": self.outputs.num_generated_tokens,
             "uptime_s": time.monotonic() - self.start_time,
             "data_parallel_rank": self.engine_index,
         }
@@ -418,7 +305,7 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release the model, the KV cache and the scheduler's requests, and return device memory."""
         self.abort_all()
-        self._outputs.clear()
+        self.outputs.take()
         for future in self._idle_waiters:
             future.cancel()
         self._idle_waiters.clear()

@@ -1,0 +1,161 @@
+"""StepOutputs: what each request hears from the engine core, gathered until the step hands it back.
+
+A sampled token becomes its request's delta (the token, its text, logprobs, a status change) or, when it stops
+the request, the final output. Aborts, refusals and the status changes of requests that produced no token
+this step get an output of their own. The engine core's ``step`` takes them all at once (``take``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from enginekit.core.request import Request
+from enginekit.core.scheduler import Scheduler
+from enginekit.model.sampler import SamplerOutput
+from enginekit.wire.messages import EngineCoreOutput, FinishReason, InvalidRequest, RequestError
+from enginekit.wire.messages import RequestStatus as WireStatus
+
+logger = logging.getLogger("enginekit.core")
+
+SHUTTING_DOWN = "engine shutting down"
+
+
+class StepOutputs:
+    def __init__(self, scheduler: Scheduler, *, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.pending: list[EngineCoreOutput] = []
+        self.num_generated_tokens = 0
+
+    def take(self) -> list[EngineCoreOutput]:
+        outputs, self.pending = self.pending, []
+        return outputs
+
+    # ---- requests that never run --------------------------------------------------------------------
+    def shutting_down(self, request_id: str) -> None:
+        self.pending.append(
+            EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT, stop_reason=SHUTTING_DOWN)
+        )
+
+    def refuse(self, request_id: str, error: BaseException) -> None:
+        """Answer a request the engine will not serve with the error its caller gets."""
+        logger.warning("rejected request %s: %s", request_id, error)
+        kind = "TypeError" if isinstance(error, TypeError) else "ValueError"
+        self.pending.append(
+            EngineCoreOutput(
+                request_id, [], finish_reason=FinishReason.ABORT, error=RequestError(kind, str(error))
+            )
+        )
+
+    def refuse_invalid(self, message: InvalidRequest) -> None:
+        """Answer a request that could not be decoded (the engine process found it so)."""
+        if message.request_id in self.scheduler.requests:
+            logger.warning("dropped an undecodable request under the running id %s", message.request_id)
+            return
+        logger.warning("rejected request %s: %s", message.request_id, message.error.message)
+        self.pending.append(
+            EngineCoreOutput(message.request_id, [], finish_reason=FinishReason.ABORT, error=message.error)
+        )
+
+    # ---- a step's tokens ----------------------------------------------------------------------------
+    def token(self, request: Request, sampled: SamplerOutput, row: int, status: WireStatus | None) -> None:
+        """Append the token sampled in ``row`` to its request and emit the delta, or the final output when it
+        stops the request; ``status`` is the request's status change this step, if any."""
+        token_id = sampled.token_ids[row]
+        request.all_token_ids.append(token_id)
+        self.num_generated_tokens += 1
+        finish_reason, stop_reason = self._check_stop(request, token_id)
+        output = EngineCoreOutput(
+            request.request_id, [token_id], num_cached_tokens=max(request.num_cached_tokens, 0)
+        )
+        params = request.sampling_params
+        if params.logprobs is not None:
+            width = params.logprobs + 1
+            output.logprob_values = sampled.logprob_values[row : row + 1, :width].clone()
+            output.logprob_token_ids = sampled.logprob_token_ids[row : row + 1, :width].clone()
+            output.logprob_ranks = sampled.logprob_ranks[row : row + 1, :width].clone()
+        if status is not None:
+            _stamp(output, request, status)
+        if request.prompt_logprobs is not None and params.prompt_logprobs is not None:
+            _attach_prompt_logprobs(output, request)
+        if finish_reason is None:
+            output.new_text = request.detokenizer.flush()
+            self.pending.append(output)
+        else:
+            self.finish(request, finish_reason, stop_reason, output)
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, str | int | None]:
+        """Whether ``token_id``, just appended, ends its request: a stop string, EOS, a stop token or a limit."""
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        stop_string = request.detokenizer.update(token_id)
+        if stop_string is not None:
+            return FinishReason.STOP, stop_string
+        if num_output >= params.min_tokens and not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP, None
+        if num_output >= params.min_tokens and token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def finish(
+        self,
+        request: Request,
+        reason: FinishReason,
+        stop_reason: str | int | None = None,
+        output: EngineCoreOutput | None = None,
+    ) -> None:
+        """End ``request`` in the scheduler and emit its final output (with the rest of its text)."""
+        self.scheduler.finish_request(request, reason)
+        if output is None:
+            output = EngineCoreOutput(
+                request.request_id, [], num_cached_tokens=max(request.num_cached_tokens, 0)
+            )
+        output.new_text = request.detokenizer.flush_final()
+        output.finish_reason = reason
+        output.stop_reason = stop_reason
+        self.pending.append(output)
+
+    # ---- status changes -----------------------------------------------------------------------------
+    def report_status(self, changes: dict[str, WireStatus]) -> None:
+        """Status changes of requests that produced no token this step get an output of their own."""
+        for request_id, status in changes.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.pending.append(_stamp(EngineCoreOutput(request_id, []), request, status))
+
+
+def status_changes(started: list[Request], preempted: list[Request]) -> dict[str, WireStatus]:
+    """The requests the scheduler started (or resumed) and preempted this step, by id; stamps when each request
+    was first scheduled."""
+    now = time.time()
+    for request in started:
+        request.first_scheduled_time = request.first_scheduled_time or now
+    changes = {request.request_id: WireStatus.RUNNING for request in started}
+    changes.update({request.request_id: WireStatus.PREEMPTED for request in preempted})
+    return changes
+
+
+def _stamp(output: EngineCoreOutput, request: Request, status: WireStatus) -> EngineCoreOutput:
+    output.status = status
+    output.first_scheduled_time = request.first_scheduled_time
+    output.num_preemptions = request.num_preemptions
+    return output
+
+
+def _attach_prompt_logprobs(output: EngineCoreOutput, request: Request) -> None:
+    """The prompt is done: send its logprobs once, with the first token (none for a one-token prompt)."""
+    parts = request.prompt_logprobs or []
+    if parts:
+        values, ids, ranks = (torch.cat(column) for column in zip(*parts))
+    else:
+        width = request.sampling_params.prompt_logprobs + 1
+        values, ids, ranks = torch.empty(0, width), torch.empty(0, width, dtype=torch.long), None
+    output.prompt_logprob_values, output.prompt_logprob_token_ids = values, ids
+    output.prompt_logprob_ranks = ranks
+    request.prompt_logprobs = None
