@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -205,6 +207,71 @@ def test_final_only_yields_one_finished_output(engine):
         outputs[0].text
         == engine.generate("Only the end", SamplingParams(max_tokens=12, temperature=0))[0].text
     )
+
+
+def _count_batches(engine, monkeypatch) -> list[int]:
+    """Count the batches of outputs the front end applies (one per engine message), for every mode."""
+    counts = [0]
+    process = engine._router.processor.process
+
+    def counting(batch):
+        counts[0] += any(output.request_id.endswith("watched") for output in batch.outputs)
+        process(batch)
+
+    monkeypatch.setattr(engine._router.processor, "process", counting)
+    return counts
+
+
+def test_generate_gets_one_message_per_request_end_and_what_a_stream_gets(engine, monkeypatch):
+    params = SamplingParams(
+        n=2,
+        max_tokens=12,
+        temperature=1.0,
+        seed=5,
+        logprobs=2,
+        prompt_logprobs=1,
+        stop=["zz"],
+        ignore_eos=True,
+    )
+    counts = _count_batches(engine, monkeypatch)
+    engine.reset_prefix_cache()  # both calls compute the whole prompt: the same numbers
+    [final] = engine.generate(LONG_PROMPT, params, request_id="g-watched")
+    assert counts[0] <= 2  # the engine sent the two samples' ends, nothing per step
+    engine.reset_prefix_cache()
+    [*_, streamed] = engine.stream(LONG_PROMPT, params, request_id="s-watched")
+    assert counts[0] - 2 >= 12  # a stream gets a delta per step
+    for got, want in zip(final.outputs, streamed.outputs):
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        assert got.logprobs == want.logprobs and len(got.logprobs) == len(got.token_ids)
+    assert final.prompt_logprobs == streamed.prompt_logprobs and final.prompt_logprobs[1] is not None
+    m = final.metrics
+    assert (
+        m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    )
+
+
+def test_a_generate_aborted_while_it_runs_returns_what_it_generated():
+    with Engine("builtin", mode="mp") as engine:
+        params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+        result = []
+        thread = threading.Thread(
+            target=lambda: result.extend(engine.generate("go on", params, request_id="long"))
+        )
+        thread.start()
+        deadline = time.monotonic() + 60
+        while engine.get_stats()["num_generated_tokens"] < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine.abort("long")
+        thread.join(60)
+        [out] = result
+        assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) >= 20
+        assert out.outputs[0].text == engine.tokenizer.decode(out.outputs[0].token_ids)
+        assert (
+            engine.generate("go on", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+            .outputs[0]
+            .token_ids
+            == out.outputs[0].token_ids[:20]
+        )
 
 
 def test_metrics_are_ordered_and_count_preemptions():

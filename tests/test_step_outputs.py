@@ -1,6 +1,7 @@
 """StepOutputs: a sampled token's delta or final output, the stop checks in their order, status and refusals."""
 
 import pytest
+import torch
 
 from enginekit.core.detokenizer import IncrementalDetokenizer
 from enginekit.core.kv_cache import KVCacheManager
@@ -131,3 +132,63 @@ def test_a_refusal_carries_the_error_kind_its_caller_raises(outputs, error, kind
         kind,
         str(error),
     )
+
+
+# ---- final_only: one output when the request ends ------------------------------------------------------
+def add_final_only(outputs: StepOutputs, request_id: str = "f", **params) -> Request:
+    sampling = SamplingParams(**params)
+    detokenizer = IncrementalDetokenizer(ByteTokenizer(), PROMPT, sampling.stop)
+    message = EngineCoreRequest(request_id, PROMPT, sampling, final_only=True)
+    request = Request(message, detokenizer=detokenizer)
+    outputs.scheduler.add_request(request)
+    return request
+
+
+def logprob_step(token: int, value: float) -> SamplerOutput:
+    """A one-row step that asked for one logprob: the sampled token, then the top one."""
+    return SamplerOutput(
+        [token],
+        torch.tensor([[value, value + 1]]),
+        torch.tensor([[token, 0]]),
+        torch.tensor([[2, 1]], dtype=torch.int32),
+    )
+
+
+def test_a_final_only_request_sends_one_output_with_everything_when_it_ends(outputs):
+    request = add_final_only(outputs, max_tokens=3, logprobs=1)
+    (started,) = status_changes([request], []).values()
+    for index, char in enumerate("abc"):
+        outputs.token(request, logprob_step(token_of(char), -index), 0, started if index == 0 else None)
+        if index < 2:
+            assert outputs.take() == []  # no delta and no status output while it runs
+    (final,) = outputs.take()
+    assert (final.new_token_ids, final.new_text) == ([token_of(c) for c in "abc"], "abc")
+    assert final.finish_reason is FinishReason.LENGTH
+    assert final.logprob_values.tolist() == [[0, 1], [-1, 0], [-2, -1]]
+    assert final.logprob_token_ids[:, 0].tolist() == final.new_token_ids
+    assert 0 < final.first_scheduled_time <= final.first_token_time
+
+
+def test_a_final_only_request_reports_no_status_change_of_its_own(outputs):
+    request = add_final_only(outputs)
+    outputs.report_status(status_changes([request], []))
+    outputs.report_status(status_changes([], [request]))
+    assert outputs.take() == []
+
+
+def test_an_aborted_final_only_request_sends_what_it_produced(outputs):
+    request = add_final_only(outputs, max_tokens=10, stop=["yz"])
+    sample(outputs, request, token_of("h"), token_of("y"))
+    status_changes([], [request])
+    request.num_preemptions += 1
+    outputs.finish(request, FinishReason.ABORT)
+    (final,) = outputs.take()
+    assert (final.finish_reason, final.new_token_ids) == (FinishReason.ABORT, [token_of("h"), token_of("y")])
+    assert final.new_text == "hy" and final.num_preemptions == 1
+
+
+def test_a_final_only_request_aborted_before_its_first_token_sends_an_empty_end(outputs):
+    request = add_final_only(outputs)
+    outputs.finish(request, FinishReason.ABORT)
+    (final,) = outputs.take()
+    assert (final.new_token_ids, final.new_text, final.first_token_time) == ([], "", 0.0)

@@ -16,7 +16,7 @@ from enginekit.errors import EngineShutdownError
 from enginekit.logs import show_logs
 from enginekit.model.loader import ModelSpec, load_model_spec
 from enginekit.model.tokenizer import Tokenizer
-from enginekit.notebook import GenerationHandle, start_background, watcher_for
+from enginekit.notebook import GenerationHandle, start_background, watcher_for, watches_live
 from enginekit.output_processor import RequestState, watched
 from enginekit.output_router import OutputRouter
 from enginekit.outputs import RequestOutput
@@ -137,26 +137,24 @@ class Engine(ChatMixin):
 
     # ---- requests -----------------------------------------------------------------------------------
     def _submit(
-        self, prompts: Any, params: Any, single: str = "", request_id: Any = None, messages: Any = None
+        self,
+        prompts: Any,
+        params: Any,
+        single: str = "",
+        request_id: Any = None,
+        messages: Any = None,
+        final_only: bool | None = None,
     ) -> list[RequestState]:
-        """Build and check every request, then send them all; nothing is sent if one is bad."""
+        """Build and check every request, then send them all; nothing is sent if one is bad. ``final_only``:
+        the caller needs only the ends (``None``: the requests whose ``output_kind`` is ``FINAL_ONLY``)."""
         prepared = self._requests.build(
-            prompts, params, single=single, request_id=request_id, messages=messages
+            prompts, params, single=single, request_id=request_id, messages=messages, final_only=final_only
         )
         self._router.processor.check_new_ids([r.request_id for p in prepared for r in p.engine_requests])
         client, decode, states = self.client, self._decode, []
         try:
             for p in prepared:
-                engine_ids = [r.request_id for r in p.engine_requests]
-                state = RequestState(
-                    p.request_id,
-                    p.text,
-                    p.prompt_token_ids,
-                    p.params,
-                    engine_ids=engine_ids,
-                    decode=decode,
-                    messages=p.messages,
-                )
+                state = RequestState.of(p, decode)
                 states.append(state)
                 self._router.track(state)
                 for request in p.engine_requests:
@@ -197,7 +195,7 @@ class Engine(ChatMixin):
         self, prompts: Any, params: Any, use_tqdm: Any, viewer: Any, request_id: Any, messages: Any = None
     ) -> list[RequestOutput]:
         attach_watcher = watcher_for(use_tqdm, viewer, blocking=True)
-        states = self._submit(prompts, params, request_id=request_id, messages=messages)
+        states = self._submit(prompts, params, "", request_id, messages, not watches_live(viewer))
         return self._router.collect(states, attach_watcher(self, *watched(states)))
 
     @vllm_names
@@ -228,7 +226,7 @@ class Engine(ChatMixin):
         self, prompts: Any, params: Any, use_tqdm: Any, viewer: Any, request_id: Any, messages: Any = None
     ) -> Coroutine[Any, Any, list[RequestOutput]]:
         attach_watcher = watcher_for(use_tqdm, viewer)
-        states = self._submit(prompts, params, request_id=request_id, messages=messages)
+        states = self._submit(prompts, params, "", request_id, messages, not watches_live(viewer))
         return self._router.collect_async(states, attach_watcher(self, *watched(states)))
 
     @vllm_names

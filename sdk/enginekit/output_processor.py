@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from enginekit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import EngineCoreOutput, EngineCoreOutputs, RequestStatus
+
+if TYPE_CHECKING:
+    from enginekit.prompts import PreparedRequest
 
 _STATUS_NAMES = {
     RequestStatus.WAITING: "waiting",
@@ -72,6 +76,21 @@ class RequestState:
         self._sent = [(0, 0)] * params.n  # per sample: tokens and characters a delta stream has yielded
         self._prompt_sent = False
 
+    @classmethod
+    def of(cls, prepared: PreparedRequest, decode: Decode) -> RequestState:
+        """The state of a request as ``RequestBuilder`` prepared it."""
+        p = prepared
+        engine_ids = [r.request_id for r in p.engine_requests]
+        return cls(
+            p.request_id,
+            p.text,
+            p.prompt_token_ids,
+            p.params,
+            engine_ids=engine_ids,
+            decode=decode,
+            messages=p.messages,
+        )
+
     @property
     def request_id(self) -> str:
         return self.output.request_id
@@ -80,13 +99,15 @@ class RequestState:
         output, completion = self.output, self.output.outputs[index]
         metrics = output.metrics
         assert metrics is not None
-        if delta.status is not None:
-            output.status = _STATUS_NAMES[delta.status]
+        if delta.status is not None or delta.finish_reason is not None:  # the engine's timing rides on these
+            if delta.status is not None:
+                output.status = _STATUS_NAMES[delta.status]
             metrics.first_scheduled_time = metrics.first_scheduled_time or delta.first_scheduled_time or None
             metrics.num_preemptions = max(metrics.num_preemptions, delta.num_preemptions)
         if delta.new_token_ids:
             now = time.time()
-            metrics.first_token_time = metrics.first_token_time or now
+            # A final_only request's one output says when the engine produced its first token.
+            metrics.first_token_time = metrics.first_token_time or delta.first_token_time or now
             metrics.last_token_time = now
             output.status = "running"
             completion.token_ids.extend(delta.new_token_ids)

@@ -16,7 +16,7 @@ import torch
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
 from enginekit.model.loader import ModelSpec
 from enginekit.model.tokenizer import Tokenizer
-from enginekit.sampling_params import SamplingParams
+from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import EngineCoreRequest
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -148,8 +148,10 @@ class RequestBuilder:
         single: str = "",
         request_id: Any = None,
         messages: list | None = None,
+        final_only: bool | None = None,
     ) -> list[PreparedRequest]:
-        """One checked request per prompt (``single`` names a method that takes exactly one)."""
+        """One checked request per prompt (``single`` names a method that takes exactly one). ``final_only``:
+        the caller needs only each request's end (``None``: if its ``output_kind`` is ``FINAL_ONLY``)."""
         items = normalize_prompts(prompts)
         if single and len(items) != 1:
             raise ValueError(f"{single} takes one prompt; use generate for a batch")
@@ -158,6 +160,8 @@ class RequestBuilder:
         tokenizer, now, prepared = self.spec.tokenizer, time.time(), []
         for index, (item, item_params, rid) in enumerate(zip(items, all_params, ids)):
             request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+            only_end = item_params.output_kind is RequestOutputKind.FINAL_ONLY
+            request.final_only = only_end if final_only is None else final_only
             conversation = messages[index] if messages is not None else None
             samples = _samples(request) if item_params.n > 1 else [request]
             prepared.append(

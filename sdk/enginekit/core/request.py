@@ -7,7 +7,7 @@ import enum
 import torch
 
 from enginekit.sampling_params import SamplingParams
-from enginekit.wire.messages import EngineCoreRequest, FinishReason
+from enginekit.wire.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 
 class RequestStatus(enum.Enum):
@@ -23,6 +23,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "detokenizer",
+        "final_output",
         "finish_reason",
         "first_scheduled_time",
         "generator",
@@ -30,6 +31,7 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "output_logprobs",
         "parent_request_id",
         "prompt_embeds",
         "prompt_logprobs",
@@ -57,6 +59,9 @@ class Request:
         self.parent_request_id = message.parent_request_id
         self.first_scheduled_time = 0.0
         self.prompt_logprobs: list[tuple[torch.Tensor, ...]] = []  # parts, one per prefill chunk, until sent
+        # final_only: the one output the request will send, filled as it runs, and its tokens' logprob rows.
+        self.final_output = EngineCoreOutput(self.request_id, []) if message.final_only else None
+        self.output_logprobs: list[tuple[torch.Tensor, ...]] = []
         seed = self.sampling_params.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
 

@@ -3,6 +3,10 @@
 A sampled token becomes its request's delta (the token, its text, logprobs, a status change) or, when it stops
 the request, the final output. Aborts, refusals and the status changes of requests that produced no token
 this step get an output of their own. The engine core's ``step`` takes them all at once (``take``).
+
+A ``final_only`` request (its caller wants only the end) sends nothing until it ends: its tokens and logprobs
+gather in one output that is sent whole when it stops or is aborted. A ``generate`` of many requests then
+costs no message, and no wake-up of the front end, on a step where none of them ends.
 """
 
 from __future__ import annotations
@@ -69,15 +73,18 @@ class StepOutputs:
         request.all_token_ids.append(token_id)
         self.num_generated_tokens += 1
         finish_reason, stop_reason = self._check_stop(request, token_id)
+        if request.final_output is not None:
+            self._gather(request, token_id, sampled, row)
+            if finish_reason is not None:
+                self.finish(request, finish_reason, stop_reason)
+            return
         output = EngineCoreOutput(
             request.request_id, [token_id], num_cached_tokens=max(request.num_cached_tokens, 0)
         )
         params = request.sampling_params
         if params.logprobs is not None:
-            width = params.logprobs + 1
-            output.logprob_values = sampled.logprob_values[row : row + 1, :width].clone()
-            output.logprob_token_ids = sampled.logprob_token_ids[row : row + 1, :width].clone()
-            output.logprob_ranks = sampled.logprob_ranks[row : row + 1, :width].clone()
+            rows = _logprob_rows(sampled, row, params.logprobs + 1)
+            output.logprob_values, output.logprob_token_ids, output.logprob_ranks = rows
         if status is not None:
             _stamp(output, request, status)
         if request.prompt_logprobs is not None and params.prompt_logprobs is not None:
@@ -87,6 +94,19 @@ class StepOutputs:
             self.pending.append(output)
         else:
             self.finish(request, finish_reason, stop_reason, output)
+
+    @staticmethod
+    def _gather(request: Request, token_id: int, sampled: SamplerOutput, row: int) -> None:
+        """A final_only request's token: into the output it will send when it ends."""
+        output = request.final_output
+        assert output is not None
+        output.new_token_ids.append(token_id)
+        output.first_token_time = output.first_token_time or time.time()
+        params = request.sampling_params
+        if params.logprobs is not None:
+            request.output_logprobs.append(_logprob_rows(sampled, row, params.logprobs + 1))
+        if request.prompt_logprobs is not None and params.prompt_logprobs is not None:
+            _attach_prompt_logprobs(output, request)
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, str | int | None]:
         """Whether ``token_id``, just appended, ends its request: a stop string, EOS, a stop token or a limit."""
@@ -110,9 +130,12 @@ class StepOutputs:
         stop_reason: str | int | None = None,
         output: EngineCoreOutput | None = None,
     ) -> None:
-        """End ``request`` in the scheduler and emit its final output (with the rest of its text)."""
+        """End ``request`` in the scheduler and emit its final output (with the rest of its text; for a
+        final_only request, everything it produced)."""
         self.scheduler.finish_request(request, reason)
-        if output is None:
+        if request.final_output is not None:
+            output = _complete(request.final_output, request)
+        elif output is None:
             output = EngineCoreOutput(
                 request.request_id, [], num_cached_tokens=max(request.num_cached_tokens, 0)
             )
@@ -126,7 +149,7 @@ class StepOutputs:
         """Status changes of requests that produced no token this step get an output of their own."""
         for request_id, status in changes.items():
             request = self.scheduler.requests.get(request_id)
-            if request is not None:
+            if request is not None and request.final_output is None:
                 self.pending.append(_stamp(EngineCoreOutput(request_id, []), request, status))
 
 
@@ -143,6 +166,28 @@ def status_changes(started: list[Request], preempted: list[Request]) -> dict[str
 
 def _stamp(output: EngineCoreOutput, request: Request, status: WireStatus) -> EngineCoreOutput:
     output.status = status
+    output.first_scheduled_time = request.first_scheduled_time
+    output.num_preemptions = request.num_preemptions
+    return output
+
+
+def _logprob_rows(sampled: SamplerOutput, row: int, width: int) -> tuple[torch.Tensor, ...]:
+    """Row ``row`` of the step's logprobs, its first ``width`` columns (copies: the step's tensors are big)."""
+    assert sampled.logprob_values is not None and sampled.logprob_token_ids is not None
+    assert sampled.logprob_ranks is not None
+    return tuple(
+        column[row : row + 1, :width].clone()
+        for column in (sampled.logprob_values, sampled.logprob_token_ids, sampled.logprob_ranks)
+    )
+
+
+def _complete(output: EngineCoreOutput, request: Request) -> EngineCoreOutput:
+    """A final_only request's one output, about to be sent: its logprob rows joined, the engine's timing."""
+    if request.output_logprobs:
+        joined = (torch.cat(column) for column in zip(*request.output_logprobs))
+        output.logprob_values, output.logprob_token_ids, output.logprob_ranks = joined
+        request.output_logprobs = []
+    output.num_cached_tokens = max(request.num_cached_tokens, 0)
     output.first_scheduled_time = request.first_scheduled_time
     output.num_preemptions = request.num_preemptions
     return output

@@ -7,6 +7,6 @@ API, so the facade can hand them its requests' live outputs.
 from enginekit.notebook.background import GenerationHandle, start_background
 from enginekit.notebook.jupyter import in_jupyter
 from enginekit.notebook.viewer import Viewer
-from enginekit.notebook.watch import watcher_for
+from enginekit.notebook.watch import watcher_for, watches_live
 
-__all__ = ["GenerationHandle", "Viewer", "in_jupyter", "start_background", "watcher_for"]
+__all__ = ["GenerationHandle", "Viewer", "in_jupyter", "start_background", "watcher_for", "watches_live"]

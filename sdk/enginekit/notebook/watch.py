@@ -21,6 +21,12 @@ class NoWatcher:
         pass
 
 
+def watches_live(viewer: Any) -> bool:
+    """Whether a call with this ``viewer`` argument shows its requests token by token. If not, the caller needs
+    only their ends, and the engine sends nothing else (``EngineCoreRequest.final_only``)."""
+    return viewer is not None and viewer is not False
+
+
 def watcher_for(progress: bool | None, viewer: Any, *, blocking: bool = False) -> Callable[..., Any]:
     """Check the arguments now (before anything is submitted); the result attaches to the live outputs.
 
@@ -31,7 +37,7 @@ def watcher_for(progress: bool | None, viewer: Any, *, blocking: bool = False) -
     check_viewer_argument(viewer)
 
     def attach(engine: Any, outputs: list[RequestOutput], params: list[SamplingParams] | None = None) -> Any:
-        if viewer is not None and viewer is not False:
+        if watches_live(viewer):
             watch = (Viewer() if viewer is True else viewer).attach(engine, outputs, params)
             watch.blocking = blocking
             return watch

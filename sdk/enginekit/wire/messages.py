@@ -93,7 +93,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add", **_REQUEST):
     """Add a request (already tokenized).
 
     ``parent_request_id`` groups the ``n`` samples of one prompt: the engine prefills one of them first, so the
-    others find the prompt's blocks in the prefix cache.
+    others find the prompt's blocks in the prefix cache. ``final_only``: the caller wants only the end (a
+    ``generate`` nothing watches live), so the engine sends one output when the request ends, with every token,
+    instead of a delta per step.
     """
 
     request_id: str
@@ -102,6 +104,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", **_REQUEST):
     arrival_time: float = 0.0
     prompt_embeds: torch.Tensor | None = None
     parent_request_id: str | None = None
+    final_only: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_REQUEST):
@@ -146,7 +149,8 @@ EngineRequest = EngineCoreRequest | AbortRequest | UtilityRequest | ShutdownRequ
 
 
 class EngineCoreOutput(msgspec.Struct, **_MESSAGE):
-    """What one step produced for one request: a delta, not the cumulative output."""
+    """What one step produced for one request: a delta, not the cumulative output (for a ``final_only`` request,
+    the one output it gets: everything, when it ends)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -168,6 +172,8 @@ class EngineCoreOutput(msgspec.Struct, **_MESSAGE):
     status: RequestStatus | None = None
     first_scheduled_time: float = 0.0
     num_preemptions: int = 0
+    # A final_only request's one output: when the engine produced its first token (no delta told the front end).
+    first_token_time: float = 0.0
 
     @property
     def finished(self) -> bool:
