@@ -301,13 +301,20 @@ def make_engine(spec: ModelSpec, mode: str, **options: Any) -> Any:
 
 
 def engine_batch_runner(
-    engine: Any, spec: ModelSpec, workload: Workload, *, threads: int | None = None, seed: int = 0
+    engine: Any,
+    spec: ModelSpec,
+    workload: Workload,
+    *,
+    threads: int | None = None,
+    seed: int = 0,
+    deltas: bool = False,
 ) -> Callable[[], Run]:
     """A function that submits the whole workload at once, waits for all of it and returns a Run.
 
     Every call uses fresh random prompts (built before the clock starts), so no run hits the prefix cache
     filled by an earlier one. ``threads`` sets this process's torch threads during the call (for in-process
-    engines, whose thread count is process-wide).
+    engines, whose thread count is process-wide). ``deltas``: the engine sends every request a delta per step,
+    as a stream or a viewer gets them, instead of ``generate``'s one output per request end.
     """
     rng = random.Random(seed)
     params = [greedy(n) for n in workload.output_lens]
@@ -317,7 +324,11 @@ def engine_batch_runner(
         prompts = [{"prompt_token_ids": spec.random_prompt(n, rng)} for n in workload.prompt_lens]
         with torch_threads(threads):
             if engine.mode == "async":
-                outputs, elapsed = asyncio.run(_timed_agenerate(engine, prompts, params))
+                outputs, elapsed = asyncio.run(_timed_agenerate(engine, prompts, params, deltas))
+            elif deltas:
+                start = time.perf_counter()
+                outputs = engine._router.collect(*_submit_for_deltas(engine, prompts, params))
+                elapsed = time.perf_counter() - start
             else:
                 start = time.perf_counter()
                 outputs = engine.generate(prompts, params, progress=False)
@@ -327,10 +338,22 @@ def engine_batch_runner(
     return run
 
 
-async def _timed_agenerate(engine: Any, prompts: list, params: list) -> tuple[list, float]:
+async def _timed_agenerate(engine: Any, prompts: list, params: list, deltas: bool) -> tuple[list, float]:
     start = time.perf_counter()
-    outputs = await engine.agenerate(prompts, params, progress=False)
+    if deltas:
+        outputs = await engine._router.collect_async(*_submit_for_deltas(engine, prompts, params))
+    else:
+        outputs = await engine.agenerate(prompts, params, progress=False)
     return outputs, time.perf_counter() - start
+
+
+def _submit_for_deltas(engine: Any, prompts: list, params: list) -> tuple[list[Any], Any]:
+    """The requests' states and a watcher that shows nothing, for the output router to collect."""
+    # NOTE: the facade's internals: what generate does, with every request sent a delta per step (as for a
+    # viewer, without drawing one).
+    from enginekit.notebook.watch import NoWatcher
+
+    return engine._submit(prompts, params, final_only=False), NoWatcher()
 
 
 def engine_staggered_runner(
@@ -383,7 +406,7 @@ def _staggered_driver(
             raise TimeoutError(f"staggered requests did not finish within {_CALL_TIMEOUT_S:.0f}s")
         while pending and start + arrivals[pending[0]] <= now:
             index = pending.popleft()
-            (states[index],) = engine._submit(prompts[index], params[index], "generate")
+            (states[index],) = engine._submit(prompts[index], params[index], "generate", final_only=True)
             unfinished.append(states[index])
         while unfinished and unfinished[0].finished:
             unfinished.popleft()

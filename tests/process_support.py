@@ -41,7 +41,7 @@ def in_thread(function):
 
 
 def wait_until_generating(engine, timeout: float = 60.0) -> None:
-    """Wait until some request of ``engine`` has received a token."""
+    """Wait until the engine has reported some request of ``engine`` running (or sent it a token)."""
     deadline = time.monotonic() + timeout
     while not any(state.version for state in list(engine._router.processor.states.values())):
         assert time.monotonic() < deadline, "no request received a token"

@@ -154,26 +154,21 @@ def logprob_step(token: int, value: float) -> SamplerOutput:
     )
 
 
-def test_a_final_only_request_sends_one_output_with_everything_when_it_ends(outputs):
+def test_a_final_only_request_sends_its_start_then_one_output_with_everything_when_it_ends(outputs):
     request = add_final_only(outputs, max_tokens=3, logprobs=1)
     (started,) = status_changes([request], []).values()
-    for index, char in enumerate("abc"):
-        outputs.token(request, logprob_step(token_of(char), -index), 0, started if index == 0 else None)
-        if index < 2:
-            assert outputs.take() == []  # no delta and no status output while it runs
+    outputs.token(request, logprob_step(token_of("a"), 0), 0, started)
+    (start,) = outputs.take()
+    assert (start.new_token_ids, start.status, start.finish_reason) == ([], RequestStatus.RUNNING, None)
+    outputs.token(request, logprob_step(token_of("b"), -1), 0, None)
+    assert outputs.take() == []  # no delta while it runs
+    outputs.token(request, logprob_step(token_of("c"), -2), 0, None)
     (final,) = outputs.take()
     assert (final.new_token_ids, final.new_text) == ([token_of(c) for c in "abc"], "abc")
     assert final.finish_reason is FinishReason.LENGTH
     assert final.logprob_values.tolist() == [[0, 1], [-1, 0], [-2, -1]]
     assert final.logprob_token_ids[:, 0].tolist() == final.new_token_ids
     assert 0 < final.first_scheduled_time <= final.first_token_time
-
-
-def test_a_final_only_request_reports_no_status_change_of_its_own(outputs):
-    request = add_final_only(outputs)
-    outputs.report_status(status_changes([request], []))
-    outputs.report_status(status_changes([], [request]))
-    assert outputs.take() == []
 
 
 def test_an_aborted_final_only_request_sends_what_it_produced(outputs):

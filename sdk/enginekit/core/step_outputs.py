@@ -4,9 +4,10 @@ A sampled token becomes its request's delta (the token, its text, logprobs, a st
 the request, the final output. Aborts, refusals and the status changes of requests that produced no token
 this step get an output of their own. The engine core's ``step`` takes them all at once (``take``).
 
-A ``final_only`` request (its caller wants only the end) sends nothing until it ends: its tokens and logprobs
-gather in one output that is sent whole when it stops or is aborted. A ``generate`` of many requests then
-costs no message, and no wake-up of the front end, on a step where none of them ends.
+A ``final_only`` request (its caller wants only the end) sends no token until it ends: its tokens and logprobs
+gather in one output that is sent whole when it stops or is aborted. Its status changes (scheduled, preempted)
+still get an output of their own, rare events that tell the front end it runs. A ``generate`` of many requests
+then costs no message, and no wake-up of the front end, on a step where none of them starts or ends.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class StepOutputs:
             self._gather(request, token_id, sampled, row)
             if finish_reason is not None:
                 self.finish(request, finish_reason, stop_reason)
+            elif status is not None:
+                self.pending.append(_stamp(EngineCoreOutput(request.request_id, []), request, status))
             return
         output = EngineCoreOutput(
             request.request_id, [token_id], num_cached_tokens=max(request.num_cached_tokens, 0)
@@ -149,7 +152,7 @@ class StepOutputs:
         """Status changes of requests that produced no token this step get an output of their own."""
         for request_id, status in changes.items():
             request = self.scheduler.requests.get(request_id)
-            if request is not None and request.final_output is None:
+            if request is not None:
                 self.pending.append(_stamp(EngineCoreOutput(request_id, []), request, status))
 
 
