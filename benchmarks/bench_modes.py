@@ -37,7 +37,8 @@ EOS ignored) runs through `Engine.generate` in each mode; async mode uses `await
 an asyncio loop. All three engines are up at once with `num_threads={threads}` and their runs alternate, so
 they see the same machine. inproc runs the engine core in the caller's thread; mp and async run it in a
 background process (two IO threads there) and the caller's process receives outputs on its own thread or
-task. The ratio is the median of per-round ratios (min-max). The real model (SmolLM2-135M-Instruct, float32)
+task: one per request, when it ends, except in the last table, where every request gets a delta per step as a
+stream or a viewer does. The ratio is the median of per-round ratios (min-max). The real model (SmolLM2-135M-Instruct, float32)
 runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
 {ctx.pick((16, 8), (64, 32))[0]}-token prompts and {ctx.pick((16, 8), (64, 32))[1]} tokens each,
 {ctx.pick(1, REAL_ROUNDS)} rounds.
@@ -109,13 +110,19 @@ runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
         "viewer, which `generate` no longer pays."
     )
     report.limits = f"""
-Two costs make up the gap, and the last table (one torch thread) separates them.
+**One output per request end.** `generate` and `agenerate`, the workload of the tables above the last one,
+ask the engine for each request's output once, when it ends (`EngineCoreRequest.final_only`, since
+2026-12-02). Before, every step's deltas were encoded by the engine's output thread, sent over an ipc://
+socket, decoded by the front end's receive thread (or the asyncio loop's reader) and routed while the next
+step ran; on the tiny models at 8-32 concurrent, where a step lasts about a millisecond, mp / inproc was
+0.88-0.92 in this section's run of 2026-12-02 (async 0.90-0.94). Measured by hand on the built-in model
+(128-token prompts, 64 tokens, 8-10 interleaved rounds) just before and after the change: mp / inproc 0.87 to
+0.99-1.05 at 32 concurrent, 0.82-0.92 to 0.86-1.03 at 8.
 
-**The process hop.** In mp and async modes every step's outputs are encoded by the engine's output thread,
-sent over an ipc:// socket, decoded by the front end's receive thread (or the asyncio loop's reader) and routed,
-while the next step runs. With one torch thread in every mode (the last table) that is all that differs, and mp
-and async keep most of inproc's rate on the built-in model; what is lost is largest at 8-32 concurrent, where
-a step lasts about a millisecond and the hop's fixed part cannot hide behind it.
+**A delta per step** (the last table): what a stream or a viewer still gets. There the engine's output thread
+and the front end's receive thread need the CPU once per step beside two torch threads that hold both cores,
+and a torch worker they preempt holds up the barrier of the op it was running; in-process, the same output
+work runs between steps on the main thread and preempts nothing.
 
 **The OpenMP workers' wait.** With {threads} threads, inproc runs in this process, whose OpenMP runtime spins
 between parallel regions as long as libgomp's default allows (300000 spins, some milliseconds); the engine
@@ -124,14 +131,13 @@ governor drops a thread while other processes keep a core busy (thread section).
 asleep is woken by a futex at the next parallel region, tens to hundreds of microseconds on this VM. Before the
 engine's workers spun at all, mp / inproc here was 0.27-0.62 on the built-in model.
 
-**The real model.** Its step is tens of milliseconds of matmuls, so the hop's fixed part hides behind it. With
-the previous default, a short spin (`GOMP_SPINCOUNT=10000`, about 0.3 ms), the engine's workers still fell
-asleep inside a step, at gaps between parallel regions longer than that, and mp / inproc was 0.73-0.87 at 8
-concurrent (0.80 in this section's run of 2026-12-01); its table above is measured with the same long spin as
-inproc. A round ranges about 10% either way here: by hand, on 2026-12-02, six rounds at 32 concurrent (order
-alternating) gave per-round mp / inproc from 0.88 to 1.14, median 0.98, while the engine process's two torch
-threads each used a full core and its IO threads and the front end under 0.1 s of CPU per run. So the table
-runs six rounds (it ran three before 2026-12-02, and measured 0.91 at 32 concurrent with the long spin).
+**The real model.** Its step is tens of milliseconds of matmuls, so the hop's fixed part hid behind it even
+with a delta per step. With the previous default, a short spin (`GOMP_SPINCOUNT=10000`, about 0.3 ms), the
+engine's workers still fell asleep inside a step, at gaps between parallel regions longer than that, and mp /
+inproc was 0.73-0.87 at 8 concurrent (0.80 in this section's run of 2026-12-01). A round ranges about 10%
+either way here: by hand, on 2026-12-02, six rounds at 32 concurrent (order alternating) gave per-round mp /
+inproc from 0.88 to 1.14, median 0.98, while the engine process's two torch threads each used a full core and
+its IO threads and the front end under 0.1 s of CPU per run. So the table runs six rounds.
 
 **The long spin beside a notebook.** Workers that spin through every gap keep both cores busy while a step
 runs, and JupyterLab, the kernel and a browser share them. Measured on 2026-12-02 with the real model, 16 chats
@@ -142,17 +148,9 @@ test had failed twice with the long spin. What it found was a viewer that counte
 the next render back 3 s, long enough to miss the first wave of chats on a slower run; with that fixed
 (`notebook/viewer.py`) the test passed 4 runs of 4 with the long spin, one of them beside a busy process.
 
-**The tiny models at 8-32 concurrent.** A step lasts about a millisecond. With one torch thread (the last table)
-the hop alone is what separates the modes. With two, the engine's output thread and the front end's receive
-thread need the CPU once per step beside two torch threads that hold both cores, and a torch worker they
-preempt holds up the barrier of the op it was running; in-process, the same output work runs between steps on
-the main thread and preempts nothing. Where the two-thread ratios fall below the one-thread ones, that is the
-difference.
-
-What would move it: fewer parallel regions per step (fused small ops, one attention kernel for the whole
-batch), or a background engine that picks its thread count per step size from measured step times. That
-second lever needs results that do not depend on the thread count, and today they do in the last bits:
-decode attention splits its work differently with one thread and with two.
+What would move the rest: for streams and viewers, deltas of several steps in one message when the front end
+lags behind (a viewer renders at most every 0.1 s); for every mode, fewer parallel regions per step (fused
+small ops, one attention kernel for the whole batch).
 """
 
 

@@ -46,3 +46,11 @@ def wait_until_generating(engine, timeout: float = 60.0) -> None:
     while not any(state.version for state in list(engine._router.processor.states.values())):
         assert time.monotonic() < deadline, "no request received a token"
         time.sleep(0.005)
+
+
+def generate_with_deltas(engine, prompts, params):
+    """``engine.generate``, with every request sent a delta per step as a stream or a viewer gets them (a plain
+    ``generate`` gets one output per request, when it ends): for the tests of the per-step output path."""
+    from enginekit.notebook.watch import NoWatcher
+
+    return engine._router.collect(engine._submit(prompts, params, final_only=False), NoWatcher())

@@ -57,8 +57,10 @@ OPERATIONS = {
 
 
 def producing_tokens(engine):
+    """Some request of ``engine`` runs: the engine reported it scheduled (``generate`` gets its tokens only when
+    its request ends) or sent it tokens."""
     states = list(engine._router.processor.states.values())
-    return any(completion.token_ids for state in states for completion in state.output.outputs)
+    return any(state.output.status == "running" for state in states)
 
 
 def run_until_fault(engine, operation, *, in_flight, inject):

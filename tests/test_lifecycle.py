@@ -287,7 +287,8 @@ def test_async_sync_call_raises_an_interrupt_that_lands_in_a_destructor_and_keep
 
 @pytest.mark.parametrize("mode", ["inproc", "mp"])
 def test_an_interrupt_while_a_batch_is_routed_loses_nothing_of_another_threads_request(mode):
-    # A batch holds every running request's tokens: the main thread's Ctrl-C must not drop a worker's.
+    # A batch holds every running request's tokens (with a delta per step, as streams and viewers get them): the
+    # main thread's Ctrl-C must not drop a worker's.
     with Engine("builtin", mode=mode, **OPTIONS) as engine:
         params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)  # overlaps the other call
         expected = engine.generate("another thread", params)[0].outputs[0].token_ids
@@ -309,12 +310,14 @@ def test_an_interrupt_while_a_batch_is_routed_loses_nothing_of_another_threads_r
             processor.process = process_after_an_interrupt
             worker = threading.Thread(
                 target=lambda: result.update(
-                    ids=engine.generate("another thread", params)[0].outputs[0].token_ids
+                    ids=process_support.generate_with_deltas(engine, "another thread", params)[0]
+                    .outputs[0]
+                    .token_ids
                 )
             )
             worker.start()
             try:
-                engine.generate("interrupt me", long_params(engine))
+                process_support.generate_with_deltas(engine, "interrupt me", long_params(engine))
                 raised = False
             except KeyboardInterrupt:
                 raised = True

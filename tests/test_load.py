@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from enginekit import Engine, SamplingParams
+from process_support import generate_with_deltas
 
 NUM_REQUESTS = 1000
 NUM_PROMPTS = 20
@@ -112,7 +113,9 @@ def test_a_reader_that_stops_reading_stalls_the_engine_instead_of_growing_it():
         # Wide batches: 64 requests, each token with 20 logprobs (two tensor frames per request).
         params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True, logprobs=20)
         generation = threading.Thread(
-            target=engine.generate, args=([f"reader {i}" for i in range(64)], params), daemon=True
+            target=generate_with_deltas,
+            args=(engine, [f"reader {i}" for i in range(64)], params),
+            daemon=True,
         )
         generation.start()
         process = psutil.Process(engine.engine_pid)
