@@ -117,7 +117,12 @@ socket, decoded by the front end's receive thread (or the asyncio loop's reader)
 step ran; on the tiny models at 8-32 concurrent, where a step lasts about a millisecond, mp / inproc was
 0.88-0.92 in this section's run of 2026-12-02 (async 0.90-0.94). Measured by hand on the built-in model
 (128-token prompts, 64 tokens, 8-10 interleaved rounds) just before and after the change: mp / inproc 0.87 to
-0.99-1.05 at 32 concurrent, 0.82-0.92 to 0.86-1.03 at 8.
+0.99-1.05 at 32 concurrent, 0.82-0.92 to 0.86-1.03 at 8. This section, run twice after it (the first time
+with five rounds for the tiny models, now nine), met 7 and then 4 of its 16 targets, with medians of
+0.83-1.10 and 0.87-1.01 and single rounds from 0.69 to 1.50: the spread of one round is wider than the gaps
+it measures, and the load rose during the second run (see its load averages). In one run, the same engines
+compare the two paths: with a delta per step (the last table) the built-in model's mp / inproc is lower at 8
+and 32 concurrent than with one output per request end.
 
 **A delta per step** (the last table): what a stream or a viewer still gets. There the engine's output thread
 and the front end's receive thread need the CPU once per step beside two torch threads that hold both cores,

@@ -324,6 +324,12 @@ over 30 layers' worth of distinct weights (210 MB, more than any cache) oneDNN's
 its weights at 55-70% of a `torch.sum` over the same bytes, MKL's pre-packed weights and `F.linear` at less;
 a hand-written attention (two batched matmuls and a softmax) was no faster than SDPA at one query; and
 `madvise(MADV_HUGEPAGE)` on the weights gave no huge pages on that VM (AnonHugePages stayed 0).
+Measured there again later that day, paired with transformers (64-token prompt, 64 tokens, three rounds):
+engine / transformers 1.34-1.37 (engine 17-21 tokens/s). A 2x lead would need a token in under 34 ms, and
+the projections alone took 30-35 ms of the forward pass's 48-51; with them replaced, the rest took 12.4 ms
+(paged attention 4.4, rotary embedding 2.7, norms 1.5, the rest 3.8). At one row bfloat16 weights through
+`F.linear` were 1.3-2.2x faster than oneDNN in float32 there (slower from 8 rows on), but change the float32
+results; torch's int8 weight-only kernel (`_weight_int8pack_mm`) was 3-4x slower (no AVX2 path).
 
 **Equal lengths, 8-128 concurrent** (engine / transformers {ratio("equal", 8)}, {ratio("equal", 32)},
 {ratio("equal", 128)}). With equal lengths transformers wastes nothing on padding, so both run the same
