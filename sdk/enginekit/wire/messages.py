@@ -95,7 +95,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", **_REQUEST):
     ``parent_request_id`` groups the ``n`` samples of one prompt: the engine prefills one of them first, so the
     others find the prompt's blocks in the prefix cache. ``final_only``: the caller wants only the end (a
     ``generate`` nothing watches live), so the engine sends one output when the request ends, with every token,
-    instead of a delta per step.
+    instead of a delta per step (and its status changes, which are rare).
     """
 
     request_id: str
