@@ -44,7 +44,7 @@ def wait_until_generating(engine, timeout: float = 60.0) -> None:
     """Wait until the engine has reported some request of ``engine`` running (or sent it a token)."""
     deadline = time.monotonic() + timeout
     while not any(state.version for state in list(engine._router.processor.states.values())):
-        assert time.monotonic() < deadline, "no request received a token"
+        assert time.monotonic() < deadline, "no request started running"
         time.sleep(0.005)
 
 
