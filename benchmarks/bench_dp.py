@@ -115,11 +115,12 @@ detokenization) that the GIL serializes within one process runs in parallel. But
 batch, and one engine's step does not take half as long at half the batch: part of it is fixed per step (per-op
 dispatch for every layer, the sampler, the step's bookkeeping). The ceiling column measures exactly that, in the
 same rounds: one engine with half the requests, doubled, over the same engine with all of them. What N=2
-reaches below the ceiling is CPU it does not get: the front end (receiving and routing twice the outputs, a few
-microseconds per token) and the zmq IO threads of three processes share the two cores with the two ranks, so
-each rank's step loop gets most of a core, not all of it. Measured apart on the built-in model at 64
-concurrent, the front end's threads took 5-10 us of CPU per generated token, about 5% of a core at these
-rates. At 128 the ceiling is higher (one engine gains little from 64 to 128 concurrent). The real model's step
+reaches below the ceiling is CPU it does not get. Until 2026-12-02 the front end received and routed every
+step's deltas from both ranks (measured apart on the built-in model at 64 concurrent: 5-10 us of CPU per
+generated token, about 5% of a core), and the zmq IO threads of three processes woke with them, on the two
+cores the ranks run on; N=2 / N=1 was 1.58x at 64 concurrent against a ceiling of 1.66x. Now `generate` gets
+one output per request end (`EngineCoreRequest.final_only`), and in this run N=2 reached the ceiling at 64
+concurrent. At 128 the ceiling is higher (one engine gains little from 64 to 128 concurrent). The real model's step
 is matmul-bound: one engine with two threads already keeps both cores busy (its workers spin between
 ops, thread section), so two one-thread ranks gain little over it, and their figure against the one-thread
 engine mostly shows what a second core adds to a matmul-bound step. What would move the built-in figure: a cheaper fixed part of a step (fewer, larger ops per layer; paged attention in
