@@ -195,7 +195,7 @@ class Engine(ChatMixin):
         self, prompts: Any, params: Any, use_tqdm: Any, viewer: Any, request_id: Any, messages: Any = None
     ) -> list[RequestOutput]:
         attach_watcher = watcher_for(use_tqdm, viewer, blocking=True)
-        states = self._submit(prompts, params, "", request_id, messages, not watches_live(viewer))
+        states = self._submit(prompts, params, "", request_id, messages, final_only=not watches_live(viewer))
         return self._router.collect(states, attach_watcher(self, *watched(states)))
 
     @vllm_names
@@ -226,7 +226,7 @@ class Engine(ChatMixin):
         self, prompts: Any, params: Any, use_tqdm: Any, viewer: Any, request_id: Any, messages: Any = None
     ) -> Coroutine[Any, Any, list[RequestOutput]]:
         attach_watcher = watcher_for(use_tqdm, viewer)
-        states = self._submit(prompts, params, "", request_id, messages, not watches_live(viewer))
+        states = self._submit(prompts, params, "", request_id, messages, final_only=not watches_live(viewer))
         return self._router.collect_async(states, attach_watcher(self, *watched(states)))
 
     @vllm_names

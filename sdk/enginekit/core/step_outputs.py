@@ -79,7 +79,7 @@ class StepOutputs:
             if finish_reason is not None:
                 self.finish(request, finish_reason, stop_reason)
             elif status is not None:
-                self.pending.append(_stamp(EngineCoreOutput(request.request_id, []), request, status))
+                self.report_status({request.request_id: status})
             return
         output = EngineCoreOutput(
             request.request_id, [token_id], num_cached_tokens=max(request.num_cached_tokens, 0)
