@@ -254,6 +254,28 @@ def test_generate_gets_one_message_per_request_end_and_what_a_stream_gets(engine
     )
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_stream_interval_sends_a_streams_tokens_every_nth_step_and_loses_none(mode, monkeypatch):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    delta = SamplingParams(
+        max_tokens=24, temperature=0, ignore_eos=True, logprobs=1, output_kind=RequestOutputKind.DELTA
+    )
+    with Engine("builtin", mode=mode, stream_interval=4) as engine:
+        counts = _count_batches(engine, monkeypatch)
+        chunks = list(engine.stream("every fourth step", delta, request_id="s-watched"))
+        # The first token at once, then the tokens of every fourth step together, then the end: at most 8.
+        assert 3 <= counts[0] <= 2 + 24 // 4
+        assert len(chunks) <= counts[0] and len(chunks[0].outputs[0].token_ids) == 1
+        [full] = engine.generate("every fourth step", params)
+        [*_, last] = engine.stream("every fourth step", params)
+    tokens = [t for c in chunks for t in c.outputs[0].token_ids]
+    assert tokens == full.outputs[0].token_ids == last.outputs[0].token_ids and len(tokens) == 24
+    assert "".join(c.outputs[0].text for c in chunks) == full.outputs[0].text == last.outputs[0].text
+    logprobs = [row for c in chunks for row in c.outputs[0].logprobs]
+    assert [max(row, key=lambda t: row[t].logprob) for row in logprobs] == tokens
+    assert last.finished and last.outputs[0].finish_reason == "length"
+
+
 def test_a_generate_aborted_while_it_runs_returns_what_it_generated():
     with Engine("builtin", mode="mp") as engine:
         params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)

@@ -187,3 +187,64 @@ def test_a_final_only_request_aborted_before_its_first_token_sends_an_empty_end(
     outputs.finish(request, FinishReason.ABORT)
     (final,) = outputs.take()
     assert (final.new_token_ids, final.new_text, final.first_token_time) == ([], "", 0.0)
+
+
+# ---- stream_interval: a stream's tokens sent every N steps ----------------------------------------------
+@pytest.fixture
+def every_third() -> StepOutputs:
+    scheduler = Scheduler(
+        KVCacheManager(16, 4, enable_prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=64
+    )
+    return StepOutputs(scheduler, eos_token_ids=frozenset({EOS}), max_model_len=64, stream_interval=3)
+
+
+def step(outputs: StepOutputs, request: Request, token: int, value: float = 0.0) -> list:
+    """One forward step that samples ``token`` for ``request``; what the step hands back."""
+    outputs.token(request, logprob_step(token, value), 0, None)
+    outputs.end_step()
+    return outputs.take()
+
+
+def test_a_stream_gets_its_first_token_at_once_then_the_tokens_of_every_third_step_together(every_third):
+    request = add(every_third, max_tokens=20, logprobs=1)
+    sent = [step(every_third, request, token_of(c), -i) for i, c in enumerate("abcdefg")]
+    assert [[o.new_token_ids for o in batch] for batch in sent] == [
+        [[token_of("a")]],  # step 1: the first token, at once (time to first token)
+        [],
+        [[token_of("b"), token_of("c")]],  # step 3
+        [],
+        [],
+        [[token_of(c) for c in "def"]],  # step 6
+        [],
+    ]
+    texts = ["".join(o.new_text for o in batch) for batch in sent]
+    assert texts == ["a", "", "bc", "", "", "def", ""]
+    later = sent[5][0]
+    assert later.logprob_values.tolist() == [[-3, -2], [-4, -3], [-5, -4]]
+    assert later.logprob_token_ids[:, 0].tolist() == later.new_token_ids and later.first_token_time == 0.0
+    assert later.finish_reason is None and "r" in every_third.scheduler.requests
+
+
+def test_a_streams_end_and_its_abort_send_the_tokens_it_held_at_once(every_third):
+    ending = add(every_third, "ends", max_tokens=4)
+    aborted = add(every_third, "aborted", max_tokens=20)
+    step(every_third, ending, token_of("a"))
+    step(every_third, aborted, token_of("x"))
+    step(every_third, ending, token_of("b"))  # step 3, a send step
+    assert step(every_third, ending, token_of("c")) == []  # held
+    (final,) = step(every_third, ending, token_of("d"))  # step 5: not a send step, but the request ends
+    assert (final.new_token_ids, final.new_text) == ([token_of("c"), token_of("d")], "cd")
+    assert final.finish_reason is FinishReason.LENGTH and "ends" not in every_third.scheduler.requests
+    every_third.token(aborted, SamplerOutput([token_of("y")]), 0, None)
+    every_third.finish(aborted, FinishReason.ABORT)
+    (end,) = every_third.take()
+    assert (end.new_token_ids, end.new_text, end.finish_reason) == ([token_of("y")], "y", FinishReason.ABORT)
+    every_third.end_step()  # step 6, a send step: nothing is left to send
+    assert every_third.take() == []
+
+
+def test_a_final_only_request_is_not_sent_on_send_steps(every_third):
+    request = add_final_only(every_third, max_tokens=5)
+    assert [step(every_third, request, token_of(c)) for c in "abcd"] == [[], [], [], []]
+    (final,) = step(every_third, request, token_of("e"))
+    assert final.new_text == "abcde" and final.first_token_time > 0

@@ -71,6 +71,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         Test hook: the model runner raises at this step number, as a failing executor would.
     debug_load_delay_s
         Test hook: the engine sleeps this long while loading the model (startup deadlines, orphans mid-load).
+    stream_interval
+        Engine steps between the messages a streamed request gets (a stream, a live viewer, a background
+        generation): its first token comes at once, the next ones every ``stream_interval`` steps, all the
+        tokens since the last message together, and its end at once. ``1`` sends every step's token. Larger
+        values send that many times fewer messages over a long decode (in ``"mp"`` and ``"async"`` modes, that
+        many fewer wake-ups of this process), and the text comes in bursts. A ``generate`` without a viewer is
+        not affected: it hears only each request's end.
     max_pending_outputs
         Back-pressure bound: output batches the engine process may hold unsent before it stops stepping.
     data_parallel_size
@@ -117,6 +124,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     log_level: Literal["warning", "info", "debug"] = "warning"
     fail_at_step: int | None = None
     debug_load_delay_s: float = 0.0
+    stream_interval: int = 1
     max_pending_outputs: int = 64
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None
@@ -151,6 +159,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         _require(self.startup_timeout > 0, "startup_timeout must be positive")
         _require(self.shutdown_timeout >= 0, "shutdown_timeout must be zero or positive")
         _require(self.max_pending_outputs >= 1, "max_pending_outputs must be at least 1")
+        _require(self.stream_interval >= 1, f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.address is not None and not self.address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"address must start with tcp:// or ipc://, got {self.address!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -81,6 +81,7 @@ class EngineCore:
             self.scheduler,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             max_model_len=self.max_model_len,
+            stream_interval=config.stream_interval,
         )
         self._utility_outputs: list[UtilityOutput] = []
         self._idle_waiters: list[concurrent.futures.Future[dict[str, Any]]] = []
@@ -252,6 +253,7 @@ class EngineCore:
         for row, request in enumerate(sampling):
             self.outputs.token(request, sampled, row, changes.pop(request.request_id, None))
         self.outputs.report_status(changes)
+        self.outputs.end_step()
         return True
 
     def _wake_idle_waiters(self) -> None:

@@ -23,10 +23,11 @@ class Request:
         "arrival_time",
         "block_hashes",
         "detokenizer",
-        "final_output",
+        "final_only",
         "finish_reason",
         "first_scheduled_time",
         "generator",
+        "held_output",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -59,8 +60,10 @@ class Request:
         self.parent_request_id = message.parent_request_id
         self.first_scheduled_time = 0.0
         self.prompt_logprobs: list[tuple[torch.Tensor, ...]] = []  # parts, one per prefill chunk, until sent
-        # final_only: the one output the request will send, filled as it runs, and its tokens' logprob rows.
-        self.final_output = EngineCoreOutput(self.request_id, []) if message.final_only else None
+        # Tokens produced but not sent yet (a final_only request's until it ends; a stream's between sends when
+        # the engine's stream_interval is above 1), and their logprob rows.
+        self.final_only = message.final_only
+        self.held_output: EngineCoreOutput | None = None
         self.output_logprobs: list[tuple[torch.Tensor, ...]] = []
         seed = self.sampling_params.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None

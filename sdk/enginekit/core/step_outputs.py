@@ -8,6 +8,11 @@ A ``final_only`` request (its caller wants only the end) sends no token until it
 gather in one output that is sent whole when it stops or is aborted. Its status changes (scheduled, preempted)
 still get an output of their own, rare events that tell the front end it runs. A ``generate`` of many requests
 then costs no message, and no wake-up of the front end, on a step where none of them starts or ends.
+
+With ``stream_interval`` N above 1, a streamed request's tokens after its first gather the same way and are
+sent every N forward steps (counted for the whole engine, so all streams are sent on the same steps), and
+when it ends: a message, and in a background engine a wake-up of the front end, every N steps instead of
+every step.
 """
 
 from __future__ import annotations
@@ -29,12 +34,22 @@ SHUTTING_DOWN = "engine shutting down"
 
 
 class StepOutputs:
-    def __init__(self, scheduler: Scheduler, *, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        stream_interval: int = 1,
+    ) -> None:
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.stream_interval = stream_interval
         self.pending: list[EngineCoreOutput] = []
         self.num_generated_tokens = 0
+        self._holding: dict[str, Request] = {}  # streamed requests with tokens held until the next send step
+        self._num_steps = 0
 
     def take(self) -> list[EngineCoreOutput]:
         outputs, self.pending = self.pending, []
@@ -74,11 +89,14 @@ class StepOutputs:
         request.all_token_ids.append(token_id)
         self.num_generated_tokens += 1
         finish_reason, stop_reason = self._check_stop(request, token_id)
-        if request.final_output is not None:
+        if request.final_only or (self.stream_interval > 1 and request.num_output_tokens > 1):
             self._gather(request, token_id, sampled, row)
             if finish_reason is not None:
                 self.finish(request, finish_reason, stop_reason)
-            elif status is not None:
+                return
+            if not request.final_only:
+                self._holding[request.request_id] = request
+            if status is not None:
                 self.report_status({request.request_id: status})
             return
         output = EngineCoreOutput(
@@ -98,13 +116,27 @@ class StepOutputs:
         else:
             self.finish(request, finish_reason, stop_reason, output)
 
+    def end_step(self) -> None:
+        """A forward step ended: on every ``stream_interval``-th, send the tokens held for streamed requests."""
+        self._num_steps += 1
+        if not self._holding or self._num_steps % self.stream_interval:
+            return
+        for request in self._holding.values():
+            output = _complete(request)
+            output.new_text = request.detokenizer.flush()
+            self.pending.append(output)
+        self._holding.clear()
+
     @staticmethod
     def _gather(request: Request, token_id: int, sampled: SamplerOutput, row: int) -> None:
-        """A final_only request's token: into the output it will send when it ends."""
-        output = request.final_output
-        assert output is not None
+        """A token not sent yet: into the output its request will send (when it ends, or at the next send step
+        of a stream)."""
+        output = request.held_output
+        if output is None:
+            output = request.held_output = EngineCoreOutput(request.request_id, [])
         output.new_token_ids.append(token_id)
-        output.first_token_time = output.first_token_time or time.time()
+        if request.num_output_tokens == 1:
+            output.first_token_time = time.time()
         params = request.sampling_params
         if params.logprobs is not None:
             request.output_logprobs.append(_logprob_rows(sampled, row, params.logprobs + 1))
@@ -133,11 +165,12 @@ class StepOutputs:
         stop_reason: str | int | None = None,
         output: EngineCoreOutput | None = None,
     ) -> None:
-        """End ``request`` in the scheduler and emit its final output (with the rest of its text; for a
-        final_only request, everything it produced)."""
+        """End ``request`` in the scheduler and emit its final output (with the rest of its text, and every
+        token it holds: for a final_only request, everything it produced)."""
         self.scheduler.finish_request(request, reason)
-        if request.final_output is not None:
-            output = _complete(request.final_output, request)
+        self._holding.pop(request.request_id, None)
+        if request.final_only or request.held_output is not None:
+            output = _complete(request)
         elif output is None:
             output = EngineCoreOutput(
                 request.request_id, [], num_cached_tokens=max(request.num_cached_tokens, 0)
@@ -184,8 +217,11 @@ def _logprob_rows(sampled: SamplerOutput, row: int, width: int) -> tuple[torch.T
     )
 
 
-def _complete(output: EngineCoreOutput, request: Request) -> EngineCoreOutput:
-    """A final_only request's one output, about to be sent: its logprob rows joined, the engine's timing."""
+def _complete(request: Request) -> EngineCoreOutput:
+    """The tokens ``request`` held, taken as one output about to be sent: its logprob rows joined, the engine's
+    timing."""
+    output = request.held_output or EngineCoreOutput(request.request_id, [])
+    request.held_output = None
     if request.output_logprobs:
         joined = (torch.cat(column) for column in zip(*request.output_logprobs))
         output.logprob_values, output.logprob_token_ids, output.logprob_ranks = joined
