@@ -22,6 +22,7 @@ def test_engine_rejects_unknown_option_before_starting():
         ({"block_size": 12}, "block_size must be a positive power of two"),
         ({"max_num_seqs": 0}, "max_num_seqs must be at least 1"),
         ({"num_kv_blocks": 1}, "num_kv_blocks must be at least 2"),
+        ({"stream_interval": 0}, "stream_interval must be at least 1, got 0"),
         ({"address": "http://x"}, "address must start with tcp:// or ipc://"),
         ({"device": "tpu"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
         (
