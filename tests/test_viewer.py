@@ -12,6 +12,7 @@ import pytest
 from enginekit import Engine, EngineShutdownError, SamplingParams
 from enginekit.notebook import GenerationHandle, Viewer, in_jupyter, text_view
 from enginekit.notebook import viewer as viewer_module
+from enginekit.notebook.engine_stats import EngineStats
 from enginekit.output_processor import RequestState
 from enginekit.wire.messages import EngineCoreOutput, FinishReason, RequestStatus
 
@@ -165,6 +166,52 @@ def test_a_slow_stats_answer_does_not_hold_back_the_next_render() -> None:
     _token(state, text="soon")
     watch.update()
     assert counts["row"] == 1 and engine.num_stats_calls == 1
+
+
+def test_a_failing_stats_call_is_shown_not_raised_and_the_next_answer_clears_it() -> None:
+    class Flaky:
+        is_running = True
+        calls = 0
+
+        def get_stats(self) -> dict:
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("engine busy")
+            return {"num_running_requests": 1}
+
+    engine, stats = Flaky(), EngineStats(0.5, on_late_answer=lambda: None)
+    stats.maybe_refresh(engine, 0.0, blocking=True)
+    assert (stats.latest, stats.error) == (None, "RuntimeError: engine busy")
+    stats.maybe_refresh(engine, 0.3, blocking=True)  # within the interval: not asked again
+    stats.maybe_refresh(engine, 0.6, blocking=True)
+    assert (engine.calls, stats.latest, stats.error) == (2, {"num_running_requests": 1}, None)
+
+
+def test_the_final_stats_question_replaces_one_still_in_flight() -> None:
+    async def main() -> list:
+        asked, gate = [], asyncio.Event()
+
+        class Slow:
+            is_running = True
+
+            async def aget_stats(self) -> dict:
+                asked.append(len(asked) + 1)
+                number = len(asked)
+                if number == 1:
+                    await gate.wait()  # the first answer is late: the requests have ended meanwhile
+                return {"answer": number}
+
+        arrived: list = []
+        stats = EngineStats(0.5, on_late_answer=lambda: arrived.append(stats.latest))
+        stats.maybe_refresh(Slow(), 0.0, blocking=False)  # a task, on this running loop
+        await asyncio.sleep(0)
+        stats.refresh_final(Slow(), blocking=False)
+        await stats.wait(5.0)
+        gate.set()
+        await asyncio.sleep(0.01)
+        return arrived
+
+    assert asyncio.run(main()) == [{"answer": 2}]  # the stale answer was cancelled, never shown
 
 
 # ---- what the widget shows --------------------------------------------------------------------------

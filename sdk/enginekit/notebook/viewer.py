@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
+from enginekit.notebook.engine_stats import EngineStats
 from enginekit.notebook.jupyter import in_jupyter
 from enginekit.notebook.rows import RequestRow
 from enginekit.notebook.text_view import TextView
@@ -117,17 +118,13 @@ class Viewer:
         self.max_chars = max_chars
         self.rows_height = rows_height
         self.min_interval_s = min_interval_s
-        self.stats_interval_s = stats_interval_s
         self.rows: list[RequestRow] = []
         self._clock: Callable[[], float] = time.monotonic
         self._next_render_at = -math.inf
         self._started_at = 0.0  # when the viewer last began watching
         self._watched_s = 0.0  # time spent watching before that
         self._engine_ref: weakref.ref[Engine] | None = None
-        self._stats: dict[str, Any] | None = None
-        self._stats_error: str | None = None
-        self._stats_at = -math.inf
-        self._stats_task: asyncio.Task[Any] | None = None
+        self._engine_stats = EngineStats(stats_interval_s, on_late_answer=self._stats_arrived)
         self._num_attached = 0
         self._ticker: asyncio.TimerHandle | None = None
         self._shown = False
@@ -161,7 +158,8 @@ class Viewer:
         now = self._clock()
         if not force and now < self._next_render_at:
             return
-        self._maybe_refresh_stats(now, blocking)
+        if self._num_attached:
+            self._engine_stats.maybe_refresh(self._engine(), now, blocking=blocking)
         # NOTE: a blocking stats call waits for the engine's current step (a prefill can take a second): that
         # is not rendering, and counting it below would leave the viewer still for several seconds after it.
         now = self._clock()
@@ -187,7 +185,7 @@ class Viewer:
         stop or length counts its own tokens, the others their ``max_tokens`` (an aborted one never got there).
         ``state`` is ``"running"``, ``"done"`` or, when a request was aborted, ``"stopped"``.
         """
-        engine = self._engine_ref() if self._engine_ref is not None else None
+        engine = self._engine()
         num_tokens = sum(row.num_tokens for row in self.rows)
         elapsed = self._watched_s + (self._clock() - self._started_at if self._num_attached else 0.0)
         states = {"waiting": 0, "running": 0, "preempted": 0}
@@ -225,8 +223,8 @@ class Viewer:
             "tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
             "active": active,
             "state": "running" if active else "stopped" if "abort" in reasons else "done",
-            "stats": self._stats,
-            "stats_error": self._stats_error,
+            "stats": self._engine_stats.latest,
+            "stats_error": self._engine_stats.error,
         }
 
     def _ipython_display_(self) -> None:
@@ -255,7 +253,7 @@ class Viewer:
         self._engine_ref = weakref.ref(engine)
         if self._num_attached == 0:
             self._started_at = now
-            self._stats_at = -math.inf
+            self._engine_stats.restart()
         self._num_attached += 1
         self.show()  # before the rows: displaying builds a text form of every widget in the tree
         self._view.add_rows(new_rows)
@@ -271,21 +269,9 @@ class Viewer:
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
-        self._refresh_final_stats(blocking)
+        # The engine's numbers once more, so that the final panel matches them.
+        self._engine_stats.refresh_final(self._engine(), blocking=blocking)
         self.refresh(force=True)
-
-    def _refresh_final_stats(self, blocking: bool) -> None:
-        """Fetch the engine's numbers once more now that every request is done, so the panel matches them."""
-        engine = self._engine_ref() if self._engine_ref is not None else None
-        if engine is None or not engine.is_running:
-            return
-        if self._stats_task is not None and not self._stats_task.done():
-            self._stats_task.cancel()  # asked while requests ran: its answer would be older than the final one
-        self._stats_task = None
-        if not blocking and _running_loop() is not None:
-            self._refresh_stats_in_task(engine)  # the panel is rendered again when it arrives
-            return
-        self._fetch_stats(engine)
 
     def _start_ticker(self) -> None:
         # Renders while the loop runs even when no batch concerns the request the generate loop awaits. A
@@ -305,41 +291,15 @@ class Viewer:
             self._start_ticker()
 
     # ---- engine statistics --------------------------------------------------------------------------
-    def _maybe_refresh_stats(self, now: float, blocking: bool) -> None:
-        if self._num_attached == 0 or now - self._stats_at < self.stats_interval_s:
-            return
-        engine = self._engine_ref() if self._engine_ref is not None else None
-        if engine is None or not engine.is_running:
-            return
-        self._stats_at = now
-        if not blocking and _running_loop() is not None:
-            # On a running loop (an awaited generate, a background one): ask without blocking the loop.
-            self._refresh_stats_in_task(engine)
-            return
-        self._fetch_stats(engine)
+    @property
+    def stats_interval_s(self) -> float:
+        """Least time between two engine-statistics requests for the panel."""
+        return self._engine_stats.interval_s
 
-    def _fetch_stats(self, engine: Engine) -> None:
-        try:
-            self._stats = engine.get_stats()
-            self._stats_error = None
-        except Exception as error:
-            self._stats_error = f"{type(error).__name__}: {error}"
+    def _engine(self) -> Engine | None:
+        return self._engine_ref() if self._engine_ref is not None else None
 
-    def _refresh_stats_in_task(self, engine: Engine) -> None:
-        if self._stats_task is not None and not self._stats_task.done():
-            return
-        loop = asyncio.get_running_loop()
-        self._stats_task = loop.create_task(engine.aget_stats(), name="enginekit-viewer-stats")
-        self._stats_task.add_done_callback(self._on_stats)
-
-    def _on_stats(self, task: asyncio.Task[Any]) -> None:
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is not None:
-            self._stats_error = f"{type(error).__name__}: {error}"
-        else:
-            self._stats, self._stats_error = task.result(), None
+    def _stats_arrived(self) -> None:
         if self._num_attached == 0:
             self.refresh(force=True)  # the final numbers: no ticker renders them any more
 
@@ -354,7 +314,7 @@ class Viewer:
             try:
                 engine.abort(request_ids)
             except Exception as error:  # a button callback must not raise into the kernel log
-                self._stats_error = f"abort failed: {type(error).__name__}: {error}"
+                self._engine_stats.error = f"abort failed: {type(error).__name__}: {error}"
         self.refresh(force=True)
 
 
@@ -382,9 +342,7 @@ class ViewerWatch:
     async def aclose(self) -> None:
         """``close``, then wait (briefly) for the engine's final numbers, so the panel shows them on return."""
         self.close()
-        task = self.viewer._stats_task
-        if task is not None and not task.done():
-            await asyncio.wait([task], timeout=_FINAL_STATS_TIMEOUT_S)
+        await self.viewer._engine_stats.wait(_FINAL_STATS_TIMEOUT_S)
 
 
 def check_viewer_argument(viewer: Any) -> None:
@@ -395,10 +353,3 @@ def check_viewer_argument(viewer: Any) -> None:
         f"viewer must be True, False, None or an enginekit Viewer, got {type(viewer).__name__}; "
         "build one with enginekit.notebook.Viewer(...)"
     )
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
