@@ -3,11 +3,13 @@ tiny models and the real one."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .common import (
     Context,
     ModelSpec,
+    Run,
     engine_batch_runner,
     equal_workload,
     interleave,
@@ -32,6 +34,12 @@ SETS = 3
 STREAM_INTERVAL = 4  # the last table's engine option: a stream's tokens every 4 steps
 
 
+@dataclass(frozen=True)
+class ModeComparison:
+    ratios: dict[tuple[str, int], Summary]  # (mode, concurrency): throughput over inproc's
+    front_end_cpu_us: dict[tuple[str, int], Summary]  # (mode, concurrency): CPU per token of this process
+
+
 def run(ctx: Context, report: SectionReport) -> None:
     prompt_len, output_len = ctx.pick((16, 16), (128, 64))
     repeats = ctx.pick(2, 9)  # a tiny model's run lasts under a second: a round ranges 20% either way
@@ -45,7 +53,9 @@ background process (two IO threads there) and the caller's process receives outp
 task: one per request, when it ends, except in the last two tables, where every request gets a delta per step
 as a stream or a viewer does (in the last one, every {STREAM_INTERVAL} steps: `stream_interval={STREAM_INTERVAL}`). Each table's rounds are split over {_sets_phrase(repeats)} of the three engines, started
 one set after the other (a set's median alone ranged 0.87-1.03 here with the code unchanged, see below). The
-ratio is the median of per-round ratios over all sets (min-max). The real model (SmolLM2-135M-Instruct, float32)
+ratio is the median of per-round ratios over all sets (min-max). The last two columns give the CPU time the
+caller's process (the front end: its main thread, and its receive thread or asyncio loop) used per generated
+token in mp and async modes, the median over rounds (`time.process_time` around each run). The real model (SmolLM2-135M-Instruct, float32)
 runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
 {ctx.pick((16, 8), (64, 32))[0]}-token prompts and {ctx.pick((16, 8), (64, 32))[1]} tokens each,
 {ctx.pick(1, REAL_ROUNDS)} rounds.
@@ -62,7 +72,7 @@ runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
             threads,
         )
         ratios.update(
-            {(spec.key, mode, concurrency): ratio for (mode, concurrency), ratio in measured.items()}
+            {(spec.key, mode, concurrency): ratio for (mode, concurrency), ratio in measured.ratios.items()}
         )
     real = ctx.model("smollm2")
     real_lengths = ctx.pick((16, 8), (64, 32))
@@ -77,7 +87,9 @@ runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
         seed=9,
         title=f"{real.label}, float32: generated tokens/s by mode",
     )
-    ratios.update({(real.key, mode, concurrency): ratio for (mode, concurrency), ratio in measured.items()})
+    ratios.update(
+        {(real.key, mode, concurrency): ratio for (mode, concurrency), ratio in measured.ratios.items()}
+    )
     # What the per-step hop costs where it is still paid: every request sent a delta per step (a stream, a
     # viewer), the same workload otherwise.
     builtin = ctx.model("builtin")
@@ -121,22 +133,35 @@ runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
         "Below target: " + (", ".join(misses) if misses else "none") + ". At 1 concurrent request there is "
         "no target; the ratio there shows the fixed per-step cost of the process hop."
     )
-    counts = sorted({c for _, c in with_deltas})
+    counts = sorted({c for _, c in with_deltas.ratios})
     report.findings.append(
         "With a delta per step for every request (the built-in model), mp / inproc is "
-        + ", ".join(f"{with_deltas[('mp', c)].median:.2f}" for c in counts)
+        + ", ".join(f"{with_deltas.ratios[('mp', c)].median:.2f}" for c in counts)
         + " and async / inproc "
-        + ", ".join(f"{with_deltas[('async', c)].median:.2f}" for c in counts)
+        + ", ".join(f"{with_deltas.ratios[('async', c)].median:.2f}" for c in counts)
         + f" at {', '.join(str(c) for c in counts)} concurrent: what the per-step hop costs a stream or a "
         "viewer, which `generate` no longer pays."
     )
+    per_token = {
+        (mode, c, label): comparison.front_end_cpu_us[(mode, c)].median
+        for label, comparison in (("step", with_deltas), ("interval", with_interval))
+        for mode in ("mp", "async")
+        for c in (8, 32)
+    }
     report.findings.append(
         f"With `stream_interval={STREAM_INTERVAL}` (a stream's tokens sent every {STREAM_INTERVAL} steps), mp / "
         "inproc is "
-        + ", ".join(f"{with_interval[('mp', c)].median:.2f}" for c in (8, 32))
+        + ", ".join(f"{with_interval.ratios[('mp', c)].median:.2f}" for c in (8, 32))
         + " and async / inproc "
-        + ", ".join(f"{with_interval[('async', c)].median:.2f}" for c in (8, 32))
-        + " at 8 and 32 concurrent."
+        + ", ".join(f"{with_interval.ratios[('async', c)].median:.2f}" for c in (8, 32))
+        + " at 8 and 32 concurrent. The front end's CPU per generated token, a delta every step against every "
+        f"{STREAM_INTERVAL} steps: "
+        + "; ".join(
+            f"{mode} at {c}, {per_token[(mode, c, 'step')]:.0f} against {per_token[(mode, c, 'interval')]:.0f} µs"
+            for mode in ("mp", "async")
+            for c in (8, 32)
+        )
+        + "."
     )
     report.limits = f"""
 **One output per request end.** `generate` and `agenerate`, the workload of the tables above the last two,
@@ -218,9 +243,10 @@ def compare_modes(
     title: str | None = None,
     deltas: bool = False,
     **options: Any,
-) -> dict[tuple[str, int], Summary]:
+) -> ModeComparison:
     """Run equal-length batches through inproc, mp and async engines of ``spec`` (three engines up at once,
-    rounds interleaved), add the table to ``report``; returns mp / inproc and async / inproc per concurrency.
+    rounds interleaved), add the table to ``report``; returns mp / inproc and async / inproc per concurrency,
+    and the CPU time the front end's process used per generated token in mp and async modes.
 
     The rounds are split over ``engine_sets(repeats)`` fresh sets of engines, one set after the other, so each
     concurrency's rounds are spread over the section instead of bunched in one minute, and no one engine
@@ -228,7 +254,7 @@ def compare_modes(
     """
     prompt_len, output_len = lengths
     workload = equal_workload(max(concurrency_list), prompt_len, output_len)
-    samples: dict[int, dict[str, list[float]]] = {c: {mode: [] for mode in MODES} for c in concurrency_list}
+    samples: dict[int, dict[str, list[Run]]] = {c: {mode: [] for mode in MODES} for c in concurrency_list}
     for set_index, rounds in enumerate(engine_sets(repeats)):
         engines = {
             mode: make_engine(
@@ -241,15 +267,13 @@ def compare_modes(
                 ctx.log(f"modes: {spec.key} x{concurrency} (engine set {set_index + 1})")
                 batch = equal_workload(concurrency, prompt_len, output_len)
                 runners = {
-                    mode: _rate(
-                        engine_batch_runner(
-                            engine,
-                            spec,
-                            batch,
-                            threads=threads if mode == "inproc" else None,
-                            seed=seed + i + 10 * set_index,
-                            deltas=deltas,
-                        )
+                    mode: engine_batch_runner(
+                        engine,
+                        spec,
+                        batch,
+                        threads=threads if mode == "inproc" else None,
+                        seed=seed + i + 10 * set_index,
+                        deltas=deltas,
                     )
                     for i, (mode, engine) in enumerate(engines.items())
                 }
@@ -263,22 +287,38 @@ def compare_modes(
             for engine in engines.values():
                 engine.shutdown()
     ratios: dict[tuple[str, int], Summary] = {}
+    cpu: dict[tuple[str, int], Summary] = {}
     rows = []
     for concurrency in concurrency_list:
+        rates = {mode: [run.tokens_per_s for run in samples[concurrency][mode]] for mode in MODES}
         row: list[Any] = [concurrency]
-        row += [fmt(summarize(samples[concurrency][mode]), "", 1, thousands=True) for mode in MODES]
+        row += [fmt(summarize(rates[mode]), "", 1, thousands=True) for mode in MODES]
         for mode in ("mp", "async"):
-            ratio = paired_ratio(samples[concurrency][mode], samples[concurrency]["inproc"])
+            ratio = paired_ratio(rates[mode], rates["inproc"])
             ratios[(mode, concurrency)] = ratio
             row.append(f"{ratio.median:.3f} ({ratio.min:.3f}-{ratio.max:.3f})")
+        for mode in ("mp", "async"):
+            cpu[(mode, concurrency)] = summarize(
+                1e6 * run.cpu_s / run.tokens for run in samples[concurrency][mode]
+            )
+            row.append(f"{cpu[(mode, concurrency)].median:.1f}")
         rows.append(row)
     report.table(
         title or f"{spec.label}: generated tokens/s by mode",
-        ["concurrent", "inproc tok/s", "mp tok/s", "async tok/s", "mp / inproc", "async / inproc"],
+        [
+            "concurrent",
+            "inproc tok/s",
+            "mp tok/s",
+            "async tok/s",
+            "mp / inproc",
+            "async / inproc",
+            "mp: front end CPU µs/token",
+            "async: front end CPU µs/token",
+        ],
         rows,
-        ["r", "l", "l", "l", "l", "l"],
+        ["r", "l", "l", "l", "l", "l", "r", "r"],
     )
-    return ratios
+    return ModeComparison(ratios, cpu)
 
 
 def _sets_phrase(repeats: int) -> str:
@@ -290,7 +330,3 @@ def engine_sets(repeats: int) -> list[int]:
     """How many rounds each fresh set of engines runs: ``repeats`` split over up to ``SETS`` sets."""
     sets = max(1, min(SETS, repeats // 2))
     return [repeats // sets + (1 if i < repeats % sets else 0) for i in range(sets)]
-
-
-def _rate(runner: Any) -> Any:
-    return lambda: runner().tokens_per_s

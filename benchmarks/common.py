@@ -280,10 +280,12 @@ def kv_blocks_for(workload: Workload, block_size: int = 16, slack: int = 64) -> 
 
 @dataclass(frozen=True)
 class Run:
-    """One timed run: tokens generated and wall time."""
+    """One timed run: tokens generated, wall time, and the CPU time this process used meanwhile (all its
+    threads: for a background engine, the front end's share)."""
 
     tokens: int
     elapsed_s: float
+    cpu_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -322,6 +324,7 @@ def engine_batch_runner(
 
     def run() -> Run:
         prompts = [{"prompt_token_ids": spec.random_prompt(n, rng)} for n in workload.prompt_lens]
+        cpu_start = time.process_time()
         with torch_threads(threads):
             if engine.mode == "async":
                 outputs, elapsed = asyncio.run(_timed_agenerate(engine, prompts, params, deltas))
@@ -333,7 +336,7 @@ def engine_batch_runner(
                 start = time.perf_counter()
                 outputs = engine.generate(prompts, params, progress=False)
                 elapsed = time.perf_counter() - start
-        return Run(_count_tokens(outputs, expected), elapsed)
+        return Run(_count_tokens(outputs, expected), elapsed, time.process_time() - cpu_start)
 
     return run
 
