@@ -37,7 +37,7 @@ STREAM_INTERVAL = 4  # the last table's engine option: a stream's tokens every 4
 @dataclass(frozen=True)
 class ModeComparison:
     ratios: dict[tuple[str, int], Summary]  # (mode, concurrency): throughput over inproc's
-    front_end_cpu_us: dict[tuple[str, int], Summary]  # (mode, concurrency): CPU per token of this process
+    front_end_cpu_us: dict[tuple[str, int], Summary]  # (mode, concurrency): the caller's CPU per token
 
 
 def run(ctx: Context, report: SectionReport) -> None:
@@ -54,8 +54,8 @@ task: one per request, when it ends, except in the last two tables, where every 
 as a stream or a viewer does (in the last one, every {STREAM_INTERVAL} steps: `stream_interval={STREAM_INTERVAL}`). Each table's rounds are split over {_sets_phrase(repeats)} of the three engines, started
 one set after the other (a set's median alone ranged 0.87-1.03 here with the code unchanged, see below). The
 ratio is the median of per-round ratios over all sets (min-max). The last two columns give the CPU time the
-caller's process (the front end: its main thread, and its receive thread or asyncio loop) used per generated
-token in mp and async modes, the median over rounds (`time.process_time` around each run). The real model (SmolLM2-135M-Instruct, float32)
+caller's threads (the front end: the calling thread, which runs the asyncio loop in async mode, and in mp mode
+the client's receive thread) used per generated token, the median over rounds (each thread's CPU clock). The real model (SmolLM2-135M-Instruct, float32)
 runs {ctx.pick(REAL_CONCURRENCY[:1], REAL_CONCURRENCY)} concurrent requests of
 {ctx.pick((16, 8), (64, 32))[0]}-token prompts and {ctx.pick((16, 8), (64, 32))[1]} tokens each,
 {ctx.pick(1, REAL_ROUNDS)} rounds.
