@@ -179,11 +179,10 @@ started one pair after the other and run for 8-10 interleaved rounds, gave media
 0.94, 0.99, 1.00, 1.01, 1.02, 1.02 and 1.03; in the 0.87 pair, 8 of its 10 rounds were under 0.9. The engine
 process's thread governor changed no thread count in any of them, and two of the pairs ran with
 `adaptive_threads=False`. So each table's rounds are spread over fresh sets of engines, one after the other.
-The section has run four times since `generate` got one output per request end: with one set of engines, 7
-and 4 of its 16 targets met; with three sets, 8 (all four real-model ratios at 0.90-1.07) and then 4 (this
-run: the real model's at 0.97-1.01, the tiny models' at 0.87-1.01). Single rounds range from 0.35 to 1.44 in
-this run, on a machine whose load average stood at 1.35 before it began: a round is far noisier than the 3%
-the target asks to resolve, and the medians move by more than that from run to run.
+The section has run five times since `generate` got one output per request end: with one set of engines, 7
+and 4 of its 16 targets met; with three sets, 8, 4 and 8 (this run: the real model's four ratios at
+0.93-1.01, the tiny models' at 0.81-1.02). Single rounds range from 0.68 to 1.45 in this run: a round is far
+noisier than the 3% the target asks to resolve, and the medians move by more than that from run to run.
 
 **A delta per step** (the second-last table): what a stream or a viewer gets by default. There the engine's output thread
 and the front end's receive thread need the CPU once per step beside two torch threads that hold both cores,
@@ -191,13 +190,19 @@ and a torch worker they preempt holds up the barrier of the op it was running; i
 work runs between steps on the main thread and preempts nothing.
 
 **`stream_interval`** (the last table): the engine sends a stream's tokens every N steps (its first token and
-its end at once), so the hop is paid every fourth step there. What it saves is clearest in CPU time, which the
-noise of this machine moves much less than throughput: measured by hand on 2026-12-02 (built-in model, mp,
-128-token prompts, 64 tokens, a delta for every request, eight runs per engine, two runs of the script), the
-front end's process used 65-88 µs of CPU per generated token at 8 concurrent with a delta every step and
-24-36 µs with `stream_interval=4`; at 32 concurrent, 25-28 µs against 9-10 µs. The engine process's CPU per
-token fell by 0-10% (its torch threads dominate it). The throughput of the same runs moved by 1-12%, within
-what a round varies here.
+its end at once), so the hop is paid every fourth step there. What it saves shows in the front end's CPU per
+token (the last two columns), which this machine's noise moves much less than throughput: in this run,
+49-50 µs with a delta every step against 18-20 µs with `stream_interval=4` at 8 concurrent, and 17-19
+against 7 µs at 32, in both background modes. By hand on 2026-12-02 (the same workload, mp, one engine per
+setting, eight runs each, twice), the engine process's CPU per token fell by 0-10% (its torch threads
+dominate it). The throughput ratios of the two tables move by less than a round varies here.
+
+**`generate`'s front end** (the other tables' last two columns): 2-8 µs of CPU per token on the tiny models at
+8-128 concurrent, the submission and each request's one output. On the real model, whose runs last seconds,
+mp's is 41-83 µs against async's 4-13. The mp runs are a blocking `generate`, whose wait wakes every 50 ms
+to look at its requests: measured by hand on 2026-12-02, 20-22 ms of the calling thread's CPU over a 3 s wait
+(0.7% of a core), the same in both modes' blocking `generate`. The async runs are an awaited `agenerate`, which
+sleeps until a batch arrives.
 
 **The OpenMP workers' wait.** With {threads} threads, inproc runs in this process, whose OpenMP runtime spins
 between parallel regions as long as libgomp's default allows (300000 spins, some milliseconds); the engine
