@@ -6,6 +6,7 @@ Each baseline states a floor or a ceiling the engine is compared against:
   processes on this machine (the engine's client <-> core transport cannot beat it);
 * ``torch_import_time``: the fixed cost of starting a process that imports torch;
 * ``matmul_gflops``: this machine's dense float compute limit with torch;
+* ``projection_gflops``: the engine's projection kernel at a model's shapes (the other candidate for it);
 * ``hf_generate_throughput``: tokens/s of plain ``transformers`` ``generate`` on a batch.
 
 Everything runs locally: sockets are ``ipc://`` in a private temporary directory (or
@@ -42,6 +43,7 @@ __all__ = [
     "hf_generate_throughput",
     "import_time",
     "matmul_gflops",
+    "projection_gflops",
     "torch_import_time",
     "zmq_message_rate",
     "zmq_pingpong_roundtrip",
@@ -449,6 +451,68 @@ def matmul_gflops(
         "n": n,
         "dtype": str(dt).removeprefix("torch."),
     }
+
+
+def projection_gflops(
+    config: Any,
+    rows: int,
+    dtype: torch.dtype | str = "float32",
+    repeats: int = 5,
+    *,
+    min_sample_s: float = 0.1,
+) -> Summary:
+    """The engine's own projection kernel at a model's shapes, in GFLOP/s, with torch's current threads.
+
+    One sample runs, back to back, every projection of one decoder layer (q, k, v, o, gate, up, down)
+    and the LM head on ``rows`` input rows through ``enginekit.model.llama.linear_kernel`` (oneDNN's
+    linear in float32 on CPU, else ``F.linear``), repeated to last ``min_sample_s``. A square matmul
+    is not always the fastest thing a CPU's torch does: on a CPU with AVX512 oneDNN's linear at these
+    shapes ran well above MKL's 1024x1024 ``torch.mm``, so a "share of the matmul peak" set against the
+    square one alone can exceed 100%.
+    """
+    import torch
+
+    from enginekit.model.llama import linear_kernel
+
+    dt = _resolve_dtype(dtype)
+    _, kernel = linear_kernel(torch.device("cpu"), dt)
+    hidden, heads, kv_heads, head_dim = (
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+    )
+    shapes = [  # (in, out)
+        (hidden, heads * head_dim),
+        (hidden, kv_heads * head_dim),
+        (hidden, kv_heads * head_dim),
+        (heads * head_dim, hidden),
+        (hidden, config.intermediate_size),
+        (hidden, config.intermediate_size),
+        (config.intermediate_size, hidden),
+        (hidden, config.vocab_size),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    pairs = [
+        (torch.randn(rows, k, generator=gen).to(dt), torch.randn(n, k, generator=gen).to(dt))
+        for k, n in shapes
+    ]
+    flops = sum(2.0 * rows * k * n for k, n in shapes)
+
+    def one_pass() -> None:
+        for x, w in pairs:
+            kernel(x, w, None)
+
+    samples = []
+    with torch.inference_mode():
+        one_pass()
+        for _ in range(repeats):
+            passes, t0 = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < min_sample_s:
+                one_pass()
+                passes += 1
+            samples.append(flops * passes / elapsed / 1e9)
+    return summarize(samples)
 
 
 # --------------------------------------------------------------------------------------
