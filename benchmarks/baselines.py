@@ -461,47 +461,48 @@ def projection_gflops(
     *,
     min_sample_s: float = 0.1,
 ) -> Summary:
-    """The engine's own projection kernel at a model's shapes, in GFLOP/s, with torch's current threads.
+    """The engine's own projection kernels at a model's shapes, in GFLOP/s, with torch's current threads.
 
-    One sample runs, back to back, every projection of one decoder layer (q, k, v, o, gate, up, down)
-    and the LM head on ``rows`` input rows through ``enginekit.model.llama.linear_kernel`` (oneDNN's
-    linear in float32 on CPU, else ``F.linear``), repeated to last ``min_sample_s``. A square matmul
-    is not always the fastest thing a CPU's torch does: on a CPU with AVX512 oneDNN's linear at these
-    shapes ran well above MKL's 1024x1024 ``torch.mm``, so a "share of the matmul peak" set against the
-    square one alone can exceed 100%.
+    One pass runs what a forward pass on ``rows`` tokens multiplies, with the engine's shapes and kernel
+    choice (``enginekit.model.llama``: oneDNN's linear in float32 on CPU for weights of at least
+    ``ONEDNN_MIN_WEIGHT_NUMEL`` elements, else ``F.linear``): ``num_layers`` times the fused q/k/v, the
+    output, the fused gate/up and the down projection (one layer's weights, reused), then the LM head.
+    Passes repeat to last ``min_sample_s`` per sample. A square matmul is not always the fastest thing a
+    CPU's torch does: on a CPU with AVX512 oneDNN's linear at these shapes ran well above MKL's
+    1024x1024 ``torch.mm``, so a "share of the matmul peak" set against the square one alone can exceed
+    100%.
     """
     import torch
+    import torch.nn.functional as F
 
-    from enginekit.model.llama import linear_kernel
+    from enginekit.model.llama import ONEDNN_MIN_WEIGHT_NUMEL, linear_kernel
 
     dt = _resolve_dtype(dtype)
     _, kernel = linear_kernel(torch.device("cpu"), dt)
-    hidden, heads, kv_heads, head_dim = (
-        config.hidden_size,
-        config.num_heads,
-        config.num_kv_heads,
-        config.head_dim,
-    )
-    shapes = [  # (in, out)
-        (hidden, heads * head_dim),
-        (hidden, kv_heads * head_dim),
-        (hidden, kv_heads * head_dim),
-        (heads * head_dim, hidden),
-        (hidden, config.intermediate_size),
-        (hidden, config.intermediate_size),
+    hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    layer = [  # (in, out)
+        (hidden, q_size + 2 * kv_size),
+        (q_size, hidden),
+        (hidden, 2 * config.intermediate_size),
         (config.intermediate_size, hidden),
-        (hidden, config.vocab_size),
     ]
     gen = torch.Generator().manual_seed(0)
-    pairs = [
-        (torch.randn(rows, k, generator=gen).to(dt), torch.randn(n, k, generator=gen).to(dt))
-        for k, n in shapes
-    ]
-    flops = sum(2.0 * rows * k * n for k, n in shapes)
+
+    def operands(k: int, n: int) -> tuple[Callable[..., Any], torch.Tensor, torch.Tensor]:
+        chosen = kernel if kernel is F.linear or k * n >= ONEDNN_MIN_WEIGHT_NUMEL else F.linear
+        return chosen, torch.randn(rows, k, generator=gen).to(dt), torch.randn(n, k, generator=gen).to(dt)
+
+    layer_calls = [operands(k, n) for k, n in layer]
+    head_call = operands(hidden, config.vocab_size)
+    flops = 2.0 * rows * (config.num_layers * sum(k * n for k, n in layer) + hidden * config.vocab_size)
 
     def one_pass() -> None:
-        for x, w in pairs:
-            kernel(x, w, None)
+        for _ in range(config.num_layers):
+            for chosen, x, w in layer_calls:
+                chosen(x, w, None)
+        chosen, x, w = head_call
+        chosen(x, w, None)
 
     samples = []
     with torch.inference_mode():

@@ -82,8 +82,8 @@ larger ones are not warmed again (the models are already loaded and run).
 
 The matmul peak is the faster of two measurements on this machine: a dense {size["matmul_n"]}x{size["matmul_n"]}
 `torch.mm` (the better of {threads} thread(s) and 1: float32 {fmt(square["float32"], "GFLOP/s", 1)}, bfloat16
-{fmt(square["bfloat16"], "GFLOP/s", 1)}) and the engine's own projection kernel at the model's shapes (one layer's
-seven projections and the LM head on {rows} rows, {threads} threads: float32 {fmt(kernel["float32"], "GFLOP/s", 1)},
+{fmt(square["bfloat16"], "GFLOP/s", 1)}) and the engine's own projection kernels at the model's shapes (a forward pass's
+matmuls on {rows} rows: every layer's fused q/k/v, output, fused gate/up and down projections, then the LM head, {threads} threads: float32 {fmt(kernel["float32"], "GFLOP/s", 1)},
 bfloat16 {fmt(kernel["bfloat16"], "GFLOP/s", 1)}). So the peak is float32 {peak["float32"].median:.1f} GFLOP/s and
 bfloat16 {peak["bfloat16"].median:.1f} ({_bf16_peak_note(peak)}). GFLOP/s counts useful forward FLOPs only
 (no padding, the prompts' FLOPs included), so the share is what the whole step keeps of what its matmuls
