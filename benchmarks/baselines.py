@@ -459,6 +459,7 @@ def projection_gflops(
     dtype: torch.dtype | str = "float32",
     repeats: int = 5,
     *,
+    plain: bool = False,
     min_sample_s: float = 0.1,
 ) -> Summary:
     """The engine's own projection kernels at a model's shapes, in GFLOP/s, with torch's current threads.
@@ -470,7 +471,8 @@ def projection_gflops(
     Passes repeat to last ``min_sample_s`` per sample. A square matmul is not always the fastest thing a
     CPU's torch does: on a CPU with AVX512 oneDNN's linear at these shapes ran well above MKL's
     1024x1024 ``torch.mm``, so a "share of the matmul peak" set against the square one alone can exceed
-    100%.
+    100%. ``plain=True`` runs every matmul through ``F.linear`` instead (what transformers runs), for the
+    engine kernels' lead.
     """
     import torch
     import torch.nn.functional as F
@@ -478,7 +480,7 @@ def projection_gflops(
     from enginekit.model.llama import ONEDNN_MIN_WEIGHT_NUMEL, linear_kernel
 
     dt = _resolve_dtype(dtype)
-    _, kernel = linear_kernel(torch.device("cpu"), dt)
+    kernel = F.linear if plain else linear_kernel(torch.device("cpu"), dt)[1]
     hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
     layer = [  # (in, out)
