@@ -85,14 +85,16 @@ def paged_attention(
             q[:num_decode].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         )
         out[:num_decode] = attended.squeeze(2)
+    # Prefill inputs get a batch dimension of one: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
+    # fall back to the math path (2-4x slower at 64-token chunks, measured with torch 2.13 on 2 cores).
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-        query = q[rows].transpose(0, 1)  # [H, n, D]
+        query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if chunk.context_start == 0:
             attended = F.scaled_dot_product_attention(
                 query,
-                k[rows].transpose(0, 1),
-                v[rows].transpose(0, 1),
+                k[rows].transpose(0, 1).unsqueeze(0),
+                v[rows].transpose(0, 1).unsqueeze(0),
                 is_causal=True,
                 scale=scale,
                 enable_gqa=gqa,
@@ -103,10 +105,11 @@ def paged_attention(
                 _gather(blocks, chunk.block_table, meta.gather_buffer, kv)
                 .view(-1, num_kv_heads, head_dim)[:length]
                 .transpose(0, 1)
+                .unsqueeze(0)
                 for kv, blocks in enumerate((k_blocks, v_blocks))
-            )  # [KVH, length, D]
+            )  # [1, KVH, length, D]
             attended = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa
             )
-        out[rows] = attended.transpose(0, 1)
+        out[rows] = attended[0].transpose(0, 1)
     return out
