@@ -492,7 +492,7 @@ def projection_gflops(
     gen = torch.Generator().manual_seed(0)
 
     def operands(k: int, n: int) -> tuple[Callable[..., Any], torch.Tensor, torch.Tensor]:
-        chosen = kernel if kernel is F.linear or k * n >= ONEDNN_MIN_WEIGHT_NUMEL else F.linear
+        chosen = kernel if k * n >= ONEDNN_MIN_WEIGHT_NUMEL else F.linear  # use_linear_kernel's rule
         return chosen, torch.randn(rows, k, generator=gen).to(dt), torch.randn(n, k, generator=gen).to(dt)
 
     layer_calls = [operands(k, n) for k, n in layer]

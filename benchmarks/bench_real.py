@@ -364,7 +364,7 @@ step: the paged attention (an `index_select` gather of each sequence's blocks pe
 sampling over 49,152 logits per row, and per-step Python. And about half the work is the prefill of the
 64-token prompts, where both run the matmuls at many rows, near the peak (`F.linear` is within 10% of
 oneDNN's linear there): the lead at equal lengths stays below the kernel lead, and mixed lengths multiply
-it by what transformers wastes on padding (about 1.5x at 32 concurrent on both machines of the page). Share of the {peak["float32"].median:.0f} GFLOP/s matmul peak:
+it by what transformers wastes on padding (1.4-1.5x at 32 concurrent on both machines of the page). Share of the {peak["float32"].median:.0f} GFLOP/s matmul peak:
 {share(8)} at 8, {share(32)} at 32 and {share(128)} at 128 concurrent.
 
 **Mixed and staggered lengths** (mixed {ratio("mixed", 32)} and {ratio("mixed", 128)}, staggered
