@@ -465,8 +465,8 @@ def projection_gflops(
     """The engine's own projection kernels at a model's shapes, in GFLOP/s, with torch's current threads.
 
     One pass runs what a forward pass on ``rows`` tokens multiplies, with the engine's shapes and kernel
-    choice (``enginekit.model.llama``: oneDNN's linear in float32 on CPU for weights of at least
-    ``ONEDNN_MIN_WEIGHT_NUMEL`` elements, else ``F.linear``): ``num_layers`` times the fused q/k/v, the
+    choice (``enginekit.model.llama.linear_kernel``: in float32 on CPU the native matrix-vector product at one
+    row, oneDNN's linear for large weights, else ``F.linear``): ``num_layers`` times the fused q/k/v, the
     output, the fused gate/up and the down projection (one layer's weights, reused), then the LM head.
     Passes repeat to last ``min_sample_s`` per sample. A square matmul is not always the fastest thing a
     CPU's torch does: on a CPU with AVX512 oneDNN's linear at these shapes ran well above MKL's
@@ -477,7 +477,7 @@ def projection_gflops(
     import torch
     import torch.nn.functional as F
 
-    from enginekit.model.llama import ONEDNN_MIN_WEIGHT_NUMEL, linear_kernel
+    from enginekit.model.llama import linear_kernel
 
     dt = _resolve_dtype(dtype)
     kernel = F.linear if plain else linear_kernel(torch.device("cpu"), dt)[1]
@@ -491,9 +491,8 @@ def projection_gflops(
     ]
     gen = torch.Generator().manual_seed(0)
 
-    def operands(k: int, n: int) -> tuple[Callable[..., Any], torch.Tensor, torch.Tensor]:
-        chosen = kernel if k * n >= ONEDNN_MIN_WEIGHT_NUMEL else F.linear  # use_linear_kernel's rule
-        return chosen, torch.randn(rows, k, generator=gen).to(dt), torch.randn(n, k, generator=gen).to(dt)
+    def operands(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(rows, k, generator=gen).to(dt), torch.randn(n, k, generator=gen).to(dt)
 
     layer_calls = [operands(k, n) for k, n in layer]
     head_call = operands(hidden, config.vocab_size)
@@ -501,10 +500,9 @@ def projection_gflops(
 
     def one_pass() -> None:
         for _ in range(config.num_layers):
-            for chosen, x, w in layer_calls:
-                chosen(x, w, None)
-        chosen, x, w = head_call
-        chosen(x, w, None)
+            for x, w in layer_calls:
+                kernel(x, w, None)
+        kernel(*head_call, None)
 
     samples = []
     with torch.inference_mode():

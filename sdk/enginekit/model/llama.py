@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 from enginekit.model.attention import AttentionMetadata, paged_attention
 from enginekit.model.config import ModelConfig
+from enginekit.model.matvec import native_matvec
 
 logger = logging.getLogger("enginekit.model")
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -38,29 +39,57 @@ ONEDNN_MIN_WEIGHT_NUMEL = 1 << 19
 def linear_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, LinearKernel]:
     """The fastest correct kernel for the model's projections on this device, with its name.
 
-    On CPU in float32, oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the kernel torch's own
-    compiler emits for a CPU linear) reads the same ``[out, in]`` weights in place and is 1.35-1.5x faster than
-    ``F.linear`` (MKL's GEMM) for the model's shapes at 1 to 128 rows on the machines measured (see
-    docs/benchmarks.md): MKL repacks the weights on every call, which dominates small batches. It is used when
-    this torch build has it and it agrees with ``F.linear`` on a probe; otherwise, and on other devices and
-    dtypes, ``F.linear``. Its fixed cost per call (about 40-50 us here) loses to ``F.linear`` on small weights:
-    use it for weights of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more (``use_linear_kernel``).
+    On CPU in float32 it picks per call, by the input's rows and the weight's size:
+
+    - **one row** (a decode step of one sequence): the native matrix-vector product of ``matvec.c``, which
+      streams the weights at 75-90% of the CPU's read bandwidth where torch's kernels reach 50-70%
+      (``enginekit.model.matvec``; ``None`` where it cannot be built or loaded, and then the rules below);
+    - **weights of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more**: oneDNN's inner product
+      (``torch.ops.mkldnn._linear_pointwise``, the kernel torch's own compiler emits for a CPU linear). It reads
+      the same ``[out, in]`` weights in place and is 1.35-1.5x faster than ``F.linear`` (MKL's GEMM, which
+      repacks the weights on every call) for the model's shapes at 1 to 128 rows (see docs/benchmarks.md),
+      used when this torch build has it and it agrees with ``F.linear`` on a probe. Its fixed cost per call
+      (about 40-50 us here) loses to ``F.linear`` on smaller weights;
+    - otherwise ``F.linear``, which is also the kernel on other devices and dtypes.
     """
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if device.type != "cpu" or dtype != torch.float32:
         return "F.linear", F.linear
+    onednn = _onednn_linear()
+    matvec = native_matvec()
+    if onednn is None and matvec is None:
+        return "F.linear", F.linear
+
+    def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (
+            matvec is not None
+            and x.dim() == 2
+            and x.shape[0] == 1
+            and x.is_contiguous()
+            and weight.is_contiguous()
+        ):
+            return matvec(x, weight, bias)
+        if onednn is not None and weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL:
+            return onednn(x, weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+    parts = ["native matvec at one row"] if matvec is not None else []
+    parts.append(f"oneDNN from {ONEDNN_MIN_WEIGHT_NUMEL} weight elements" if onednn is not None else "")
+    return ", ".join(p for p in parts if p) + ", else F.linear", cpu_linear
+
+
+def _onednn_linear() -> Callable[..., torch.Tensor] | None:
+    """oneDNN's linear, if this torch build has it and it agrees with ``F.linear`` on a probe."""
+    if not torch.backends.mkldnn.is_available():
+        return None
     try:
         op = torch.ops.mkldnn._linear_pointwise
         x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
         if not torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5):
             raise RuntimeError("oneDNN's linear disagrees with F.linear on a probe")
     except (AttributeError, RuntimeError) as error:
-        logger.info("CPU linear: F.linear (oneDNN's is not usable here: %s)", error)
-        return "F.linear", F.linear
-
-    def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return op(x, weight, bias, "none", [], "")
-
-    return "oneDNN", onednn_linear
+        logger.info("CPU linear: no oneDNN (it is not usable here: %s)", error)
+        return None
+    return op
 
 
 class Embedding(nn.Embedding):
@@ -179,16 +208,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
 
-    def use_linear_kernel(self, kernel: LinearKernel, min_weight_numel: int = 0) -> int:
-        """Run the projections (and the LM head) whose weight has at least ``min_weight_numel`` elements with
-        ``kernel(x, weight, bias)``, the others with ``F.linear``; returns how many use ``kernel``."""
-        chosen = 0
-        for module in self.modules():
-            if isinstance(module, Linear):
-                large = module.weight.numel() >= min_weight_numel
-                module.kernel = kernel if large else F.linear
-                chosen += large
-        return chosen
+    def use_linear_kernel(self, kernel: LinearKernel) -> int:
+        """Run every projection (and the LM head) with ``kernel(x, weight, bias)``; returns how many."""
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        for module in linears:
+            module.kernel = kernel
+        return len(linears)
 
     def forward(
         self,

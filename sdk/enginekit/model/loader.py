@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from enginekit.errors import EngineStartupError
 from enginekit.model import weight_cache
@@ -23,7 +22,7 @@ from enginekit.model.config import ModelConfig
 from enginekit.model.gguf import read_gguf_config, read_gguf_weights
 from enginekit.model.gguf_header import GGUFHeader, read_gguf_header
 from enginekit.model.gguf_tokenizer import tokenizer_from_gguf
-from enginekit.model.llama import ONEDNN_MIN_WEIGHT_NUMEL, LlamaForCausalLM, linear_kernel
+from enginekit.model.llama import LlamaForCausalLM, linear_kernel
 from enginekit.model.source import ModelSource, resolve_model
 from enginekit.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -93,14 +92,8 @@ def load_model(
         module.lm_head.weight = module.embed_tokens.weight
     module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     kernel_name, kernel = linear_kernel(device, dtype)
-    chosen = module.use_linear_kernel(kernel, ONEDNN_MIN_WEIGHT_NUMEL if kernel is not F.linear else 0)
-    logger.info(
-        "model loaded on %s in %s; %d projections run with %s, the rest with F.linear",
-        device,
-        dtype,
-        chosen,
-        kernel_name,
-    )
+    count = module.use_linear_kernel(kernel)
+    logger.info("model loaded on %s in %s; its %d projections run %s", device, dtype, count, kernel_name)
     return module
 
 
