@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from enginekit.model.attention import AttentionMetadata, paged_attention
 from enginekit.model.config import ModelConfig
-from enginekit.model.matvec import native_matvec
+from enginekit.model.skinny_gemm import MAX_ROWS, native_skinny_gemm
 
 logger = logging.getLogger("enginekit.model")
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -41,9 +41,10 @@ def linear_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, Linear
 
     On CPU in float32 it picks per call, by the input's rows and the weight's size:
 
-    - **one row** (a decode step of one sequence): the native matrix-vector product of ``matvec.c``, which
-      streams the weights at 75-90% of the CPU's read bandwidth where torch's kernels reach 50-70%
-      (``enginekit.model.matvec``; ``None`` where it cannot be built or loaded, and then the rules below);
+    - **1 to ``MAX_ROWS`` (8) rows** (a decode step of a few sequences): the native skinny GEMM of
+      ``skinny_gemm.c``, which reads each weight once for all the rows, at 75-90% of the CPU's read bandwidth,
+      where torch's kernels reach 50-70% at one row and slow down with every row added
+      (``enginekit.model.skinny_gemm``; ``None`` where it cannot be built or loaded, and then the rules below);
     - **weights of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more**: oneDNN's inner product
       (``torch.ops.mkldnn._linear_pointwise``, the kernel torch's own compiler emits for a CPU linear). It reads
       the same ``[out, in]`` weights in place and is 1.35-1.5x faster than ``F.linear`` (MKL's GEMM, which
@@ -55,26 +56,27 @@ def linear_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, Linear
     if device.type != "cpu" or dtype != torch.float32:
         return "F.linear", F.linear
     onednn = _onednn_linear()
-    matvec = native_matvec()
-    if onednn is None and matvec is None:
+    skinny = native_skinny_gemm()
+    if onednn is None and skinny is None:
         return "F.linear", F.linear
 
     def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (
-            matvec is not None
+            skinny is not None
             and x.dim() == 2
-            and x.shape[0] == 1
+            and 0 < x.shape[0] <= MAX_ROWS
             and x.is_contiguous()
             and weight.is_contiguous()
         ):
-            return matvec(x, weight, bias)
+            return skinny(x, weight, bias)
         if onednn is not None and weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL:
             return onednn(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
-    parts = ["native matvec at one row"] if matvec is not None else []
-    parts.append(f"oneDNN from {ONEDNN_MIN_WEIGHT_NUMEL} weight elements" if onednn is not None else "")
-    return ", ".join(p for p in parts if p) + ", else F.linear", cpu_linear
+    parts = [f"native skinny GEMM at 1-{MAX_ROWS} rows"] if skinny is not None else []
+    if onednn is not None:
+        parts.append(f"oneDNN from {ONEDNN_MIN_WEIGHT_NUMEL} weight elements")
+    return ", ".join([*parts, "else F.linear"]), cpu_linear
 
 
 def _onednn_linear() -> Callable[..., torch.Tensor] | None:

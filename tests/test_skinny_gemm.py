@@ -1,5 +1,5 @@
-"""The native matrix-vector kernel: correct at every shape, built once per cache, shared thread pool, and a
-clean fallback to torch's kernels wherever it cannot be built."""
+"""The native skinny GEMM: correct at every shape, built once per cache, on torch's thread pool, and a clean
+fallback to torch's kernels wherever it cannot be built."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginekit.model import matvec as matvec_module
+from enginekit.model import skinny_gemm as skinny_module
 from enginekit.model.llama import linear_kernel
-from enginekit.model.matvec import native_matvec
+from enginekit.model.skinny_gemm import MAX_ROWS, native_skinny_gemm
 
 BUILDABLE = (
     sys.platform == "linux"
@@ -28,7 +28,7 @@ BUILDABLE = (
 )
 needs_native = pytest.mark.skipif(not BUILDABLE, reason="the native kernel is built on x86-64 Linux with gcc")
 
-# Each run in a fresh interpreter: native_matvec() is built and cached once per process.
+# Each run in a fresh interpreter: native_skinny_gemm() is built and cached once per process.
 PROBE = textwrap.dedent(
     """
     import json, logging, sys, torch
@@ -36,8 +36,8 @@ PROBE = textwrap.dedent(
     logging.getLogger("enginekit.model").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
     logging.getLogger("enginekit.model").setLevel(logging.INFO)
     from enginekit.model.llama import linear_kernel
-    from enginekit.model.matvec import native_matvec, _openmp_runtimes
-    kernel = native_matvec()
+    from enginekit.model.skinny_gemm import native_skinny_gemm, _openmp_runtimes
+    kernel = native_skinny_gemm()
     print(json.dumps({"native": kernel is not None, "kernel": linear_kernel(torch.device("cpu"), torch.float32)[0],
                       "runtimes": sorted(_openmp_runtimes()), "log": records}))
     """
@@ -59,37 +59,46 @@ def _probe(cache: Path, **env: str) -> dict:
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
 @pytest.mark.parametrize(
-    ("rows", "cols", "bias"),
-    [(960, 576, False), (3072, 576, True), (576, 1536, False), (13, 19, True), (1, 8, False), (9, 3, True)],
+    ("out", "cols", "bias"),
+    [(960, 576, False), (576, 1536, True), (13, 19, True), (1, 8, False), (9, 3, True)],
 )
-def test_matches_f_linear(rows: int, cols: int, bias: bool, threads: int) -> None:
-    kernel = native_matvec()
+def test_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: int) -> None:
+    kernel = native_skinny_gemm()
     assert kernel is not None
-    gen = torch.Generator().manual_seed(rows * cols)
-    x, w = torch.randn(1, cols, generator=gen), torch.randn(rows, cols, generator=gen)
-    b = torch.randn(rows, generator=gen) if bias else None
+    gen = torch.Generator().manual_seed(rows * out * cols)
+    x, w = torch.randn(rows, cols, generator=gen), torch.randn(out, cols, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernel(x, w, b)
+        result = kernel(x, w, b)
     finally:
         torch.set_num_threads(previous)
-    assert out.shape == (1, rows) and out.dtype == torch.float32
-    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * cols**0.5)
+    assert result.shape == (rows, out) and result.dtype == torch.float32
+    torch.testing.assert_close(result, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * cols**0.5)
 
 
 @needs_native
-def test_model_kernel_uses_it_for_one_row_only() -> None:
+def test_refuses_more_rows_than_it_takes() -> None:
+    kernel = native_skinny_gemm()
+    assert kernel is not None
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        kernel(torch.randn(MAX_ROWS + 1, 16), torch.randn(4, 16), None)
+
+
+@needs_native
+def test_model_kernel_uses_it_for_few_rows_only() -> None:
     name, kernel = linear_kernel(torch.device("cpu"), torch.float32)
-    assert name.startswith("native matvec at one row")
+    assert name.startswith(f"native skinny GEMM at 1-{MAX_ROWS} rows"), name
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1024, 576, generator=gen)
-    for rows in (1, 2, 7):
+    for rows in (0, 1, 2, MAX_ROWS, MAX_ROWS + 1, 33):
         x = torch.randn(rows, 576, generator=gen)
         torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    # A one-row input that is not contiguous goes to torch's kernels, not to the raw pointer.
-    x = torch.randn(576, 2, generator=gen).t()[:1]
+    # Inputs that are not contiguous go to torch's kernels, not to the raw pointer.
+    x = torch.randn(576, 2, generator=gen).t()
     assert not x.is_contiguous()
     torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
@@ -97,7 +106,7 @@ def test_model_kernel_uses_it_for_one_row_only() -> None:
 @needs_native
 def test_built_once_per_cache_and_shares_torchs_openmp(tmp_path: Path) -> None:
     first = _probe(tmp_path)
-    assert first["native"] and first["kernel"].startswith("native matvec"), first
+    assert first["native"] and first["kernel"].startswith("native skinny GEMM"), first
     assert len(first["runtimes"]) == 1, f"a second OpenMP runtime was loaded: {first['runtimes']}"
     built = list((tmp_path / "native").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so", built
@@ -125,9 +134,9 @@ def test_falls_back_without_a_compiler(tmp_path: Path) -> None:
     result = _probe(tmp_path, CC=str(tmp_path / "no-such-cc"))
     assert not result["native"]
     assert "native" not in result["kernel"] and result["kernel"].endswith("F.linear"), result
-    assert any(
-        "native matrix-vector kernel not used" in line and "failed" in line for line in result["log"]
-    ), result
+    assert any("native skinny-GEMM kernel not used" in line and "failed" in line for line in result["log"]), (
+        result
+    )
 
 
 def test_can_be_turned_off(tmp_path: Path) -> None:
@@ -147,5 +156,5 @@ def test_unwritable_cache_builds_privately(tmp_path: Path) -> None:
 
 
 def test_source_ships_with_the_package() -> None:
-    assert matvec_module.SOURCE.is_file()
+    assert skinny_module.SOURCE.is_file()
     assert '"model/*.c"' in (Path(__file__).parents[1] / "pyproject.toml").read_text()

@@ -1,10 +1,12 @@
-"""The native float32 matrix-vector product (``matvec.c``): built once per machine, loaded once per process.
+"""The native float32 product of a few rows with a weight (``skinny_gemm.c``): built once per machine, loaded
+once per process.
 
-One token's projections are matrix-vector products, bound by how fast the weights stream from memory. torch's
-one-row kernels (oneDNN's inner product, MKL's GEMM) read them at 50-70% of the CPU's read bandwidth on the
-machines measured; ``matvec.c`` reads them at 75-90% (see docs/benchmarks.md). It is an accelerator, never a
-requirement: :func:`native_matvec` returns ``None``, and the model keeps torch's kernels, whenever it cannot
-be used here (not x86-64 Linux, no AVX2/FMA, no C compiler, torch without OpenMP, a failed probe, or
+A decode step of 1 to ``MAX_ROWS`` sequences multiplies every weight by that many vectors: it is bound by how
+fast the weights stream from memory. torch's kernels at these shapes (oneDNN's inner product, MKL's GEMM) read
+them at 50-70% of the CPU's read bandwidth at one row, and take longer with every row they add;
+``skinny_gemm.c`` reads each weight once for all the rows (see docs/benchmarks.md). It is an accelerator, never
+a requirement: :func:`native_skinny_gemm` returns ``None``, and the model keeps torch's kernels, whenever it
+cannot be used here (not x86-64 Linux, no AVX2/FMA, no C compiler, torch without OpenMP, a failed probe, or
 ``ENGINEKIT_NATIVE_KERNELS=0``), and logs why.
 
 The library is compiled with the C compiler found at run time (``$CC``, else ``cc`` or ``gcc``, about a
@@ -39,13 +41,14 @@ from enginekit.model.weight_cache import cache_dir
 
 logger = logging.getLogger("enginekit.model")
 
-SOURCE = Path(__file__).with_name("matvec.c")
+SOURCE = Path(__file__).with_name("skinny_gemm.c")
+MAX_ROWS = 8  # ENGINEKIT_MAX_ROWS in the C file; checked at load
 DISABLE_ENV = "ENGINEKIT_NATIVE_KERNELS"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 _COMPILE_TIMEOUT_S = 120.0
 _OPENMP_RUNTIME = re.compile(r"/lib(?:g|i|i5)?omp[^/]*\.so")
 
-MatVec = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+SkinnyGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class NativeUnavailable(Exception):
@@ -53,37 +56,41 @@ class NativeUnavailable(Exception):
 
 
 @functools.cache
-def native_matvec() -> MatVec | None:
-    """``matvec(x, weight, bias)`` for a contiguous float32 ``x`` of one row on CPU, or ``None`` (logged why).
+def native_skinny_gemm() -> SkinnyGemm | None:
+    """``gemm(x, weight, bias)`` for a contiguous float32 ``x`` of 1 to ``MAX_ROWS`` rows and a contiguous
+    ``weight`` on CPU, or ``None`` (logged why).
 
     Built and probed on the first call in a process; later calls return the same function.
     """
     try:
         lib = _load()
     except NativeUnavailable as reason:
-        logger.info("native matrix-vector kernel not used: %s", reason)
+        logger.info("native skinny-GEMM kernel not used: %s", reason)
         return None
-    kernel = lib.enginekit_matvec
-    kernel.restype = None
-    kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    kernel = lib.enginekit_skinny_gemm
+    kernel.restype = ctypes.c_int
+    kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     get_threads = torch.get_num_threads
 
-    def matvec(
+    def gemm(
         x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
     ) -> torch.Tensor:
-        n, k = weight.shape
-        out = torch.empty((1, n), dtype=torch.float32)
+        m, (n, k) = x.shape[0], weight.shape
+        out = torch.empty((m, n), dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
-        kernel(weight.data_ptr(), x.data_ptr(), bias_ptr, out.data_ptr(), n, k, threads or get_threads())
+        if kernel(
+            weight.data_ptr(), x.data_ptr(), bias_ptr, out.data_ptr(), m, n, k, threads or get_threads()
+        ):
+            raise ValueError(f"the native skinny GEMM takes 1 to {MAX_ROWS} rows, not {m}")
         return out
 
     try:
-        _probe(matvec)
+        _probe(gemm)
     except NativeUnavailable as reason:
-        logger.warning("native matrix-vector kernel not used: %s", reason)
+        logger.warning("native skinny-GEMM kernel not used: %s", reason)
         return None
-    logger.info("native matrix-vector kernel loaded from %s", lib._name)
-    return matvec
+    logger.info("native skinny-GEMM kernel loaded from %s", lib._name)
+    return gemm
 
 
 def _load() -> ctypes.CDLL:
@@ -94,7 +101,7 @@ def _load() -> ctypes.CDLL:
     if not torch.backends.openmp.is_available():
         raise NativeUnavailable("this torch build has no OpenMP thread pool to share")
     digest = hashlib.sha256(SOURCE.read_bytes() + b"\0" + " ".join(FLAGS).encode()).hexdigest()[:16]
-    name = f"matvec-{digest}.so"
+    name = f"skinny_gemm-{digest}.so"
     folder = cache_dir() / "native"
     path = folder / name
     if path.is_file():
@@ -120,7 +127,7 @@ def _build(compiler: str, folder: Path, path: Path) -> None:
     fd, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
-        _run([compiler, *FLAGS, str(SOURCE), "-o", partial], "compiling matvec.c")
+        _run([compiler, *FLAGS, str(SOURCE), "-o", partial], f"compiling {SOURCE.name}")
         os.replace(partial, path)
     finally:
         Path(partial).unlink(missing_ok=True)
@@ -135,8 +142,10 @@ def _open(path: Path) -> ctypes.CDLL:
         raise NativeUnavailable(
             f"this process has more than one OpenMP runtime ({', '.join(sorted(runtimes))})"
         )
-    if not lib.enginekit_matvec_supported():
+    if not lib.enginekit_skinny_supported():
         raise NativeUnavailable("this CPU lacks AVX2 or FMA")
+    if lib.enginekit_skinny_max_rows() != MAX_ROWS:
+        raise NativeUnavailable(f"{path} takes up to {lib.enginekit_skinny_max_rows()} rows, not {MAX_ROWS}")
     return lib
 
 
@@ -159,13 +168,17 @@ def _run(command: list[str], what: str) -> str:
     return done.stdout
 
 
-def _probe(matvec: Callable[..., torch.Tensor]) -> None:
-    """The kernel against ``F.linear`` on shapes that take every path: full and partial row blocks, a
-    column tail, a bias, on one and two threads."""
+def _probe(gemm: Callable[..., torch.Tensor]) -> None:
+    """The kernel against ``F.linear`` on shapes that take every path: one row (full and partial blocks of
+    weight rows) and every other row count, a column tail, a bias, on one and two threads."""
     gen = torch.Generator().manual_seed(0)
-    for n, k, with_bias in ((64, 96, False), (13, 19, True)):
-        x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    for m, n, k, with_bias in [(1, 64, 96, False), (1, 13, 19, True)] + [
+        (m, 5, 19, True) for m in range(2, 9)
+    ]:
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen) if with_bias else None
         for threads in (1, 2):
-            if not torch.allclose(matvec(x, w, b, threads), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
-                raise NativeUnavailable(f"it disagrees with F.linear on a probe ({n}x{k}, {threads} threads)")
+            if not torch.allclose(gemm(x, w, b, threads), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+                raise NativeUnavailable(
+                    f"it disagrees with F.linear on a probe ({m}x{k} by {n}x{k}, {threads} threads)"
+                )

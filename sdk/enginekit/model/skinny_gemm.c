@@ -1,0 +1,110 @@
+/* Float32 products of a few rows with a weight matrix, for x86-64 CPUs with AVX2 and FMA:
+ * y[m, n] = x[m, k] W[n, k]^T (+ b[n]) for 1 <= m <= ENGINEKIT_MAX_ROWS, W row-major.
+ *
+ * A decode step of a few sequences multiplies every weight by a few vectors: each weight is read once, so the
+ * time is the time to stream the weights from memory. The library kernels torch calls at these shapes read
+ * them at well under the machine's bandwidth, and their cost grows with the rows; here every weight row is
+ * loaded once and multiplied into all m input rows while it is in registers. One row takes eight weight rows
+ * at a time (eight independent sums); more rows take one weight row against all of them. Weight rows are
+ * split over OpenMP threads. Built by enginekit/model/skinny_gemm.py with the C compiler found at run time
+ * and linked against the OpenMP runtime torch already loaded, so it runs on torch's thread pool.
+ */
+#include <immintrin.h>
+
+#define ENGINEKIT_MAX_ROWS 8
+#define BLOCK 8 /* weight rows per task with one input row */
+#define AVX2 __attribute__((target("avx2,fma")))
+
+int enginekit_skinny_max_rows(void) { return ENGINEKIT_MAX_ROWS; }
+
+int enginekit_skinny_supported(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+AVX2 static inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+/* One input row: dot products of `count` (<= BLOCK) consecutive weight rows with x, into y. */
+AVX2 static inline void block_dot(const float *w, const float *x, float *y, int count, long k) {
+  __m256 acc[BLOCK];
+  long vec_end = k - k % 8;
+  for (int i = 0; i < BLOCK; i++) acc[i] = _mm256_setzero_ps();
+  if (count == BLOCK) { /* the common case, unrolled by the compiler */
+    for (long j = 0; j < vec_end; j += 8) {
+      __m256 xv = _mm256_loadu_ps(x + j);
+      for (int i = 0; i < BLOCK; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i * k + j), xv, acc[i]);
+    }
+  } else {
+    for (long j = 0; j < vec_end; j += 8) {
+      __m256 xv = _mm256_loadu_ps(x + j);
+      for (int i = 0; i < count; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i * k + j), xv, acc[i]);
+    }
+  }
+  for (int i = 0; i < count; i++) {
+    float tail = 0.0f;
+    for (long j = vec_end; j < k; j++) tail += w[i * k + j] * x[j];
+    y[i] = hsum(acc[i]) + tail;
+  }
+}
+
+/* M input rows: one weight row w against all of x[M, k], into y[0], y[ldy], ... (M known at compile time). */
+#define DEFINE_ROW_TIMES(M)                                                                                  \
+  AVX2 static inline void row_times_##M(const float *w, const float *x, float *y, long k, long ldy) {        \
+    __m256 acc[M];                                                                                           \
+    long vec_end = k - k % 8;                                                                                \
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();                                                \
+    for (long j = 0; j < vec_end; j += 8) {                                                                  \
+      __m256 wv = _mm256_loadu_ps(w + j);                                                                    \
+      for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * k + j), acc[m]);     \
+    }                                                                                                        \
+    for (int m = 0; m < M; m++) {                                                                            \
+      float tail = 0.0f;                                                                                     \
+      for (long j = vec_end; j < k; j++) tail += w[j] * x[m * k + j];                                        \
+      y[m * ldy] = hsum(acc[m]) + tail;                                                                      \
+    }                                                                                                        \
+  }
+DEFINE_ROW_TIMES(2)
+DEFINE_ROW_TIMES(3)
+DEFINE_ROW_TIMES(4)
+DEFINE_ROW_TIMES(5)
+DEFINE_ROW_TIMES(6)
+DEFINE_ROW_TIMES(7)
+DEFINE_ROW_TIMES(8)
+
+/* y[m, n] = x[m, k] W[n, k]^T + bias[n] (bias may be NULL), 1 <= m <= ENGINEKIT_MAX_ROWS, on `threads` OpenMP
+ * threads. Returns 0, or -1 (nothing written) for an m out of range. */
+AVX2 int enginekit_skinny_gemm(const float *w, const float *x, const float *bias, float *y, long m, long n,
+                               long k, int threads) {
+  if (m < 1 || m > ENGINEKIT_MAX_ROWS) return -1;
+  if (m == 1) {
+    long blocks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long b = 0; b < blocks; b++) {
+      long row = b * BLOCK;
+      block_dot(w + row * k, x, y + row, n - row < BLOCK ? (int)(n - row) : BLOCK, k);
+    }
+  } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < n; r++) {
+      const float *wr = w + r * k;
+      switch (m) {
+        case 2: row_times_2(wr, x, y + r, k, n); break;
+        case 3: row_times_3(wr, x, y + r, k, n); break;
+        case 4: row_times_4(wr, x, y + r, k, n); break;
+        case 5: row_times_5(wr, x, y + r, k, n); break;
+        case 6: row_times_6(wr, x, y + r, k, n); break;
+        case 7: row_times_7(wr, x, y + r, k, n); break;
+        default: row_times_8(wr, x, y + r, k, n); break;
+      }
+    }
+  }
+  if (bias)
+    for (long i = 0; i < m; i++)
+      for (long r = 0; r < n; r++) y[i * n + r] += bias[r];
+  return 0;
+}
