@@ -71,7 +71,7 @@ def paged_attention(
     k_blocks = k_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
     v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
     gqa = q.shape[1] != num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if meta.prefills else None
     if meta.num_decode:
         num_decode, length = meta.num_decode, meta.decode_len
         table = meta.decode_block_tables.flatten()
@@ -84,6 +84,8 @@ def paged_attention(
         attended = F.scaled_dot_product_attention(
             q[:num_decode].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         )
+        if out is None:  # a pure decode step: its output is the whole result
+            return attended.squeeze(2)
         out[:num_decode] = attended.squeeze(2)
     # Prefill inputs get a batch dimension of one: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
     # fall back to the math path (2-4x slower at 64-token chunks, measured with torch 2.13 on 2 cores).
@@ -112,4 +114,5 @@ def paged_attention(
                 query, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa
             )
         out[rows] = attended[0].transpose(0, 1)
+    assert out is not None, "a step has decodes or prefill chunks"
     return out
