@@ -12,10 +12,11 @@ cannot be used here (not x86-64 Linux, no AVX2/FMA, no C compiler, torch without
 The library is compiled with the C compiler found at run time (``$CC``, else ``cc`` or ``gcc``, about a
 second) into ``<cache>/native/`` (``$ENGINEKIT_CACHE``, else ``~/.cache/enginekit``), named by a hash of the
 source and the flags, and published with an atomic rename, so concurrent engine processes can build it at once.
-A cache hit runs no compiler: an engine process's start pays about a millisecond to load and probe it. The
-library checks the CPU itself at load (AVX2 and FMA), so a cache shared by several machines stays safe. It links the OpenMP runtime torch has already loaded (same soname), so its
-parallel loop runs on torch's thread pool; a second OpenMP runtime in the process disables it, since two
-pools would spin against each other. Its thread count is the calling thread's ``torch.get_num_threads()``.
+A cache hit runs no compiler: an engine process's start pays a few milliseconds to load and probe it. The
+library checks the CPU itself at load (AVX2 and FMA), so a cache shared by several machines stays safe. It
+links the OpenMP runtime torch has already loaded (same soname), so its parallel loop runs on torch's thread
+pool; a second OpenMP runtime in the process disables it, since two pools would spin against each other. Its
+thread count is the calling thread's ``torch.get_num_threads()``.
 """
 
 from __future__ import annotations
@@ -172,9 +173,8 @@ def _probe(gemm: Callable[..., torch.Tensor]) -> None:
     """The kernel against ``F.linear`` on shapes that take every path: one row (full and partial blocks of
     weight rows) and every other row count, a column tail, a bias, on one and two threads."""
     gen = torch.Generator().manual_seed(0)
-    for m, n, k, with_bias in [(1, 64, 96, False), (1, 13, 19, True)] + [
-        (m, 5, 19, True) for m in range(2, 9)
-    ]:
+    shapes = [(1, 64, 96, False), (1, 13, 19, True)] + [(m, 5, 19, True) for m in range(2, MAX_ROWS + 1)]
+    for m, n, k, with_bias in shapes:
         x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen) if with_bias else None
         for threads in (1, 2):
