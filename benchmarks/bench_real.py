@@ -6,7 +6,7 @@ import random
 import time
 from typing import Any
 
-from .baselines import clear_model_cache, matmul_gflops, projection_gflops
+from .baselines import clear_model_cache, hf_generate_runner, matmul_gflops, projection_gflops
 from .bench_throughput import FINDINGS_ONLY, Row, _measure, _rate, gflops_of, table_row
 from .common import (
     Context,
@@ -50,6 +50,8 @@ def sizes(ctx: Context) -> dict[str, Any]:
 
 
 def run(ctx: Context, report: SectionReport) -> None:
+    from enginekit.model.skinny_gemm import MAX_ROWS, native_skinny_gemm
+
     size = sizes(ctx)
     threads = ctx.threads
     spec = ctx.model("smollm2")
@@ -80,7 +82,10 @@ as in the throughput section, sized for a 30-layer model: *equal* {prompt_len}-t
 and outputs of {size["output_range"][0]}-{size["output_range"][1]}; *staggered* the mixed requests
 arriving over half the engine's burst time. Engine `num_threads={threads}`, transformers {threads} torch
 threads; runs alternate (interleaved), {size["repeats"]} rounds; the first concurrency warms both up, the
-larger ones are not warmed again (the models are already loaded and run).
+larger ones are not warmed again (the models are already loaded and run). Where the native skinny GEMM
+is in use, a last float32 table measures it before and after: the same engine's projections switched, between
+runs, to the kernels it had before (oneDNN's linear, `F.linear` for small weights), on the equal workload at
+the concurrencies of at most {MAX_ROWS} sequences, interleaved with transformers, {ctx.pick(2, 5)} rounds.
 
 The matmul peak is the faster of two measurements on this machine: a dense {size["matmul_n"]}x{size["matmul_n"]}
 `torch.mm` (the better of {threads} thread(s) and 1: float32 {fmt(square["float32"], "GFLOP/s", 1)}, bfloat16
@@ -100,6 +105,7 @@ time, so *N* concurrent requests there are *N* requests one after another.
 """
     ratios: dict[tuple[str, str, int], Summary] = {}
     shares: dict[tuple[str, int], float] = {}
+    ab_rows: list[list[object]] = []
     for dtype, concurrency_list in (("float32", size["concurrency"]), ("bfloat16", size["bf16_concurrency"])):
         largest = equal_workload(max(concurrency_list), max(prompt_len, size["prompt_range"][1]), 64)
         blocks = kv_blocks_for(largest) + 64
@@ -111,6 +117,10 @@ time, so *N* concurrent requests there are *N* requests one after another.
                 rows += _measure(
                     engine, spec, concurrency, size, threads, dtype=dtype, warmup=1 if index == 0 else 0
                 )
+            if dtype == "float32" and native_skinny_gemm() is not None:
+                for concurrency in [c for c in concurrency_list if c <= MAX_ROWS]:
+                    ctx.log(f"real: native kernel before/after x{concurrency}")
+                    ab_rows.append(native_kernel_ab(engine, spec, concurrency, size, threads, ctx.pick(2, 5)))
         finally:
             engine.shutdown()
             clear_model_cache()
@@ -136,6 +146,22 @@ time, so *N* concurrent requests there are *N* requests one after another.
             ],
             table,
             ["r", "l", "l", "l", "l", "r", "r"],
+        )
+    if ab_rows:
+        report.table(
+            f"{spec.label}, float32, equal lengths: the native skinny GEMM's before and after (one engine, its "
+            "projections switched between runs), generated tokens/s",
+            [
+                "concurrent",
+                "engine, oneDNN / F.linear (before)",
+                "engine, native skinny GEMM (after)",
+                "transformers",
+                "after / before",
+                "before / transformers",
+                "after / transformers",
+            ],
+            ab_rows,
+            ["r", "l", "l", "l", "l", "l", "l"],
         )
     llama_cpp = _llama_cpp(ctx, report, spec, size, threads)
     report.targets = _targets(ratios, shares)
@@ -280,6 +306,73 @@ def _targets(
     return lines
 
 
+def kernel_before_skinny_gemm() -> Any:
+    """The engine's CPU float32 projection kernel before the native skinny GEMM: oneDNN's linear for weights
+    of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more, else ``F.linear``."""
+    import torch.nn.functional as F
+
+    from enginekit.model.llama import ONEDNN_MIN_WEIGHT_NUMEL, _onednn_linear
+
+    onednn = _onednn_linear()
+
+    def before(x: Any, w: Any, b: Any) -> Any:
+        if onednn is not None and w.numel() >= ONEDNN_MIN_WEIGHT_NUMEL:
+            return onednn(x, w, b, "none", [], "")
+        return F.linear(x, w, b)
+
+    return before
+
+
+def native_kernel_ab(
+    engine: Any, spec: ModelSpec, concurrency: int, size: dict[str, Any], threads: int, rounds: int
+) -> list[object]:
+    """The native skinny GEMM's before and after, as one table row: one in-process float32 engine whose
+    projections switch, between runs, from the engine's kernel to the one it had before (oneDNN's linear,
+    ``F.linear`` for small weights), against transformers on the equal workload; all three interleaved."""
+    import torch
+
+    from enginekit.model.llama import linear_kernel
+
+    before = kernel_before_skinny_gemm()
+    model = engine._client._core.runner.model  # an in-process engine's model (benchmark access only)
+    after = linear_kernel(torch.device("cpu"), torch.float32)[1]
+    equal = equal_workload(concurrency, *size["equal"])
+    run_engine = engine_batch_runner(engine, spec, equal, threads=threads, seed=5)
+    run_hf = hf_generate_runner(
+        spec.hf_path, concurrency, equal.prompt_lens, equal.output_lens, num_threads=threads, dtype="float32"
+    )
+
+    def engine_with(kernel: Any) -> Any:
+        def run() -> float:
+            model.use_linear_kernel(kernel)
+            return _rate(run_engine())
+
+        return run
+
+    try:
+        samples = interleave(
+            {"after": engine_with(after), "before": engine_with(before), "hf": lambda: _rate(run_hf())},
+            repeats=rounds,
+            warmup=1,
+        )
+    finally:
+        model.use_linear_kernel(after)
+    return [
+        concurrency,
+        fmt(summarize(samples["before"]), "", 1),
+        fmt(summarize(samples["after"]), "", 1),
+        fmt(summarize(samples["hf"]), "", 1),
+        *(
+            f"{r.median:.2f}x ({r.min:.2f}-{r.max:.2f})"
+            for r in (
+                paired_ratio(samples["after"], samples["before"]),
+                paired_ratio(samples["before"], samples["hf"]),
+                paired_ratio(samples["after"], samples["hf"]),
+            )
+        ),
+    ]
+
+
 def streamed_projections(config: Any, rows: tuple[int, ...], threads: int, rounds: int) -> dict[str, Any]:
     """One forward pass's projections over every layer's own weights (the model's whole float32 bytes, more
     than any cache holds: what a decode step streams), in ms per pass, per kernel and row count, the kernels
@@ -288,18 +381,14 @@ def streamed_projections(config: Any, rows: tuple[int, ...], threads: int, round
     import torch
     import torch.nn.functional as F
 
-    from enginekit.model.llama import ONEDNN_MIN_WEIGHT_NUMEL, _onednn_linear, linear_kernel
+    from enginekit.model.llama import linear_kernel
 
     from .baselines import torch_threads
 
-    onednn = _onednn_linear()
-
-    def onednn_rule(x: Any, w: Any, b: Any) -> Any:
-        if onednn is not None and w.numel() >= ONEDNN_MIN_WEIGHT_NUMEL:
-            return onednn(x, w, b, "none", [], "")
-        return F.linear(x, w, b)
-
-    kernels = {"engine": linear_kernel(torch.device("cpu"), torch.float32)[1], "oneDNN": onednn_rule}
+    kernels = {
+        "engine": linear_kernel(torch.device("cpu"), torch.float32)[1],
+        "oneDNN": kernel_before_skinny_gemm(),
+    }
     kernels["F.linear"] = F.linear
     hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
