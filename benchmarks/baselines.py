@@ -453,6 +453,19 @@ def matmul_gflops(
     }
 
 
+def layer_projection_shapes(config: Any) -> list[tuple[int, int]]:
+    """``(in, out)`` of one decoder layer's projections as the engine runs them: the fused q/k/v, the output,
+    the fused gate/up and the down projection."""
+    hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    return [
+        (hidden, q_size + 2 * kv_size),
+        (q_size, hidden),
+        (hidden, 2 * config.intermediate_size),
+        (config.intermediate_size, hidden),
+    ]
+
+
 def projection_gflops(
     config: Any,
     rows: int,
@@ -481,14 +494,8 @@ def projection_gflops(
 
     dt = _resolve_dtype(dtype)
     kernel = F.linear if plain else linear_kernel(torch.device("cpu"), dt)[1]
-    hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    layer = [  # (in, out)
-        (hidden, q_size + 2 * kv_size),
-        (q_size, hidden),
-        (hidden, 2 * config.intermediate_size),
-        (config.intermediate_size, hidden),
-    ]
+    hidden = config.hidden_size
+    layer = layer_projection_shapes(config)
     gen = torch.Generator().manual_seed(0)
 
     def operands(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -306,23 +306,6 @@ def _targets(
     return lines
 
 
-def kernel_before_skinny_gemm() -> Any:
-    """The engine's CPU float32 projection kernel before the native skinny GEMM: oneDNN's linear for weights
-    of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more, else ``F.linear``."""
-    import torch.nn.functional as F
-
-    from enginekit.model.llama import ONEDNN_MIN_WEIGHT_NUMEL, _onednn_linear
-
-    onednn = _onednn_linear()
-
-    def before(x: Any, w: Any, b: Any) -> Any:
-        if onednn is not None and w.numel() >= ONEDNN_MIN_WEIGHT_NUMEL:
-            return onednn(x, w, b, "none", [], "")
-        return F.linear(x, w, b)
-
-    return before
-
-
 def native_kernel_ab(
     engine: Any, spec: ModelSpec, concurrency: int, size: dict[str, Any], threads: int, rounds: int
 ) -> list[object]:
@@ -333,9 +316,9 @@ def native_kernel_ab(
 
     from enginekit.model.llama import linear_kernel
 
-    before = kernel_before_skinny_gemm()
     model = engine._client._core.runner.model  # an in-process engine's model (benchmark access only)
     after = linear_kernel(torch.device("cpu"), torch.float32)[1]
+    before = linear_kernel(torch.device("cpu"), torch.float32, native=False)[1]
     equal = equal_workload(concurrency, *size["equal"])
     run_engine = engine_batch_runner(engine, spec, equal, threads=threads, seed=5)
     run_hf = hf_generate_runner(
@@ -376,28 +359,27 @@ def native_kernel_ab(
 def streamed_projections(config: Any, rows: tuple[int, ...], threads: int, rounds: int) -> dict[str, Any]:
     """One forward pass's projections over every layer's own weights (the model's whole float32 bytes, more
     than any cache holds: what a decode step streams), in ms per pass, per kernel and row count, the kernels
-    measured alternately: the engine's (``linear_kernel``), oneDNN's linear with ``F.linear`` for small weights
-    (the engine's kernel before the native skinny GEMM), and ``F.linear`` (what transformers runs)."""
+    measured alternately: the engine's (``linear_kernel``), the same without the native skinny GEMM (oneDNN's
+    linear, ``F.linear`` for small weights: the engine's kernel before it), and ``F.linear`` (what transformers
+    runs)."""
     import torch
     import torch.nn.functional as F
 
     from enginekit.model.llama import linear_kernel
 
-    from .baselines import torch_threads
+    from .baselines import layer_projection_shapes, torch_threads
 
+    cpu = torch.device("cpu")
     kernels = {
-        "engine": linear_kernel(torch.device("cpu"), torch.float32)[1],
-        "oneDNN": kernel_before_skinny_gemm(),
+        "engine": linear_kernel(cpu, torch.float32)[1],
+        "oneDNN": linear_kernel(cpu, torch.float32, native=False)[1],
+        "F.linear": F.linear,
     }
-    kernels["F.linear"] = F.linear
-    hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    shapes = [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * config.intermediate_size, hidden)]
-    shapes.append((hidden, config.intermediate_size))
+    shapes = layer_projection_shapes(config)
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) for _ in range(config.num_layers) for n, k in shapes]
-    weights.append(torch.randn(config.vocab_size, hidden, generator=gen))
-    inputs = {(count, k): torch.randn(count, k, generator=gen) for count in rows for _, k in shapes}
+    weights = [torch.randn(n, k, generator=gen) for _ in range(config.num_layers) for k, n in shapes]
+    weights.append(torch.randn(config.vocab_size, config.hidden_size, generator=gen))
+    inputs = {(count, k): torch.randn(count, k, generator=gen) for count in rows for k, _ in shapes}
     samples: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode(), torch_threads(threads):
         for count in rows:

@@ -92,6 +92,7 @@ def test_refuses_more_rows_than_it_takes() -> None:
 def test_model_kernel_uses_it_for_few_rows_only() -> None:
     name, kernel = linear_kernel(torch.device("cpu"), torch.float32)
     assert name.startswith(f"native skinny GEMM at 1-{MAX_ROWS} rows"), name
+    assert "native" not in linear_kernel(torch.device("cpu"), torch.float32, native=False)[0]
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1024, 576, generator=gen)
     for rows in (0, 1, 2, MAX_ROWS, MAX_ROWS + 1, 33):

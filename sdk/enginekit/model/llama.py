@@ -36,8 +36,11 @@ class Linear(nn.Linear):
 ONEDNN_MIN_WEIGHT_NUMEL = 1 << 19
 
 
-def linear_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, LinearKernel]:
-    """The fastest correct kernel for the model's projections on this device, with its name.
+def linear_kernel(
+    device: torch.device, dtype: torch.dtype, *, native: bool = True
+) -> tuple[str, LinearKernel]:
+    """The fastest correct kernel for the model's projections on this device, with its name (``native=False``:
+    without the native skinny GEMM, to measure what it gives).
 
     On CPU in float32 it picks per call, by the input's rows and the weight's size:
 
@@ -56,7 +59,7 @@ def linear_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, Linear
     if device.type != "cpu" or dtype != torch.float32:
         return "F.linear", F.linear
     onednn = _onednn_linear()
-    skinny = native_skinny_gemm()
+    skinny = native_skinny_gemm() if native else None
     if onednn is None and skinny is None:
         return "F.linear", F.linear
 

@@ -47,7 +47,7 @@ MAX_ROWS = 8  # ENGINEKIT_MAX_ROWS in the C file; checked at load
 DISABLE_ENV = "ENGINEKIT_NATIVE_KERNELS"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 _COMPILE_TIMEOUT_S = 120.0
-_OPENMP_RUNTIME = re.compile(r"/lib(?:g|i|i5)?omp[^/]*\.so")
+_OPENMP_RUNTIME = re.compile(r"/lib[gi]?omp[^/]*\.so")
 
 SkinnyGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
