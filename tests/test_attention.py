@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from enginekit import Engine, SamplingParams
 from enginekit.model import llama
 from enginekit.model.attention import AttentionMetadata, PrefillChunk, paged_attention
+from enginekit.model.native import native_layer_ops
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -42,8 +43,13 @@ def layout(lengths, new_tokens, generator):
     return cache, tables, contexts
 
 
-@pytest.mark.parametrize("with_buffer", [False, True])
-def test_paged_attention_equals_dense_attention_per_sequence(with_buffer):
+@pytest.mark.parametrize(("with_buffer", "native"), [(False, False), (True, False), (True, True)])
+def test_paged_attention_equals_dense_attention_per_sequence(with_buffer, native):
+    """Through torch (the KV cache written by paged_attention) and through the native layer operations (written
+    beforehand, as ``LayerOps.rope_write_cache`` does, the decodes attending in place)."""
+    ops = native_layer_ops() if native else None
+    if native and ops is None:
+        pytest.skip("the native layer operations are not available here")
     generator = torch.Generator().manual_seed(1)
     # Three decodes of unequal contexts, a prefill chunk after cached context, and a fresh prompt.
     lengths, new_tokens = [9, 3, 16, 11, 6], [1, 1, 1, 5, 6]
@@ -64,6 +70,7 @@ def test_paged_attention_equals_dense_attention_per_sequence(with_buffer):
         decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:3]]),
         decode_len=max(lengths[:3]),
         decode_mask=(torch.arange(16)[None, :] < torch.tensor(lengths[:3])[:, None])[:, None, None, :],
+        decode_lens=torch.tensor(lengths[:3]),
     )
     meta.prefills = [
         PrefillChunk(
@@ -75,7 +82,9 @@ def test_paged_attention_equals_dense_attention_per_sequence(with_buffer):
         meta.gather_buffer = torch.full(
             (2, 32, BLOCK * KV_HEADS * DIM), float("nan")
         )  # stale rows are never read
-    out = paged_attention(q, k, v, cache, meta, DIM**-0.5)
+    if ops is not None:
+        cache[0, slots], cache[1, slots] = k, v
+    out = paged_attention(q, k, v, cache, meta, DIM**-0.5, ops)
 
     row = 0
     for context, length, new in zip(contexts, lengths, new_tokens):
@@ -87,7 +96,8 @@ def test_paged_attention_equals_dense_attention_per_sequence(with_buffer):
 def test_the_runner_gathers_into_one_buffer_grown_only_when_a_step_needs_more(monkeypatch):
     buffers = []
 
-    def attention(q, k, v, kv_cache, meta, scale):
+    def attention(q, k, v, kv_cache, meta, scale, ops):
+        assert ops is None
         if meta.num_decode:
             buffers.append(meta.gather_buffer)
         return paged_attention(q, k, v, kv_cache, meta, scale)
@@ -95,6 +105,7 @@ def test_the_runner_gathers_into_one_buffer_grown_only_when_a_step_needs_more(mo
     monkeypatch.setattr(llama, "paged_attention", attention)
     with Engine("builtin", mode="inproc", block_size=BLOCK, num_kv_blocks=512, max_model_len=256) as engine:
         runner = engine.client.core.runner
+        runner.model.use_layer_ops(None)  # the torch path: native decode attention gathers nothing
         params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         sizes = set()
         execute = runner.execute
@@ -115,3 +126,15 @@ def test_the_runner_gathers_into_one_buffer_grown_only_when_a_step_needs_more(mo
         # Every layer of every decode step gathered into the runner's buffer.
         assert len(buffers) == 39 * 4 and all(b is not None for b in buffers)
         assert buffers[-1] is runner._gather_buffer
+
+
+def test_with_native_attention_the_runner_gathers_for_prefill_context_only():
+    if native_layer_ops() is None:
+        pytest.skip("the native layer operations are not available here")
+    with Engine("builtin", mode="inproc", block_size=BLOCK, num_kv_blocks=512, max_model_len=256) as engine:
+        runner = engine.client.core.runner
+        assert runner.model.layer_ops is not None
+        engine.generate(
+            [[5] * 20] * 8, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), progress=False
+        )
+        assert runner._gather_buffer.shape[1] == 0, "decode steps read the cache in place"

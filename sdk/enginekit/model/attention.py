@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from enginekit.model.native import LayerOps
+
 
 @dataclass
 class PrefillChunk:
@@ -43,6 +45,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks], padded with block 0
     decode_len: int = 0  # longest decode context
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, decode_len], None when all equal
+    decode_lens: torch.Tensor | None = None  # [num_decode] context length of each decode (for native ops)
     prefills: list[PrefillChunk] = field(default_factory=list)
     gather_buffer: torch.Tensor | None = None  # [2, rows, block row] scratch for the gathered K and V blocks
 
@@ -61,10 +64,19 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_slots, KVH, D]
     meta: AttentionMetadata,
     scale: float,
+    ops: LayerOps | None = None,
 ) -> torch.Tensor:
+    """Attention of the step's new tokens; writes their keys and values to the cache first, unless ``ops`` (the
+    native layer operations) is given: then they are already there (``LayerOps.rope_write_cache``), and the
+    decodes attend in place (``LayerOps.decode_attention``)."""
+    if ops is not None and not meta.prefills:  # a pure decode step (most steps): one call
+        return ops.decode_attention(
+            q, kv_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale
+        )
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if ops is None:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     # One row per block (block_size * KVH * D values): a context is gathered with one index_select per K and
     # V, a plain copy of whole rows (4-5x faster than advanced indexing of [2, blocks, ...]).
@@ -72,7 +84,12 @@ def paged_attention(
     v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
     gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q) if meta.prefills else None
-    if meta.num_decode:
+    if meta.num_decode and ops is not None:
+        attended = ops.decode_attention(
+            q[: meta.num_decode], kv_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale
+        )
+        out[: meta.num_decode] = attended
+    elif meta.num_decode:
         num_decode, length = meta.num_decode, meta.decode_len
         table = meta.decode_block_tables.flatten()
         keys, values = (

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from enginekit.model.attention import AttentionMetadata, paged_attention
 from enginekit.model.config import ModelConfig
-from enginekit.model.skinny_gemm import MAX_ROWS, native_skinny_gemm
+from enginekit.model.native import MAX_ROWS, LayerOps, native_layer_ops, native_skinny_gemm
 
 logger = logging.getLogger("enginekit.model")
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -82,6 +82,19 @@ def linear_kernel(
     return ", ".join([*parts, "else F.linear"]), cpu_linear
 
 
+def layer_ops(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LayerOps | None:
+    """The native layer operations (RMS norm, rotary embedding with the cache write, decode attention over the
+    paged cache in place; ``enginekit.model.native``) for this model on this device, or ``None``: the model's
+    torch code, on other devices and dtypes, where the library is not usable, or for attention shapes past its
+    limits."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    ops = native_layer_ops()
+    if ops is None or not ops.supports(config.num_heads, config.num_kv_heads, config.head_dim):
+        return None
+    return ops
+
+
 def _onednn_linear() -> Callable[..., torch.Tensor] | None:
     """oneDNN's linear, if this torch build has it and it agrees with ``F.linear`` on a probe."""
     if not torch.backends.mkldnn.is_available():
@@ -103,12 +116,16 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
+    ops: LayerOps | None = None  # see LlamaForCausalLM.use_layer_ops
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one kernel, bitwise equal to the reference formula below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)
@@ -150,6 +167,8 @@ def _rotary_tables(head_dim: int, max_positions: int, theta: float) -> tuple[tor
 
 
 class Attention(nn.Module):
+    ops: LayerOps | None = None  # see LlamaForCausalLM.use_layer_ops
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -163,18 +182,27 @@ class Attention(nn.Module):
 
     def forward(self, hidden, rotary, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
-        # q and k are adjacent in each row: rotate them as one [T, heads + kv_heads, D] view (half the ops).
-        qk = rotate(
-            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-            *rotary,
-        )
+        if self.ops is not None:  # rotates q and k, and writes k and v to the cache, in one call
+            qk = self.ops.rope_write_cache(
+                qkv, *rotary, meta.slot_mapping, kv_cache, self.num_heads, self.num_kv_heads
+            )
+        else:
+            # q and k are adjacent in each row: rotate them as one [T, heads + kv_heads, D] view (half the ops).
+            qk = rotate(
+                qkv[:, : self.q_size + self.kv_size].view(
+                    -1, self.num_heads + self.num_kv_heads, self.head_dim
+                ),
+                *rotary,
+            )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
+    ops: LayerOps | None = None  # see LlamaForCausalLM.use_layer_ops
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -182,6 +210,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in place: no new [T, inter] tensors
 
@@ -212,6 +242,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.layer_ops: LayerOps | None = None  # see use_layer_ops
 
     def use_linear_kernel(self, kernel: LinearKernel) -> int:
         """Run every projection (and the LM head) with ``kernel(x, weight, bias)``; returns how many."""
@@ -219,6 +250,15 @@ class LlamaForCausalLM(nn.Module):
         for module in linears:
             module.kernel = kernel
         return len(linears)
+
+    def use_layer_ops(self, ops: LayerOps | None) -> int:
+        """Run the norms, attention and MLP activations with the native ``ops`` (``None``: the torch code); returns how many
+        modules use them."""
+        modules = [module for module in self.modules() if isinstance(module, (RMSNorm, Attention, MLP))]
+        for module in modules:
+            module.ops = ops
+        self.layer_ops = ops
+        return len(modules) if ops is not None else 0
 
     def forward(
         self,

@@ -22,7 +22,7 @@ from enginekit.model.config import ModelConfig
 from enginekit.model.gguf import read_gguf_config, read_gguf_weights
 from enginekit.model.gguf_header import GGUFHeader, read_gguf_header
 from enginekit.model.gguf_tokenizer import tokenizer_from_gguf
-from enginekit.model.llama import LlamaForCausalLM, linear_kernel
+from enginekit.model.llama import LlamaForCausalLM, layer_ops, linear_kernel
 from enginekit.model.source import ModelSource, resolve_model
 from enginekit.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -93,7 +93,15 @@ def load_model(
     module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     kernel_name, kernel = linear_kernel(device, dtype)
     count = module.use_linear_kernel(kernel)
-    logger.info("model loaded on %s in %s; its %d projections run %s", device, dtype, count, kernel_name)
+    native = module.use_layer_ops(layer_ops(config, device, dtype))
+    logger.info(
+        "model loaded on %s in %s; its %d projections run %s; norms and attention: %s",
+        device,
+        dtype,
+        count,
+        kernel_name,
+        "native layer operations" if native else "torch",
+    )
     return module
 
 

@@ -166,11 +166,11 @@ class ModelRunner:
         for chunk in chunks[row:]:
             meta.prefills.append(self._prefill_chunk(chunk, row))
             row += chunk.num_tokens
-        rows = [
-            t.numel()
-            for t in [meta.decode_block_tables] + [c.block_table for c in meta.prefills]
-            if t is not None
-        ]
+        # Native decode attention reads the cache in place: only prefill chunks after a context gather.
+        tables = [c.block_table for c in meta.prefills]
+        if self.model.layer_ops is None:
+            tables.append(meta.decode_block_tables)
+        rows = [t.numel() for t in tables if t is not None]
         if rows:
             meta.gather_buffer = self._gather_rows(max(rows))
         return meta
@@ -191,6 +191,7 @@ class ModelRunner:
         meta.num_decode = len(decodes)
         meta.decode_len = max_len
         meta.decode_block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+        meta.decode_lens = self._tensor(context_lens)
         if min(context_lens) != max_len:
             lens = torch.tensor(context_lens).unsqueeze(1)
             mask = torch.arange(max_len).unsqueeze(0) < lens

@@ -1,0 +1,280 @@
+"""The native kernels (the skinny GEMM and the layer operations): correct at every shape, built once per cache,
+on torch's thread pool, and a clean fallback to torch's code wherever they cannot be built."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from enginekit.model import native as native_module
+from enginekit.model.llama import linear_kernel
+from enginekit.model.native import MAX_ROWS, native_layer_ops, native_skinny_gemm
+
+BUILDABLE = (
+    sys.platform == "linux"
+    and platform.machine() == "x86_64"
+    and bool(shutil.which("cc") or shutil.which("gcc"))
+    and "avx2" in Path("/proc/cpuinfo").read_text()
+)
+needs_native = pytest.mark.skipif(not BUILDABLE, reason="the native kernel is built on x86-64 Linux with gcc")
+
+# Each run in a fresh interpreter: native_skinny_gemm() is built and cached once per process.
+PROBE = textwrap.dedent(
+    """
+    import json, logging, sys, torch
+    records = []
+    logging.getLogger("enginekit.model").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
+    logging.getLogger("enginekit.model").setLevel(logging.INFO)
+    from enginekit.model.llama import linear_kernel
+    from enginekit.model.native import native_layer_ops, native_skinny_gemm, _openmp_runtimes
+    kernel = native_skinny_gemm()
+    print(json.dumps({"native": kernel is not None, "layer_ops": native_layer_ops() is not None, "kernel": linear_kernel(torch.device("cpu"), torch.float32)[0],
+                      "runtimes": sorted(_openmp_runtimes()), "log": records}))
+    """
+)
+
+
+def _probe(cache: Path, **env: str) -> dict:
+    environment = {**os.environ, "ENGINEKIT_CACHE": str(cache), **env}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize(
+    ("out", "cols", "bias"),
+    [(960, 576, False), (576, 1536, True), (13, 19, True), (1, 8, False), (9, 3, True)],
+)
+def test_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: int) -> None:
+    kernel = native_skinny_gemm()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(rows * out * cols)
+    x, w = torch.randn(rows, cols, generator=gen), torch.randn(out, cols, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        result = kernel(x, w, b)
+    finally:
+        torch.set_num_threads(previous)
+    assert result.shape == (rows, out) and result.dtype == torch.float32
+    torch.testing.assert_close(result, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * cols**0.5)
+
+
+@needs_native
+def test_refuses_more_rows_than_it_takes() -> None:
+    kernel = native_skinny_gemm()
+    assert kernel is not None
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        kernel(torch.randn(MAX_ROWS + 1, 16), torch.randn(4, 16), None)
+
+
+@needs_native
+def test_model_kernel_uses_it_for_few_rows_only() -> None:
+    name, kernel = linear_kernel(torch.device("cpu"), torch.float32)
+    assert name.startswith(f"native skinny GEMM at 1-{MAX_ROWS} rows"), name
+    assert "native" not in linear_kernel(torch.device("cpu"), torch.float32, native=False)[0]
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1024, 576, generator=gen)
+    for rows in (0, 1, 2, MAX_ROWS, MAX_ROWS + 1, 33):
+        x = torch.randn(rows, 576, generator=gen)
+        torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    # Inputs that are not contiguous go to torch's kernels, not to the raw pointer.
+    x = torch.randn(576, 2, generator=gen).t()
+    assert not x.is_contiguous()
+    torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def _threads(count: int):
+    """Run the body on ``count`` torch threads (the native kernels' thread count)."""
+    previous = torch.get_num_threads()
+
+    class Scope:
+        def __enter__(self) -> None:
+            torch.set_num_threads(count)
+
+        def __exit__(self, *exc: object) -> None:
+            torch.set_num_threads(previous)
+
+    return Scope()
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "size"), [(1, 576), (7, 37), (300, 576)])  # 300 rows: the parallel path
+def test_rms_norm_matches_torch(rows: int, size: int, threads: int) -> None:
+    ops = native_layer_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows + size)
+    x, w = torch.randn(rows, size + 3, generator=gen)[:, :size], torch.randn(size, generator=gen)
+    assert rows == 1 or not x.is_contiguous()  # rows a stride apart
+    with _threads(threads):
+        result = ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(result, F.rms_norm(x, (size,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (5, 13), (64, 1536)])  # 64 rows: the parallel path
+def test_silu_mul_matches_torch(rows: int, inter: int, threads: int) -> None:
+    ops = native_layer_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 20  # far into both tails of the sigmoid
+    with _threads(threads):
+        result = ops.silu_mul(gate_up)
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
+
+
+ATTENTION_SHAPES = [  # heads, kv heads, head size, block size
+    (9, 3, 64, 16),  # the default model's
+    (4, 4, 24, 4),  # no grouping; a head size with a vector tail and a rotary half off the vector width
+    (8, 1, 80, 1),  # one KV head; a head size past 64 columns; one token per block
+    (2, 2, 16, 512),  # blocks longer than the 256 tokens scored at once
+]
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), ATTENTION_SHAPES)
+def test_rope_write_cache_and_decode_attention_match_torch(
+    heads: int, kv_heads: int, dim: int, block_size: int, threads: int
+) -> None:
+    """The fused rotary embedding and cache write against ``llama.rotate`` and ``index_copy_``; decode attention
+    over scattered blocks, contexts of unequal lengths (1 token to several blocks), against SDPA."""
+    from enginekit.model.llama import rotate
+
+    ops = native_layer_ops()
+    assert ops is not None and ops.supports(heads, kv_heads, dim)
+    gen = torch.Generator().manual_seed(heads * dim + block_size)
+    lens = torch.tensor([1, 2, 15, 16, 17, 100, 700, 33] * 3)
+    batch, blocks = len(lens), -(-int(lens.max()) // block_size)
+    tables = torch.randperm(batch * blocks + 3, generator=gen)[: batch * blocks].view(batch, blocks)
+    kv_cache = torch.randn(2, (batch * blocks + 3) * block_size, kv_heads, dim, generator=gen)
+    positions = lens - 1
+    slots = tables[torch.arange(batch), positions // block_size] * block_size + positions % block_size
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, generator=gen)
+    cos, sin = (torch.randn(batch, 1, dim, generator=gen) for _ in range(2))
+    expected_cache = kv_cache.clone()
+    expected_qk = rotate(qkv[:, : (heads + kv_heads) * dim].view(batch, -1, dim), cos, sin)
+    expected_cache[0].index_copy_(0, slots, expected_qk[:, heads:])
+    expected_cache[1].index_copy_(0, slots, qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, dim))
+    with _threads(threads):
+        qk = ops.rope_write_cache(qkv, cos, sin, slots, kv_cache, heads, kv_heads)
+        out = ops.decode_attention(qk[:, :heads], kv_cache, tables, lens, block_size, dim**-0.5)
+    torch.testing.assert_close(qk, expected_qk, rtol=0, atol=1e-6)
+    torch.testing.assert_close(kv_cache, expected_cache, rtol=0, atol=1e-6)
+    offsets = torch.arange(block_size).repeat(blocks)
+    for seq, length in enumerate(lens.tolist()):
+        context = (tables[seq].repeat_interleave(block_size) * block_size + offsets)[:length]
+        keys, values = (kv_cache[kv, context].transpose(0, 1) for kv in (0, 1))
+        expected = F.scaled_dot_product_attention(
+            qk[seq, :heads, None], keys, values, scale=dim**-0.5, enable_gqa=heads != kv_heads
+        )[:, 0]
+        torch.testing.assert_close(out[seq], expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_layer_ops_refuse_shapes_past_their_limits() -> None:
+    ops = native_layer_ops()
+    assert ops is not None
+    assert ops.supports(9, 3, 64) and ops.supports(32, 8, 128)
+    assert not ops.supports(9, 2, 64)  # query heads not a multiple of the KV heads
+    assert not ops.supports(ops.max_group + 1, 1, 8)
+    assert not ops.supports(64, 1, ops.max_group_floats // 64 + 1)
+
+
+@needs_native
+def test_builtin_model_samples_the_same_tokens_with_and_without_native_layer_ops() -> None:
+    """Mixed steps (decodes and prefill chunks after a cached context), through the engine's own runner."""
+    from enginekit import Engine, SamplingParams
+
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + 11 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    results = []
+    for native in (True, False):
+        with Engine("builtin", mode="inproc", block_size=4, max_num_batched_tokens=32) as engine:
+            model = engine.client.core.runner.model
+            if not native:
+                model.use_layer_ops(None)
+            assert (model.layer_ops is not None) == native
+            results.append(
+                [out.outputs[0].token_ids for out in engine.generate(prompts, params, progress=False)]
+            )
+    assert results[0] == results[1]
+
+
+@needs_native
+def test_built_once_per_cache_and_shares_torchs_openmp(tmp_path: Path) -> None:
+    first = _probe(tmp_path)
+    assert first["native"] and first["layer_ops"] and first["kernel"].startswith("native skinny GEMM"), first
+    assert len(first["runtimes"]) == 1, f"a second OpenMP runtime was loaded: {first['runtimes']}"
+    built = list((tmp_path / "native").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so", built
+    stamp = built[0].stat().st_mtime_ns
+    second = _probe(tmp_path)
+    assert second["native"]
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "native").iterdir()] == [stamp], (
+        "rebuilt on a cache hit"
+    )
+
+
+@needs_native
+def test_concurrent_first_builds_publish_one_library(tmp_path: Path) -> None:
+    environment = {**os.environ, "ENGINEKIT_CACHE": str(tmp_path)}
+    runs = [
+        subprocess.Popen([sys.executable, "-c", PROBE], env=environment, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    results = [json.loads(run.communicate(timeout=180)[0].strip().splitlines()[-1]) for run in runs]
+    assert all(result["native"] for result in results), results
+    assert [p.suffix for p in (tmp_path / "native").iterdir()] == [".so"], "leftover partial builds"
+
+
+def test_falls_back_without_a_compiler(tmp_path: Path) -> None:
+    result = _probe(tmp_path, CC=str(tmp_path / "no-such-cc"))
+    assert not result["native"]
+    assert not result["layer_ops"]
+    assert "native" not in result["kernel"] and result["kernel"].endswith("F.linear"), result
+    assert any("native kernels not used" in line and "failed" in line for line in result["log"]), result
+
+
+def test_can_be_turned_off(tmp_path: Path) -> None:
+    result = _probe(tmp_path, ENGINEKIT_NATIVE_KERNELS="0")
+    assert not result["native"] and not result["layer_ops"] and not (tmp_path / "native").exists()
+    assert any("ENGINEKIT_NATIVE_KERNELS=0" in line for line in result["log"]), result
+
+
+@needs_native
+def test_unwritable_cache_builds_privately(tmp_path: Path) -> None:
+    blocked = tmp_path / "cache"
+    blocked.mkdir()
+    (blocked / "native").write_text("a file where the folder would go")
+    result = _probe(blocked)
+    assert result["native"], result
+    assert any("temporary folder" in line for line in result["log"]), result
+
+
+def test_source_ships_with_the_package() -> None:
+    assert all(source.is_file() for source in native_module.SOURCES)
+    assert '"model/*.c"' in (Path(__file__).parents[1] / "pyproject.toml").read_text()
