@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .baselines import clear_model_cache, hf_generate_runner, matmul_gflops, projection_gflops
@@ -50,7 +51,7 @@ def sizes(ctx: Context) -> dict[str, Any]:
 
 
 def run(ctx: Context, report: SectionReport) -> None:
-    from enginekit.model.skinny_gemm import MAX_ROWS, native_skinny_gemm
+    from enginekit.model.native import MAX_ROWS
 
     size = sizes(ctx)
     threads = ctx.threads
@@ -82,10 +83,13 @@ as in the throughput section, sized for a 30-layer model: *equal* {prompt_len}-t
 and outputs of {size["output_range"][0]}-{size["output_range"][1]}; *staggered* the mixed requests
 arriving over half the engine's burst time. Engine `num_threads={threads}`, transformers {threads} torch
 threads; runs alternate (interleaved), {size["repeats"]} rounds; the first concurrency warms both up, the
-larger ones are not warmed again (the models are already loaded and run). Where the native skinny GEMM
-is in use, a last float32 table measures it before and after: the same engine's projections switched, between
-runs, to the kernels it had before (oneDNN's linear, `F.linear` for small weights), on the equal workload at
-the concurrencies of at most {MAX_ROWS} sequences, interleaved with transformers, {ctx.pick(2, 5)} rounds.
+larger ones are not warmed again (the models are already loaded and run). The native kernels in use get a
+last float32 table each, before and after, on the equal workload, interleaved with transformers,
+{ctx.pick(2, 5)} rounds: the same engine with one lever switched between runs to the code it had before. The
+skinny GEMM (projections of 1-{MAX_ROWS} rows; before: oneDNN's linear, `F.linear` for small weights) at the
+concurrencies of at most {MAX_ROWS}; the layer operations (RMS norm, rotary embedding with the cache write,
+decode attention over the paged cache in place, the MLP's activation; before: torch's ops, the contexts gathered
+out of the cache) at the concurrencies of at most 32.
 
 The matmul peak is the faster of two measurements on this machine: a dense {size["matmul_n"]}x{size["matmul_n"]}
 `torch.mm` (the better of {threads} thread(s) and 1: float32 {fmt(square["float32"], "GFLOP/s", 1)}, bfloat16
@@ -105,7 +109,7 @@ time, so *N* concurrent requests there are *N* requests one after another.
 """
     ratios: dict[tuple[str, str, int], Summary] = {}
     shares: dict[tuple[str, int], float] = {}
-    ab_rows: list[list[object]] = []
+    ab_rows: dict[str, list[list[object]]] = {}
     for dtype, concurrency_list in (("float32", size["concurrency"]), ("bfloat16", size["bf16_concurrency"])):
         largest = equal_workload(max(concurrency_list), max(prompt_len, size["prompt_range"][1]), 64)
         blocks = kv_blocks_for(largest) + 64
@@ -117,10 +121,19 @@ time, so *N* concurrent requests there are *N* requests one after another.
                 rows += _measure(
                     engine, spec, concurrency, size, threads, dtype=dtype, warmup=1 if index == 0 else 0
                 )
-            if dtype == "float32" and native_skinny_gemm() is not None:
-                for concurrency in [c for c in concurrency_list if c <= MAX_ROWS]:
-                    ctx.log(f"real: native kernel before/after x{concurrency}")
-                    ab_rows.append(native_kernel_ab(engine, spec, concurrency, size, threads, ctx.pick(2, 5)))
+            if dtype == "float32":
+                for lever, switch in native_switches(engine).items():
+                    # the skinny GEMM runs at 1-8 rows; the layer operations at every batch (attention grows)
+                    levels = [
+                        c for c in concurrency_list if c <= (MAX_ROWS if lever == "skinny GEMM" else 32)
+                    ]
+                    for concurrency in levels:
+                        ctx.log(f"real: native {lever} before/after x{concurrency}")
+                        ab_rows.setdefault(lever, []).append(
+                            native_before_after(
+                                engine, spec, concurrency, size, threads, ctx.pick(2, 5), switch
+                            )
+                        )
         finally:
             engine.shutdown()
             clear_model_cache()
@@ -147,20 +160,21 @@ time, so *N* concurrent requests there are *N* requests one after another.
             table,
             ["r", "l", "l", "l", "l", "r", "r"],
         )
-    if ab_rows:
+    for lever, rows_of_lever in ab_rows.items():
+        what, before = NATIVE_LEVERS[lever]
         report.table(
-            f"{spec.label}, float32, equal lengths: the native skinny GEMM's before and after (one engine, its "
-            "projections switched between runs), generated tokens/s",
+            f"{spec.label}, float32, equal lengths: the native {lever}, before and after (one engine, {what} "
+            "switched between runs), generated tokens/s",
             [
                 "concurrent",
-                "engine, oneDNN / F.linear (before)",
-                "engine, native skinny GEMM (after)",
+                f"engine, {before} (before)",
+                f"engine, native {lever} (after)",
                 "transformers",
                 "after / before",
                 "before / transformers",
                 "after / transformers",
             ],
-            ab_rows,
+            rows_of_lever,
             ["r", "l", "l", "l", "l", "l", "l"],
         )
     llama_cpp = _llama_cpp(ctx, report, spec, size, threads)
@@ -306,40 +320,66 @@ def _targets(
     return lines
 
 
-def native_kernel_ab(
-    engine: Any, spec: ModelSpec, concurrency: int, size: dict[str, Any], threads: int, rounds: int
-) -> list[object]:
-    """The native skinny GEMM's before and after, as one table row: one in-process float32 engine whose
-    projections switch, between runs, from the engine's kernel to the one it had before (oneDNN's linear,
-    ``F.linear`` for small weights), against transformers on the equal workload; all three interleaved."""
+NATIVE_LEVERS = {  # lever: (what is switched, what runs without it)
+    "skinny GEMM": ("its projections", "oneDNN / F.linear"),
+    "layer operations": ("its norms, rotary embedding, cache writes and decode attention", "torch ops"),
+}
+
+
+def native_switches(engine: Any) -> dict[str, Callable[[bool], None]]:
+    """The native levers of one in-process float32 engine, each a switch: on, the engine as it runs; off, the
+    code it had before (projections: oneDNN's linear and ``F.linear`` for small weights; norms and attention:
+    torch's ops, contexts gathered out of the cache)."""
     import torch
 
-    from enginekit.model.llama import linear_kernel
+    from enginekit.model.llama import layer_ops, linear_kernel
+    from enginekit.model.native import native_skinny_gemm
 
     model = engine._client._core.runner.model  # an in-process engine's model (benchmark access only)
-    after = linear_kernel(torch.device("cpu"), torch.float32)[1]
-    before = linear_kernel(torch.device("cpu"), torch.float32, native=False)[1]
+    cpu = torch.device("cpu")
+    kernels = {on: linear_kernel(cpu, torch.float32, native=on)[1] for on in (True, False)}
+    switches: dict[str, Callable[[bool], None]] = {}
+    if native_skinny_gemm() is not None:
+        switches["skinny GEMM"] = lambda on: model.use_linear_kernel(kernels[on])
+    ops = layer_ops(model.config, cpu, torch.float32)
+    if ops is not None:
+        switches["layer operations"] = lambda on: model.use_layer_ops(ops if on else None)
+    return switches
+
+
+def native_before_after(
+    engine: Any,
+    spec: ModelSpec,
+    concurrency: int,
+    size: dict[str, Any],
+    threads: int,
+    rounds: int,
+    switch: Callable[[bool], None],
+) -> list[object]:
+    """One native lever's before and after, as one table row: one in-process float32 engine with the lever
+    switched off and on between runs (``native_switches``), against transformers on the equal workload; all
+    three interleaved."""
     equal = equal_workload(concurrency, *size["equal"])
     run_engine = engine_batch_runner(engine, spec, equal, threads=threads, seed=5)
     run_hf = hf_generate_runner(
         spec.hf_path, concurrency, equal.prompt_lens, equal.output_lens, num_threads=threads, dtype="float32"
     )
 
-    def engine_with(kernel: Any) -> Any:
+    def engine_with(on: bool) -> Callable[[], float]:
         def run() -> float:
-            model.use_linear_kernel(kernel)
+            switch(on)
             return _rate(run_engine())
 
         return run
 
     try:
         samples = interleave(
-            {"after": engine_with(after), "before": engine_with(before), "hf": lambda: _rate(run_hf())},
+            {"after": engine_with(True), "before": engine_with(False), "hf": lambda: _rate(run_hf())},
             repeats=rounds,
             warmup=1,
         )
     finally:
-        model.use_linear_kernel(after)
+        switch(True)
     return [
         concurrency,
         fmt(summarize(samples["before"]), "", 1),
