@@ -499,10 +499,13 @@ native skinny GEMM (`model/skinny_gemm.c`), which reads each weight once for all
 read a weight at well under the bandwidth at one row and take longer with every row added. Measured in this
 run, one pass of a forward pass's projections over every layer's own weights ({streamed["bytes"] / 1e6:.0f} MB,
 more than any cache), {threads} threads, the kernels alternating: {_streamed_text(streamed, bandwidth)}.
-The rest of a token is the 30 layers' small ops (norms, rotary, residuals, the cache write and attention over
-one query), a dozen per layer at 5-10 us each on this class of CPU: measured on the second machine
-(2026-12-02, in-process, 64-token prompt) with the projections replaced by preallocated outputs, 12-15 ms of a
-token (paged attention 4.4, rotary embedding 2.7 before it became one roll, norms 1.5, the rest 3.8).
+The rest of a token is the 30 layers' small ops (norms, rotary, residuals, the cache write, attention over
+one query, the MLP's activation). Through torch they were a dozen ops per layer at 5-10 us each on this class
+of CPU: measured on the second machine (2026-12-02, in-process, 64-token prompt) with the projections replaced
+by preallocated outputs, 12-15 ms of a token (paged attention 4.4, rotary embedding 2.7 before it became one
+roll, norms 1.5, the rest 3.8). The engine now runs them as four native calls per layer (`model/layer_ops.c`:
+RMS norm, rotary embedding with the cache write, decode attention over the cache in place, SiLU-and-multiply),
+plus the residual adds and views; the layer operations' table above gives the before and after.
 llama.cpp leads here because it reads 4.5-bit weights (about 90 MB per token) with fused dequantizing kernels.
 Also measured there: a hand-written attention (two batched matmuls and a softmax) was no faster than SDPA at
 one query; `madvise(MADV_HUGEPAGE)` on the weights gave no huge pages on that VM; bfloat16 weights through
@@ -513,8 +516,9 @@ weight-only kernel (`_weight_int8pack_mm`) was 3-4x slower (no AVX2 path).
 {ratio("equal", 128)}). With equal lengths transformers wastes nothing on padding, so both run the same
 batched matmuls; the engine's edge is its projection kernel (oneDNN's linear on the dense weight,
 {lead[32]:.2f}x `F.linear` at 32 rows here; more on a CPU with AVX512) and what it loses is the rest of its
-step: the paged attention (an `index_select` gather of each sequence's blocks per layer, then one SDPA call),
-sampling over 49,152 logits per row, and per-step Python. And about half the work is the prefill of the
+step: the paged attention (read in place by the native decode attention; through torch an `index_select`
+gather of each sequence's blocks per layer, then one SDPA call), sampling over 49,152 logits per row, and
+per-step Python. And about half the work is the prefill of the
 64-token prompts, where both run the matmuls at many rows, near the peak (`F.linear` is within 10% of
 oneDNN's linear there): the lead at equal lengths stays below the kernel lead, and mixed lengths multiply
 it by what transformers wastes on padding (1.4-1.5x at 32 concurrent on both machines of the page). Share of the {peak["float32"].median:.0f} GFLOP/s matmul peak:
@@ -527,10 +531,10 @@ Its own limit is the same per-step cost as above plus one attention call per pre
 
 {_bf16_limits(peak)}
 
-What would move it: the small ops of a decode step fused into the native library (norm, rotary and the cache
-write per layer: about a third of a token at 1 concurrent), a register-blocked native kernel for 16-32 rows
-(oneDNN's linear keeps 50-80% of the peak there), a paged-attention kernel that reads the cache in place, one
-attention call for all prefill chunks, and int8 or 4-bit weight kernels (what llama.cpp does).
+What would move it: a register-blocked native kernel for 16-32 rows (oneDNN's linear keeps 50-80% of the
+peak there), one attention call for all prefill chunks (prefill still runs SDPA per chunk, over contexts
+gathered out of the cache after the first chunk), the residual adds folded into the native norm, and int8 or
+4-bit weight kernels (what llama.cpp does).
 
 `torch.compile` does not pay here. `benchmarks/compile_check.py` (not part of this suite) compiles each layer's
 MLP half with `dynamic=True`, leaving paged attention eager. Inductor cannot lower oneDNN's linear on a plain
