@@ -59,7 +59,7 @@ def _probe(cache: Path, **env: str) -> dict:
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", [*range(1, 14), 16, 31, 64, 127, MAX_ROWS])  # skinny, then every tile
 @pytest.mark.parametrize(
     ("out", "cols", "bias"),
     [(960, 576, False), (576, 1536, True), (13, 19, True), (1, 8, False), (9, 3, True)],
@@ -84,7 +84,7 @@ def test_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: i
 def test_refuses_more_rows_than_it_takes() -> None:
     kernel = native_skinny_gemm()
     assert kernel is not None
-    with pytest.raises(ValueError, match="1 to 8 rows"):
+    with pytest.raises(ValueError, match=f"1 to {MAX_ROWS} rows"):
         kernel(torch.randn(MAX_ROWS + 1, 16), torch.randn(4, 16), None)
 
 
@@ -95,9 +95,14 @@ def test_model_kernel_uses_it_for_few_rows_only() -> None:
     assert "native" not in linear_kernel(torch.device("cpu"), torch.float32, native=False)[0]
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1024, 576, generator=gen)
-    for rows in (0, 1, 2, MAX_ROWS, MAX_ROWS + 1, 33):
+    for rows in (0, 1, 2, 8, 9, 33, MAX_ROWS, MAX_ROWS + 1, 300):
         x = torch.randn(rows, 576, generator=gen)
         torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    # A prefill-sized call on a smaller weight (oneDNN by its work, F.linear below it).
+    small = torch.randn(576, 576, generator=gen)
+    for rows in (200, 2048):
+        x = torch.randn(rows, 576, generator=gen)
+        torch.testing.assert_close(kernel(x, small, None), F.linear(x, small), rtol=1e-5, atol=1e-4)
     # Inputs that are not contiguous go to torch's kernels, not to the raw pointer.
     x = torch.randn(576, 2, generator=gen).t()
     assert not x.is_contiguous()

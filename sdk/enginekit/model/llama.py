@@ -32,8 +32,11 @@ class Linear(nn.Linear):
 
 # Measured with torch 2.13 on 2 cores, 1-128 rows: in the whole 135M model oneDNN made the projections 1.35-1.5x
 # faster; on the tiny test models' weights (under 400k elements) it was 0.15-0.7x of F.linear, its fixed cost
-# per call (40-50 us) dominating.
+# per call (40-50 us) dominating. With many rows that cost is amortised: at 129-2048 rows oneDNN was 1.1-1.3x
+# F.linear on 16k-330k-element weights (the default model's 576x576 output projection among them), 0.6-1.0x
+# below 2**25 multiply-adds per call.
 ONEDNN_MIN_WEIGHT_NUMEL = 1 << 19
+ONEDNN_MIN_WORK = 1 << 25  # rows x weight elements
 
 
 def linear_kernel(
@@ -44,11 +47,13 @@ def linear_kernel(
 
     On CPU in float32 it picks per call, by the input's rows and the weight's size:
 
-    - **1 to ``MAX_ROWS`` (8) rows** (a decode step of a few sequences): the native skinny GEMM of
-      ``skinny_gemm.c``, which reads each weight once for all the rows, at 75-90% of the CPU's read bandwidth,
-      where torch's kernels reach 50-70% at one row and slow down with every row added
-      (``enginekit.model.skinny_gemm``; ``None`` where it cannot be built or loaded, and then the rules below);
-    - **weights of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more**: oneDNN's inner product
+    - **1 to ``MAX_ROWS`` (128) rows** (a decode step): the native skinny GEMM of ``skinny_gemm.c``. Up to 8
+      rows it reads each weight once for all the rows, at 75-90% of the CPU's read bandwidth, where torch's
+      kernels reach 50-70% at one row and slow down with every row added; at 9-128 rows its register-blocked
+      tiles run 1.1-1.5x oneDNN's linear on an AVX2 CPU (``enginekit.model.native``; ``None`` where it cannot
+      be built or loaded, and then the rules below);
+    - **weights of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more, or calls of ``ONEDNN_MIN_WORK``
+      multiply-adds or more** (a prefill step on a smaller weight): oneDNN's inner product
       (``torch.ops.mkldnn._linear_pointwise``, the kernel torch's own compiler emits for a CPU linear). It reads
       the same ``[out, in]`` weights in place and is 1.35-1.5x faster than ``F.linear`` (MKL's GEMM, which
       repacks the weights on every call) for the model's shapes at 1 to 128 rows (see docs/benchmarks.md),
@@ -72,13 +77,17 @@ def linear_kernel(
             and weight.is_contiguous()
         ):
             return skinny(x, weight, bias)
-        if onednn is not None and weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL:
+        if onednn is not None and (
+            weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL or x.numel() * weight.shape[0] >= ONEDNN_MIN_WORK
+        ):
             return onednn(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
     parts = [f"native skinny GEMM at 1-{MAX_ROWS} rows"] if skinny is not None else []
     if onednn is not None:
-        parts.append(f"oneDNN from {ONEDNN_MIN_WEIGHT_NUMEL} weight elements")
+        parts.append(
+            f"oneDNN from {ONEDNN_MIN_WEIGHT_NUMEL} weight elements or {ONEDNN_MIN_WORK} multiply-adds"
+        )
     return ", ".join([*parts, "else F.linear"]), cpu_linear
 
 

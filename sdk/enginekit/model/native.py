@@ -1,11 +1,12 @@
 """The native CPU kernels (``skinny_gemm.c`` and ``layer_ops.c``): built once per machine into one library,
 loaded once per process.
 
-- :func:`native_skinny_gemm`: the float32 product of 1 to ``MAX_ROWS`` rows with a weight. A decode step of a
-  few sequences multiplies every weight by that many vectors: it is bound by how fast the weights stream from
-  memory. torch's kernels at these shapes (oneDNN's inner product, MKL's GEMM) read them at 50-70% of the CPU's
-  read bandwidth at one row, and take longer with every row they add; ``skinny_gemm.c`` reads each weight once
-  for all the rows (see docs/benchmarks.md).
+- :func:`native_skinny_gemm`: the float32 product of 1 to ``MAX_ROWS`` (128) rows with a weight. A decode step
+  of a few sequences multiplies every weight by that many vectors: it is bound by how fast the weights stream
+  from memory. torch's kernels at these shapes (oneDNN's inner product, MKL's GEMM) read them at 50-70% of the
+  CPU's read bandwidth at one row, and take longer with every row they add; ``skinny_gemm.c`` reads each weight
+  once for all the rows (up to ``SKINNY_ROWS``, 8). Past that a step is bound by arithmetic, and its
+  register-blocked tiles beat oneDNN up to 128 rows on an AVX2 CPU (see docs/benchmarks.md).
 - :func:`native_layer_ops`: a decoder layer's small float32 operations: RMS norm, rotary embedding fused with
   the KV-cache write, and decode attention that reads the paged cache in place (``LayerOps``).
 
@@ -47,7 +48,8 @@ from enginekit.model.weight_cache import cache_dir
 logger = logging.getLogger("enginekit.model")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("skinny_gemm.c", "layer_ops.c"))
-MAX_ROWS = 8  # ENGINEKIT_MAX_ROWS in skinny_gemm.c; checked at load
+MAX_ROWS = 128  # ENGINEKIT_MAX_ROWS in skinny_gemm.c; checked at load
+SKINNY_ROWS = 8  # ENGINEKIT_SKINNY_ROWS: up to this many rows each weight row is read once for all of them
 DISABLE_ENV = "ENGINEKIT_NATIVE_KERNELS"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 _COMPILE_TIMEOUT_S = 120.0
@@ -329,9 +331,11 @@ def _run(command: list[str], what: str) -> str:
 
 def _probe_gemm(gemm: Callable[..., torch.Tensor]) -> None:
     """The kernel against ``F.linear`` on shapes that take every path: one row (full and partial blocks of
-    weight rows) and every other row count, a column tail, a bias, on one and two threads."""
+    weight rows), every other row count of the skinny path, every tile shape past it, a column tail, a bias, on
+    one and two threads."""
     gen = torch.Generator().manual_seed(0)
-    shapes = [(1, 64, 96, False), (1, 13, 19, True)] + [(m, 5, 19, True) for m in range(2, MAX_ROWS + 1)]
+    shapes = [(1, 64, 96, False), (1, 13, 19, True)] + [(m, 5, 19, True) for m in range(2, SKINNY_ROWS + 1)]
+    shapes += [(m, 13, 19, True) for m in (9, 10, 11, 12, MAX_ROWS)]  # every tile: 1-4 rows by 1-3 weights
     for m, n, k, with_bias in shapes:
         x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen) if with_bias else None
