@@ -169,8 +169,9 @@ class LayerOps:
         kv_heads: int,
     ) -> torch.Tensor:
         """The rotated q and k heads of ``qkv`` ``[T, (heads + 2 kv_heads) * D]`` (rows contiguous) as a new
-        ``[T, heads + kv_heads, D]``; writes the rotated k and the v heads into ``kv_cache`` at ``slots``.
-        ``cos`` and ``signed_sin`` are contiguous ``[T, ..., D]`` (see ``llama.rotate``)."""
+        ``[T, heads + kv_heads, D]``; writes the rotated k and the v heads into the contiguous ``kv_cache``
+        ``[2, slots, KVH, D]`` at ``slots`` (int64). ``cos`` and ``signed_sin`` are contiguous ``[T, ..., D]``
+        (see ``llama.rotate``)."""
         tokens, head_dim = qkv.shape[0], kv_cache.shape[-1]
         qk = torch.empty((tokens, heads + kv_heads, head_dim), dtype=torch.float32)
         self._rope(
@@ -199,7 +200,9 @@ class LayerOps:
         scale: float,
     ) -> torch.Tensor:
         """Attention of one query token per sequence (``q`` ``[B, H, D]``, heads and values contiguous) over its
-        context in the paged ``kv_cache`` ``[2, slots, KVH, D]``, read in place: ``[B, H, D]``."""
+        context in the contiguous paged ``kv_cache`` ``[2, slots, KVH, D]``, read in place: ``[B, H, D]``.
+        ``block_tables`` ``[B, blocks]`` (rows contiguous) and ``context_lens`` ``[B]`` are int64, the new
+        token's key and value already in the cache."""
         batch, heads, head_dim = q.shape
         out = torch.empty((batch, heads, head_dim), dtype=torch.float32)
         self._attention(
