@@ -20,6 +20,11 @@
 #define BLOCK 8                 /* weight rows per task with one input row */
 #define TILE_ROWS 4             /* input rows per tile past ENGINEKIT_SKINNY_ROWS */
 #define TILE_WEIGHTS 3          /* weight rows per tile */
+/* Below these a call runs on the calling thread: waking the pool costs more than it saves (a background
+ * engine's workers sleep between regions). Up to ENGINEKIT_SKINNY_ROWS rows the weights' size decides (their
+ * bytes are the time), past it the multiply-adds. */
+#define PARALLEL_MIN_WEIGHTS (1L << 18)
+#define PARALLEL_MIN_TILED (1L << 21)
 #define AVX2 __attribute__((target("avx2,fma")))
 
 int enginekit_skinny_max_rows(void) { return ENGINEKIT_MAX_ROWS; }
@@ -126,7 +131,7 @@ AVX2 int enginekit_skinny_gemm(const float *w, const float *x, const float *bias
   if (m < 1 || m > ENGINEKIT_MAX_ROWS) return -1;
   if (m > ENGINEKIT_SKINNY_ROWS) {
     long tiles = (n + TILE_WEIGHTS - 1) / TILE_WEIGHTS;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * n * k >= PARALLEL_MIN_TILED)
     for (long t = 0; t < tiles; t++) {
       long row = t * TILE_WEIGHTS, nb = n - row < TILE_WEIGHTS ? n - row : TILE_WEIGHTS, i = 0;
       for (; i + TILE_ROWS <= m; i += TILE_ROWS) TILES[TILE_ROWS][nb](w + row * k, x + i * k, y + i * n + row, k, n);
@@ -134,13 +139,13 @@ AVX2 int enginekit_skinny_gemm(const float *w, const float *x, const float *bias
     }
   } else if (m == 1) {
     long blocks = (n + BLOCK - 1) / BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= PARALLEL_MIN_WEIGHTS)
     for (long b = 0; b < blocks; b++) {
       long row = b * BLOCK;
       block_dot(w + row * k, x, y + row, n - row < BLOCK ? (int)(n - row) : BLOCK, k);
     }
   } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= PARALLEL_MIN_WEIGHTS)
     for (long r = 0; r < n; r++) {
       const float *wr = w + r * k;
       switch (m) {
