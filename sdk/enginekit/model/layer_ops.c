@@ -1,7 +1,6 @@
-/* The small float32 operations of a decoder layer, for x86-64 CPUs with AVX2 and FMA: RMS norm, rotary
- * embedding fused with the KV-cache write, and decode attention that reads the paged cache in place.
- *
- * Also the MLP's activation, silu(gate) * up.
+/* The small float32 operations of a decoder layer, for x86-64 CPUs with AVX2 and FMA: RMS norm, the MLP's
+ * activation silu(gate) * up, rotary embedding fused with the KV-cache write, and decode attention that reads
+ * the paged cache in place.
  *
  * At a decode step of a few sequences each of these is a handful of microseconds of arithmetic wrapped in
  * several torch ops (RMS norm alone is five, about 20 us at one row); at a step of many sequences, decode
