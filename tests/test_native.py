@@ -3,6 +3,7 @@ on torch's thread pool, and a clean fallback to torch's code wherever they canno
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,17 @@ def _probe(cache: Path, **env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """Run the body on ``count`` torch threads (the native kernels' thread count)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [*range(1, 14), 16, 31, 64, 127, MAX_ROWS])  # skinny, then every tile
@@ -70,12 +83,8 @@ def test_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: i
     gen = torch.Generator().manual_seed(rows * out * cols)
     x, w = torch.randn(rows, cols, generator=gen), torch.randn(out, cols, generator=gen)
     b = torch.randn(out, generator=gen) if bias else None
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         result = kernel(x, w, b)
-    finally:
-        torch.set_num_threads(previous)
     assert result.shape == (rows, out) and result.dtype == torch.float32
     torch.testing.assert_close(result, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * cols**0.5)
 
@@ -107,20 +116,6 @@ def test_model_kernel_uses_it_for_few_rows_only() -> None:
     x = torch.randn(576, 2, generator=gen).t()
     assert not x.is_contiguous()
     torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
-
-
-def _threads(count: int):
-    """Run the body on ``count`` torch threads (the native kernels' thread count)."""
-    previous = torch.get_num_threads()
-
-    class Scope:
-        def __enter__(self) -> None:
-            torch.set_num_threads(count)
-
-        def __exit__(self, *exc: object) -> None:
-            torch.set_num_threads(previous)
-
-    return Scope()
 
 
 @needs_native

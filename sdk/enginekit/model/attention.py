@@ -69,10 +69,13 @@ def paged_attention(
     """Attention of the step's new tokens; writes their keys and values to the cache first, unless ``ops`` (the
     native layer operations) is given: then they are already there (``LayerOps.rope_write_cache``), and the
     decodes attend in place (``LayerOps.decode_attention``)."""
-    if ops is not None and not meta.prefills:  # a pure decode step (most steps): one call
-        return ops.decode_attention(
-            q, kv_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale
+    decoded = None
+    if ops is not None and meta.num_decode:  # the decodes attend in place, in one call
+        decoded = ops.decode_attention(
+            q[: meta.num_decode], kv_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale
         )
+        if not meta.prefills:  # a pure decode step (most steps)
+            return decoded
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if ops is None:
         k_cache.index_copy_(0, meta.slot_mapping, k)
@@ -84,11 +87,8 @@ def paged_attention(
     v_blocks = v_cache.view(-1, meta.block_size * num_kv_heads * head_dim)
     gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q) if meta.prefills else None
-    if meta.num_decode and ops is not None:
-        attended = ops.decode_attention(
-            q[: meta.num_decode], kv_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale
-        )
-        out[: meta.num_decode] = attended
+    if decoded is not None:
+        out[: meta.num_decode] = decoded
     elif meta.num_decode:
         num_decode, length = meta.num_decode, meta.decode_len
         table = meta.decode_block_tables.flatten()

@@ -191,7 +191,8 @@ class ModelRunner:
         meta.num_decode = len(decodes)
         meta.decode_len = max_len
         meta.decode_block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-        meta.decode_lens = self._tensor(context_lens)
+        if self.model.layer_ops is not None:  # native decode attention reads each context's length
+            meta.decode_lens = self._tensor(context_lens)
         if min(context_lens) != max_len:
             lens = torch.tensor(context_lens).unsqueeze(1)
             mask = torch.arange(max_len).unsqueeze(0) < lens
