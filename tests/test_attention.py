@@ -43,10 +43,13 @@ def layout(lengths, new_tokens, generator):
     return cache, tables, contexts
 
 
-@pytest.mark.parametrize(("with_buffer", "native"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    ("with_buffer", "native"), [(False, None), (True, None), (True, "every row"), (True, "decodes")]
+)
 def test_paged_attention_equals_dense_attention_per_sequence(with_buffer, native):
     """Through torch (the KV cache written by paged_attention) and through the native layer operations (written
-    beforehand, as ``LayerOps.rope_write_cache`` does, the decodes attending in place)."""
+    beforehand, as ``LayerOps.rope_write_cache`` does): every row attending in place in one call, or the decodes
+    in place and the prefill chunks through SDPA (as chunks that end past ``NATIVE_PREFILL_TOKENS`` do)."""
     ops = native_layer_ops() if native else None
     if native and ops is None:
         pytest.skip("the native layer operations are not available here")
@@ -78,12 +81,22 @@ def test_paged_attention_equals_dense_attention_per_sequence(with_buffer, native
         ),
         PrefillChunk(8, 6, 0),
     ]
+    if native:
+        for chunk in meta.prefills:
+            chunk.native = native == "every row"
+        width = max(len(t) for t in tables)
+        meta.query_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        meta.query_table_rows = torch.tensor([0, 1, 2] + [3] * 5 + [4] * 6)
+        chunk_lens = [*range(7, 12), *range(1, 7)] if native == "every row" else [0] * 11
+        meta.query_lens = torch.tensor(lengths[:3] + chunk_lens)
     if with_buffer:
         meta.gather_buffer = torch.full(
             (2, 32, BLOCK * KV_HEADS * DIM), float("nan")
         )  # stale rows are never read
     if ops is not None:
         cache[0, slots], cache[1, slots] = k, v
+        if native == "every row":  # nothing is gathered: stale rows would poison the output were they read
+            meta.gather_buffer = None
     out = paged_attention(q, k, v, cache, meta, DIM**-0.5, ops)
 
     row = 0

@@ -181,7 +181,7 @@ def test_rope_write_cache_and_decode_attention_match_torch(
     expected_cache[1].index_copy_(0, slots, qkv[:, (heads + kv_heads) * dim :].view(batch, kv_heads, dim))
     with _threads(threads):
         qk = ops.rope_write_cache(qkv, cos, sin, slots, kv_cache, heads, kv_heads)
-        out = ops.decode_attention(qk[:, :heads], kv_cache, tables, lens, block_size, dim**-0.5)
+        out = ops.paged_attention(qk[:, :heads], kv_cache, tables, lens, block_size, dim**-0.5)
     torch.testing.assert_close(qk, expected_qk, rtol=0, atol=1e-6)
     torch.testing.assert_close(kv_cache, expected_cache, rtol=0, atol=1e-6)
     offsets = torch.arange(block_size).repeat(blocks)
@@ -195,6 +195,41 @@ def test_rope_write_cache_and_decode_attention_match_torch(
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), ATTENTION_SHAPES)
+def test_paged_attention_of_prefill_rows_matches_causal_sdpa(
+    heads: int, kv_heads: int, dim: int, block_size: int, threads: int
+) -> None:
+    """Queries that share a table (``table_rows``) and attend to the context up to their own token, as a step's
+    prefill chunks do (after a cached context and from the start), with a decode before them and rows of length
+    0 left untouched (the rows SDPA attends)."""
+    ops = native_layer_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(heads + dim + block_size)
+    # sequence 0: a decode at 40 tokens; 1: a chunk of 37 after 300 cached; 2: a fresh prompt of 19; 3: skipped
+    contexts, chunk_rows = [40, 337, 19, 5], [1, 37, 19, 5]
+    blocks = -(-max(contexts) // block_size)
+    tables = torch.randperm(len(contexts) * blocks, generator=gen).view(len(contexts), blocks)
+    kv_cache = torch.randn(2, tables.numel() * block_size, kv_heads, dim, generator=gen)
+    table_rows = torch.cat([torch.full((n,), i) for i, n in enumerate(chunk_rows)])
+    lens = torch.cat([torch.arange(c - n + 1, c + 1) for c, n in zip(contexts, chunk_rows)])
+    lens[-chunk_rows[-1] :] = 0
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    with _threads(threads):
+        out = ops.paged_attention(q, kv_cache, tables, lens, block_size, dim**-0.5, table_rows)
+    offsets = torch.arange(block_size).repeat(blocks)
+    for row, (table, length) in enumerate(zip(table_rows.tolist(), lens.tolist())):
+        if length == 0:
+            continue
+        context = (tables[table].repeat_interleave(block_size) * block_size + offsets)[:length]
+        keys, values = (kv_cache[kv, context].transpose(0, 1) for kv in (0, 1))
+        expected = F.scaled_dot_product_attention(
+            q[row, :, None], keys, values, scale=dim**-0.5, enable_gqa=heads != kv_heads
+        )[:, 0]
+        torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
 def test_layer_ops_refuse_shapes_past_their_limits() -> None:
     ops = native_layer_ops()
     assert ops is not None
@@ -205,9 +240,16 @@ def test_layer_ops_refuse_shapes_past_their_limits() -> None:
 
 
 @needs_native
-def test_builtin_model_samples_the_same_tokens_with_and_without_native_layer_ops() -> None:
-    """Mixed steps (decodes and prefill chunks after a cached context), through the engine's own runner."""
+@pytest.mark.parametrize("prefill_tokens", [512, 24])
+def test_builtin_model_samples_the_same_tokens_with_and_without_native_layer_ops(
+    prefill_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mixed steps (decodes and prefill chunks after a cached context), through the engine's own runner; with
+    ``NATIVE_PREFILL_TOKENS`` at 24, the chunks that end past it attend through SDPA in the same steps."""
     from enginekit import Engine, SamplingParams
+    from enginekit.model import runner
+
+    monkeypatch.setattr(runner, "NATIVE_PREFILL_TOKENS", prefill_tokens)
 
     prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + 11 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

@@ -1,6 +1,6 @@
 /* The small float32 operations of a decoder layer, for x86-64 CPUs with AVX2 and FMA: RMS norm, the MLP's
- * activation silu(gate) * up, rotary embedding fused with the KV-cache write, and decode attention that reads
- * the paged cache in place.
+ * activation silu(gate) * up, rotary embedding fused with the KV-cache write, and attention of single queries
+ * that reads the paged cache in place (a step's decodes, and the tokens of its prefill chunks over short contexts).
  *
  * At a decode step of a few sequences each of these is a handful of microseconds of arithmetic wrapped in
  * several torch ops (RMS norm alone is five, about 20 us at one row); at a step of many sequences, decode
@@ -191,17 +191,19 @@ AVX2 static inline void accumulate_values(float *acc, float correction, const fl
   }
 }
 
-/* Attention of one new query token per sequence over its context in the paged cache, read in place.
+/* Paged attention of single query tokens, each over its own context in the cache, read in place: the decodes of
+ * a step, and the tokens of its prefill chunks (a chunk's token at position p attends to the first p + 1 tokens of
+ * its sequence, its own included, all already written).
  *
- * q: [batch, heads, d], sequences `q_stride` floats apart; caches: [slots, kv_heads, d], slot = block * block_size
- * + offset; tables: [batch, table_stride] block ids; lens: context length of each sequence (its new token
- * included, already written); out: [batch, heads, d]. Each task is one (sequence, KV head) pair with its group of
- * query heads, so every key and value is read once per step; the softmax runs online, a block (or MAX_SPAN tokens
- * of one) at a time. block_size is a power of two. */
-AVX2 void enginekit_decode_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
-                                     const long *tables, long table_stride, const long *lens, float *out,
-                                     long batch, long heads, long kv_heads, long d, long block_size, float scale,
-                                     int threads) {
+ * q: [rows, heads, d], rows `q_stride` floats apart; caches: [slots, kv_heads, d], slot = block * block_size +
+ * offset; tables: block ids, `table_stride` apart, row `table_rows[r]` of them for query r (NULL: row r); lens:
+ * the context length of each query, 0 to skip it (its output is left as it was); out: [rows, heads, d]. Each
+ * task is one (query, KV head) pair with its group of query heads, so every key and value is read once per task;
+ * the softmax runs online, a block (or MAX_SPAN tokens of one) at a time. block_size is a power of two. */
+AVX2 void enginekit_paged_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
+                                    const long *tables, long table_stride, const long *table_rows, const long *lens,
+                                    float *out, long batch, long heads, long kv_heads, long d, long block_size,
+                                    float scale, int threads) {
   long group = heads / kv_heads, work = 0;
   long span = block_size < MAX_SPAN ? block_size : MAX_SPAN; /* tokens scored at once: all or part of a block */
   for (long b = 0; b < batch; b++) work += lens[b];
@@ -209,13 +211,15 @@ AVX2 void enginekit_decode_attention(const float *q, long q_stride, const float 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (work >= PARALLEL_MIN_WORK)
   for (long task = 0; task < batch * kv_heads; task++) {
     long b = task / kv_heads, kvh = task % kv_heads, len = lens[b];
+    if (len == 0) continue;
+    const long *table = tables + (table_rows ? table_rows[b] : b) * table_stride;
     const float *qs = q + b * q_stride + kvh * group * d;
     float acc[MAX_GROUP_FLOATS], scores[MAX_SPAN], running_max[MAX_GROUP], running_sum[MAX_GROUP];
     for (long i = 0; i < group * d; i++) acc[i] = 0.0f;
     for (long g = 0; g < group; g++) running_max[g] = -INFINITY, running_sum[g] = 0.0f;
     for (long start = 0; start < len; start += span) {
       long count = len - start < span ? len - start : span;
-      const long base = tables[b * table_stride + start / block_size] * block_size + start % block_size;
+      const long base = table[start / block_size] * block_size + start % block_size;
       const float *keys = k_cache + (base * kv_heads + kvh) * d, *values = v_cache + (base * kv_heads + kvh) * d;
       for (long g = 0; g < group; g++) {
         float *acc_h = acc + g * d;

@@ -92,7 +92,7 @@ def linear_kernel(
 
 
 def layer_ops(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LayerOps | None:
-    """The native layer operations (RMS norm, rotary embedding with the cache write, decode attention over the
+    """The native layer operations (RMS norm, rotary embedding with the cache write, attention over the
     paged cache in place; ``enginekit.model.native``) for this model on this device, or ``None``: the model's
     torch code, on other devices and dtypes, where the library is not usable, or for attention shapes past its
     limits."""

@@ -8,7 +8,8 @@ loaded once per process.
   once for all the rows (up to ``SKINNY_ROWS``, 8). Past that a step is bound by arithmetic, and its
   register-blocked tiles beat oneDNN up to 128 rows on an AVX2 CPU (see docs/benchmarks.md).
 - :func:`native_layer_ops`: a decoder layer's small float32 operations: RMS norm, rotary embedding fused with
-  the KV-cache write, and decode attention that reads the paged cache in place (``LayerOps``).
+  the KV-cache write, and attention of single queries (decodes, prefill tokens) that reads the paged cache in
+  place (``LayerOps``).
 
 They are accelerators, never requirements: both return ``None``, and the model keeps its torch code, whenever
 they cannot be used here (not x86-64 Linux, no AVX2/FMA, no C compiler, torch without OpenMP, a failed probe,
@@ -116,8 +117,9 @@ class LayerOps:
 
     Each replaces several torch ops: ``rms_norm`` five, ``silu_mul`` the split of the MLP's ``[gate | up]`` and
     two ops, ``rope_write_cache`` the rotary embedding of q and k
-    and the two cache writes, ``decode_attention`` the gather of every context out of the paged cache and
-    SDPA over it. Use :func:`native_layer_ops` to get one.
+    and the two cache writes, ``paged_attention`` the gather of every context out of the paged cache and
+    SDPA over it (for a step's decodes, and its prefill chunks over short contexts). Use
+    :func:`native_layer_ops` to get one.
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -127,8 +129,8 @@ class LayerOps:
         self._silu_mul = _function(lib.enginekit_silu_mul, [_ptr, ctypes.c_long, _ptr], 2)
         self._rope = _function(lib.enginekit_rope_write_cache, [_ptr, ctypes.c_long] + [_ptr] * 6, 4)
         self._attention = _function(
-            lib.enginekit_decode_attention,
-            [_ptr, ctypes.c_long, _ptr, _ptr, _ptr, ctypes.c_long, _ptr, _ptr],
+            lib.enginekit_paged_attention,
+            [_ptr, ctypes.c_long, _ptr, _ptr, _ptr, ctypes.c_long, _ptr, _ptr, _ptr],
             5,
             [ctypes.c_float],
         )
@@ -190,7 +192,7 @@ class LayerOps:
         )
         return qk
 
-    def decode_attention(
+    def paged_attention(
         self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -198,22 +200,27 @@ class LayerOps:
         context_lens: torch.Tensor,
         block_size: int,
         scale: float,
+        table_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of one query token per sequence (``q`` ``[B, H, D]``, heads and values contiguous) over its
-        context in the contiguous paged ``kv_cache`` ``[2, slots, KVH, D]``, read in place: ``[B, H, D]``.
-        ``block_tables`` ``[B, blocks]`` (rows contiguous) and ``context_lens`` ``[B]`` are int64, the new
-        token's key and value already in the cache."""
-        batch, heads, head_dim = q.shape
-        out = torch.empty((batch, heads, head_dim), dtype=torch.float32)
+        """Attention of single query tokens (``q`` ``[N, H, D]``, heads and values contiguous), each over its own
+        context in the contiguous paged ``kv_cache`` ``[2, slots, KVH, D]``, read in place: ``[N, H, D]``.
+        Query ``i`` attends to the first ``context_lens[i]`` tokens of the blocks in row ``table_rows[i]`` of
+        ``block_tables`` (row ``i`` when ``table_rows`` is ``None``): a decode to its whole context, a prefill
+        token to the tokens up to its own. ``block_tables`` ``[rows, blocks]`` (rows contiguous),
+        ``context_lens`` and ``table_rows`` are int64, and every key and value attended to is already in the
+        cache."""
+        rows, heads, head_dim = q.shape
+        out = torch.empty((rows, heads, head_dim), dtype=torch.float32)
         self._attention(
             q.data_ptr(),
             q.stride(0),
             *_keys_and_values(kv_cache),
             block_tables.data_ptr(),
             block_tables.stride(0),
+            None if table_rows is None else table_rows.data_ptr(),
             context_lens.data_ptr(),
             out.data_ptr(),
-            batch,
+            rows,
             heads,
             kv_cache.shape[2],
             head_dim,
@@ -381,7 +388,7 @@ def _probe_layer_ops(ops: LayerOps) -> None:
             torch.allclose(qk, rotated, atol=1e-6) and torch.allclose(kv_cache, expected_cache, atol=1e-6)
         ):
             raise NativeUnavailable("its rotary embedding and cache write disagree with torch's on a probe")
-        out = ops.decode_attention(qk[:, :heads], kv_cache, tables, lens, block_size, dim**-0.5)
+        out = ops.paged_attention(qk[:, :heads], kv_cache, tables, lens, block_size, dim**-0.5)
         for seq, length in enumerate(lens.tolist()):
             context = tables[seq].repeat_interleave(block_size) * block_size + torch.arange(
                 block_size

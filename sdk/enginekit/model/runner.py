@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from enginekit.model.attention import AttentionMetadata, PrefillChunk
+from enginekit.model.attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
 from enginekit.model.decode_graph import DecodeGraphs
@@ -159,16 +159,19 @@ class ModelRunner:
         self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor
     ) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping, self.block_size)
+        native = self.model.layer_ops is not None
         decodes = [chunk for chunk in chunks if chunk.is_decode]
-        if decodes:
-            self._decode_metadata(meta, decodes)
-        row = len(decodes)
+        row = meta.num_decode = len(decodes)
         for chunk in chunks[row:]:
-            meta.prefills.append(self._prefill_chunk(chunk, row))
+            meta.prefills.append(self._prefill_chunk(chunk, row, native))
             row += chunk.num_tokens
-        # Native decode attention reads the cache in place: only prefill chunks after a context gather.
-        tables = [c.block_table for c in meta.prefills]
-        if self.model.layer_ops is None:
+        if native and meta.prefills:  # one native call attends the decodes and the short chunks
+            self._query_metadata(meta, chunks)
+        elif decodes:
+            self._decode_metadata(meta, decodes, native)
+        # The contexts gathered for SDPA: prefill chunks after a context, and the decodes without native attention.
+        tables = [chunk.block_table for chunk in meta.prefills if not chunk.native]
+        if not native:
             tables.append(meta.decode_block_tables)
         rows = [t.numel() for t in tables if t is not None]
         if rows:
@@ -183,25 +186,41 @@ class ModelRunner:
             self._gather_buffer = self._gather_buffer.new_empty((2, size, self._gather_buffer.shape[2]))
         return self._gather_buffer
 
-    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[SequenceChunk]) -> None:
+    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[SequenceChunk], native: bool) -> None:
         context_lens = [chunk.start + 1 for chunk in decodes]
         max_len = max(context_lens)
         max_blocks = -(-max_len // self.block_size)
         tables = [chunk.block_table[:max_blocks] for chunk in decodes]
-        meta.num_decode = len(decodes)
         meta.decode_len = max_len
         meta.decode_block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-        if self.model.layer_ops is not None:  # native decode attention reads each context's length
+        if native:  # native decode attention reads each context's length
             meta.decode_lens = self._tensor(context_lens)
-        if min(context_lens) != max_len:
+        elif min(context_lens) != max_len:
             lens = torch.tensor(context_lens).unsqueeze(1)
             mask = torch.arange(max_len).unsqueeze(0) < lens
             meta.decode_mask = mask[:, None, None, :].to(self.device)
 
-    def _prefill_chunk(self, chunk: SequenceChunk, row: int) -> PrefillChunk:
+    def _query_metadata(self, meta: AttentionMetadata, chunks: list[SequenceChunk]) -> None:
+        """Every row of a step with prefill chunks, for the native attention call: a table per chunk (decodes
+        included), each row's table and context length (a prefill token's: up to its own; 0 where SDPA attends)."""
+        size, tables, table_rows, lens = self.block_size, [], [], []
+        for index, chunk in enumerate(chunks):
+            start, end = chunk.start, chunk.start + chunk.num_tokens
+            tables.append(chunk.block_table[: -(-end // size)])
+            table_rows.extend([index] * chunk.num_tokens)
+            native = index < meta.num_decode or meta.prefills[index - meta.num_decode].native
+            lens.extend(range(start + 1, end + 1) if native else [0] * chunk.num_tokens)
+        width = max(map(len, tables))
+        meta.query_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
+        meta.query_table_rows = self._tensor(table_rows)
+        meta.query_lens = self._tensor(lens)
+
+    def _prefill_chunk(self, chunk: SequenceChunk, row: int, native: bool) -> PrefillChunk:
         start, end = chunk.start, chunk.start + chunk.num_tokens
         prefill = PrefillChunk(token_start=row, num_tokens=chunk.num_tokens, context_start=start)
-        if start:
+        if native and end <= NATIVE_PREFILL_TOKENS:  # attends in place, in the step's native call
+            prefill.native = True
+        elif start:
             prefill.block_table = self._tensor(chunk.block_table[: -(-end // self.block_size)])
             query_pos = torch.arange(start, end).unsqueeze(1)
             prefill.mask = (torch.arange(end).unsqueeze(0) <= query_pos).to(self.device)
