@@ -1,4 +1,4 @@
-"""The native kernels (the skinny GEMM and the layer operations): correct at every shape, built once per cache,
+"""The native kernels (the skinny and packed GEMMs and the layer operations): correct at every shape, built once per cache,
 on torch's thread pool, and a clean fallback to torch's code wherever they cannot be built."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from enginekit.model import native as native_module
-from enginekit.model.llama import linear_kernel
-from enginekit.model.native import MAX_ROWS, native_layer_ops, native_skinny_gemm
+from enginekit.model.llama import PACKED_MIN_DEPTH, PACKED_MIN_ROWS, linear_kernel
+from enginekit.model.native import MAX_ROWS, native_layer_ops, native_packed_gemm, native_skinny_gemm
 
 BUILDABLE = (
     sys.platform == "linux"
@@ -38,9 +38,9 @@ PROBE = textwrap.dedent(
     logging.getLogger("enginekit.model").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
     logging.getLogger("enginekit.model").setLevel(logging.INFO)
     from enginekit.model.llama import linear_kernel
-    from enginekit.model.native import native_layer_ops, native_skinny_gemm, _openmp_runtimes
+    from enginekit.model.native import native_layer_ops, native_packed_gemm, native_skinny_gemm, _openmp_runtimes
     kernel = native_skinny_gemm()
-    print(json.dumps({"native": kernel is not None, "layer_ops": native_layer_ops() is not None, "kernel": linear_kernel(torch.device("cpu"), torch.float32)[0],
+    print(json.dumps({"native": kernel is not None, "packed": native_packed_gemm() is not None, "layer_ops": native_layer_ops() is not None, "kernel": linear_kernel(torch.device("cpu"), torch.float32)[0],
                       "runtimes": sorted(_openmp_runtimes()), "log": records}))
     """
 )
@@ -98,24 +98,72 @@ def test_refuses_more_rows_than_it_takes() -> None:
 
 
 @needs_native
-def test_model_kernel_uses_it_for_few_rows_only() -> None:
-    name, kernel = linear_kernel(torch.device("cpu"), torch.float32)
-    assert name.startswith(f"native skinny GEMM at 1-{MAX_ROWS} rows"), name
-    assert "native" not in linear_kernel(torch.device("cpu"), torch.float32, native=False)[0]
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 23, 24, 25, 96, 129, 2048])  # whole and partial micro-panels
+@pytest.mark.parametrize(
+    ("out", "cols", "bias"),
+    [(3072, 576, False), (576, 1536, True), (17, 19, True), (1, 8, False), (530, 3, True), (16, 256, False)],
+)
+def test_packed_gemm_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: int) -> None:
+    """Whole and partial panels of 16 columns, one to several tasks a thread, the serial and parallel paths."""
+    kernel = native_packed_gemm()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(rows * out * cols)
+    x, w = torch.randn(rows, cols, generator=gen), torch.randn(out, cols, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    with _threads(threads):
+        result = kernel(x, w, b)
+    assert result.shape == (rows, out) and result.dtype == torch.float32
+    torch.testing.assert_close(result, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * cols**0.5)
+
+
+@needs_native
+def test_packed_gemm_reads_rows_a_stride_apart() -> None:
+    kernel = native_packed_gemm()
+    assert kernel is not None
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(1024, 576, generator=gen)
-    for rows in (0, 1, 2, 8, 9, 33, MAX_ROWS, MAX_ROWS + 1, 300):
-        x = torch.randn(rows, 576, generator=gen)
-        torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    # A prefill-sized call on a smaller weight (oneDNN by its work, F.linear below it).
-    small = torch.randn(576, 576, generator=gen)
-    for rows in (200, 2048):
-        x = torch.randn(rows, 576, generator=gen)
-        torch.testing.assert_close(kernel(x, small, None), F.linear(x, small), rtol=1e-5, atol=1e-4)
-    # Inputs that are not contiguous go to torch's kernels, not to the raw pointer.
-    x = torch.randn(576, 2, generator=gen).t()
-    assert not x.is_contiguous()
+    qkv = torch.randn(200, 960, generator=gen)
+    x, w = qkv[:, 192:768], torch.randn(40, 576, generator=gen)  # rows 960 floats apart
+    assert not x.is_contiguous() and x.stride(-1) == 1
     torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_model_kernel_picks_by_rows_and_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed from PACKED_MIN_ROWS rows on inputs PACKED_MIN_DEPTH wide, the skinny GEMM below (and for narrow
+    inputs up to MAX_ROWS), torch's kernels past both; every path agrees with F.linear."""
+    from enginekit.model import llama
+
+    name, kernel = linear_kernel(torch.device("cpu"), torch.float32)
+    assert name.startswith(f"native packed GEMM from {PACKED_MIN_ROWS} rows"), name
+    assert f"native skinny GEMM at 1-{MAX_ROWS} rows" in name, name
+    assert "native" not in linear_kernel(torch.device("cpu"), torch.float32, native=False)[0]
+    calls: list[str] = []
+    skinny, packed = native_skinny_gemm(), native_packed_gemm()
+    monkeypatch.setattr(llama, "native_skinny_gemm", lambda: lambda *a: calls.append("skinny") or skinny(*a))
+    monkeypatch.setattr(llama, "native_packed_gemm", lambda: lambda *a: calls.append("packed") or packed(*a))
+    kernel = linear_kernel(torch.device("cpu"), torch.float32)[1]
+    gen = torch.Generator().manual_seed(0)
+    cases = [  # rows, input width, the kernel expected
+        (1, 576, "skinny"),
+        (9, 576, "skinny"),
+        (PACKED_MIN_ROWS - 1, 576, "skinny"),
+        (PACKED_MIN_ROWS, 576, "packed"),
+        (2048, PACKED_MIN_DEPTH, "packed"),
+        (MAX_ROWS, PACKED_MIN_DEPTH - 1, "skinny"),
+        (MAX_ROWS + 1, PACKED_MIN_DEPTH - 1, "torch"),
+        (0, 576, "torch"),
+    ]
+    for rows, width, expected in cases:
+        calls.clear()
+        x, w = torch.randn(rows, width, generator=gen), torch.randn(600, width, generator=gen)
+        torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+        assert calls == ([] if expected == "torch" else [expected]), (rows, width, calls)
+    # Inputs whose rows are not contiguous go to torch's kernels, not to the raw pointer.
+    x = torch.randn(576, 200, generator=gen).t()
+    calls.clear()
+    torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert calls == []
 
 
 @needs_native
@@ -269,7 +317,8 @@ def test_builtin_model_samples_the_same_tokens_with_and_without_native_layer_ops
 @needs_native
 def test_built_once_per_cache_and_shares_torchs_openmp(tmp_path: Path) -> None:
     first = _probe(tmp_path)
-    assert first["native"] and first["layer_ops"] and first["kernel"].startswith("native skinny GEMM"), first
+    assert first["native"] and first["packed"] and first["layer_ops"], first
+    assert first["kernel"].startswith("native packed GEMM"), first
     assert len(first["runtimes"]) == 1, f"a second OpenMP runtime was loaded: {first['runtimes']}"
     built = list((tmp_path / "native").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so", built
@@ -295,7 +344,7 @@ def test_concurrent_first_builds_publish_one_library(tmp_path: Path) -> None:
 
 def test_falls_back_without_a_compiler(tmp_path: Path) -> None:
     result = _probe(tmp_path, CC=str(tmp_path / "no-such-cc"))
-    assert not result["native"]
+    assert not result["native"] and not result["packed"]
     assert not result["layer_ops"]
     assert "native" not in result["kernel"] and result["kernel"].endswith("F.linear"), result
     assert any("native kernels not used" in line and "failed" in line for line in result["log"]), result
@@ -303,7 +352,12 @@ def test_falls_back_without_a_compiler(tmp_path: Path) -> None:
 
 def test_can_be_turned_off(tmp_path: Path) -> None:
     result = _probe(tmp_path, ENGINEKIT_NATIVE_KERNELS="0")
-    assert not result["native"] and not result["layer_ops"] and not (tmp_path / "native").exists()
+    assert (
+        not result["native"]
+        and not result["packed"]
+        and not result["layer_ops"]
+        and not (tmp_path / "native").exists()
+    )
     assert any("ENGINEKIT_NATIVE_KERNELS=0" in line for line in result["log"]), result
 
 

@@ -1,4 +1,4 @@
-"""The native CPU kernels (``skinny_gemm.c`` and ``layer_ops.c``): built once per machine into one library,
+"""The native CPU kernels (``skinny_gemm.c``, ``packed_gemm.c`` and ``layer_ops.c``): built once per machine into one library,
 loaded once per process.
 
 - :func:`native_skinny_gemm`: the float32 product of 1 to ``MAX_ROWS`` (128) rows with a weight. A decode step
@@ -7,6 +7,10 @@ loaded once per process.
   CPU's read bandwidth at one row, and take longer with every row they add; ``skinny_gemm.c`` reads each weight
   once for all the rows (up to ``SKINNY_ROWS``, 8). Past that a step is bound by arithmetic, and its
   register-blocked tiles beat oneDNN up to 128 rows on an AVX2 CPU (see docs/benchmarks.md).
+- :func:`native_packed_gemm`: the float32 product of any number of rows with a weight, for prefill steps and
+  the largest decode steps: the weight packed on every call into panels of 16 columns, and a 6x16 micro-kernel
+  that keeps the multiply-add units busy (1.2-1.3x oneDNN's linear at 256-2,048 rows on an AVX2 CPU; see
+  ``packed_gemm.c``).
 - :func:`native_layer_ops`: a decoder layer's small float32 operations: RMS norm, rotary embedding fused with
   the KV-cache write, and attention of single queries (decodes, prefill tokens) that reads the paged cache in
   place (``LayerOps``).
@@ -48,7 +52,7 @@ from enginekit.model.weight_cache import cache_dir
 
 logger = logging.getLogger("enginekit.model")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("skinny_gemm.c", "layer_ops.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("skinny_gemm.c", "packed_gemm.c", "layer_ops.c"))
 MAX_ROWS = 128  # ENGINEKIT_MAX_ROWS in skinny_gemm.c; checked at load
 SKINNY_ROWS = 8  # ENGINEKIT_SKINNY_ROWS: up to this many rows each weight row is read once for all of them
 DISABLE_ENV = "ENGINEKIT_NATIVE_KERNELS"
@@ -108,6 +112,52 @@ def native_skinny_gemm() -> SkinnyGemm | None:
         _probe_gemm(gemm)
     except NativeUnavailable as reason:
         logger.warning("native skinny-GEMM kernel not used: %s", reason)
+        return None
+    return gemm
+
+
+@functools.cache
+def native_packed_gemm() -> SkinnyGemm | None:
+    """``gemm(x, weight, bias)`` for a float32 ``x`` of any number of rows (each row contiguous) and a contiguous
+    ``weight`` on CPU, or ``None`` (logged why).
+
+    Built and probed on the first call in a process; later calls return the same function. Each call packs the
+    weight into a scratch of a few megabytes at most (``enginekit_packed_gemm_scratch``), allocated per call:
+    after the first, the allocator hands back the same memory, at no measurable cost.
+    """
+    lib = native_library()
+    if lib is None:
+        return None
+    kernel = _function(lib.enginekit_packed_gemm, [_ptr, ctypes.c_long, _ptr, _ptr, _ptr], 3, [_ptr])
+    scratch_floats = lib.enginekit_packed_gemm_scratch
+    scratch_floats.restype, scratch_floats.argtypes = ctypes.c_long, [ctypes.c_long, ctypes.c_int]
+    get_threads = torch.get_num_threads
+
+    def gemm(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
+    ) -> torch.Tensor:
+        m, (n, k), threads = x.shape[0], weight.shape, threads or get_threads()
+        out = torch.empty((m, n), dtype=torch.float32)
+        scratch = torch.empty(scratch_floats(k, threads), dtype=torch.float32)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        kernel(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            bias_ptr,
+            out.data_ptr(),
+            m,
+            n,
+            k,
+            scratch.data_ptr(),
+            threads,
+        )
+        return out
+
+    try:
+        _probe_packed_gemm(gemm)
+    except NativeUnavailable as reason:
+        logger.warning("native packed-GEMM kernel not used: %s", reason)
         return None
     return gemm
 
@@ -348,6 +398,21 @@ def _probe_gemm(gemm: Callable[..., torch.Tensor]) -> None:
     shapes += [(m, 13, 19, True) for m in (9, 10, 11, 12, MAX_ROWS)]  # every tile: 1-4 rows by 1-3 weights
     for m, n, k, with_bias in shapes:
         x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen) if with_bias else None
+        for threads in (1, 2):
+            if not torch.allclose(gemm(x, w, b, threads), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+                raise NativeUnavailable(
+                    f"it disagrees with F.linear on a probe ({m}x{k} by {n}x{k}, {threads} threads)"
+                )
+
+
+def _probe_packed_gemm(gemm: Callable[..., torch.Tensor]) -> None:
+    """The kernel against ``F.linear`` on shapes that take every path: full and partial micro-panels of rows and
+    panels of columns, several groups of panels, rows a stride apart, a bias, on one and two threads."""
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k, with_bias in [(1, 5, 7, True), (6, 16, 8, False), (29, 40, 19, True), (100, 530, 45, True)]:
+        rows = torch.randn(m, k + 3, generator=gen)
+        x, w = rows[:, :k], torch.randn(n, k, generator=gen)  # rows k + 3 floats apart
         b = torch.randn(n, generator=gen) if with_bias else None
         for threads in (1, 2):
             if not torch.allclose(gemm(x, w, b, threads), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
