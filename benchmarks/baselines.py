@@ -478,8 +478,9 @@ def projection_gflops(
     """The engine's own projection kernels at a model's shapes, in GFLOP/s, with torch's current threads.
 
     One pass runs what a forward pass on ``rows`` tokens multiplies, with the engine's shapes and kernel
-    choice (``enginekit.model.llama.linear_kernel``: in float32 on CPU the native skinny GEMM at 1-8 rows,
-    oneDNN's linear for large weights, else ``F.linear``): ``num_layers`` times the fused q/k/v, the
+    choice (``enginekit.model.llama.linear_kernel``: in float32 on CPU the native skinny GEMM up to 128 rows,
+    the native packed GEMM from 96 rows on inputs 256 wide, oneDNN's linear for large weights, else
+    ``F.linear``): ``num_layers`` times the fused q/k/v, the
     output, the fused gate/up and the down projection (one layer's weights, reused), then the LM head.
     Passes repeat to last ``min_sample_s`` per sample. A square matmul is not always the fastest thing a
     CPU's torch does: on a CPU with AVX512 oneDNN's linear at these shapes ran well above MKL's
