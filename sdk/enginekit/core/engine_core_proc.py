@@ -122,6 +122,8 @@ class EngineCoreProc(EngineCore):
 
     def _process_input_queue(self) -> None:
         if not self.has_work():
+            if self.thread_governor is not None:
+                self.thread_governor.pause()  # what others do while we wait says nothing of sharing the cores
             self.handle(self.input_queue.get(block=True))
         while True:
             try:

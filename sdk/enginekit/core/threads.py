@@ -7,7 +7,11 @@ busy process, the worker that the barrier waits for is often the descheduled one
 for it: one thread is then fastest (docs/benchmarks.md, the thread section). So the engine process reads, four
 times a second from its step loop, how much CPU other processes took on its cores (``/proc/stat``, less this
 process's own time) and runs as many threads as they leave cores free. A change needs two readings in a row
-that agree, so one burst does not flap it.
+that agree, so one burst does not flap it. A wait for requests longer than the interval (``pause``, then a
+``poll`` more than ``interval_s`` later) drops the window and any proposal, and the first step after it starts a
+fresh window: what other processes do with the cores while the engine has nothing to do says nothing about how
+they share them with its work (a benchmark that alternates engines kept an engine of short runs on one thread
+that way). Shorter waits, between the calls of a loop of short requests, keep the window.
 
 The thread count changes the last bits of some ops (decode attention splits its work by thread), so with
 ``adaptive_threads=False`` an engine keeps exactly ``num_threads`` and repeats its logprobs bit for bit.
@@ -68,6 +72,7 @@ class ThreadGovernor:
         self._next_s = 0.0
         self._last: tuple[float, float, float] | None = None  # clock, machine busy s, own CPU s
         self._proposed: int | None = None
+        self._paused_s: float | None = None  # when the engine last began to wait for work
         self.changes = 0
 
     @classmethod
@@ -79,9 +84,17 @@ class ThreadGovernor:
             return None
         return cls(max_threads, cpus)
 
+    def pause(self) -> None:
+        """The engine is about to wait for work (see the module docstring)."""
+        self._paused_s = self._clock()
+
     def poll(self) -> None:
         """Called every step; reads the machine only once per interval (a clock read otherwise)."""
         now = self._clock()
+        if self._paused_s is not None:
+            if now - self._paused_s > self._interval_s:  # a long wait: start a fresh window
+                self._last, self._proposed, self._next_s = None, None, 0.0
+            self._paused_s = None
         if now < self._next_s:
             return
         self._next_s = now + self._interval_s
