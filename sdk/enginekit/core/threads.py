@@ -7,11 +7,11 @@ busy process, the worker that the barrier waits for is often the descheduled one
 for it: one thread is then fastest (docs/benchmarks.md, the thread section). So the engine process reads, four
 times a second from its step loop, how much CPU other processes took on its cores (``/proc/stat``, less this
 process's own time) and runs as many threads as they leave cores free. A change needs two readings in a row
-that agree, so one burst does not flap it. A wait for requests longer than the interval (``pause``, then a
-``poll`` more than ``interval_s`` later) drops the window and any proposal, and the first step after it starts a
-fresh window: what other processes do with the cores while the engine has nothing to do says nothing about how
-they share them with its work (a benchmark that alternates engines kept an engine of short runs on one thread
-that way). Shorter waits, between the calls of a loop of short requests, keep the window.
+that agree, so one burst does not flap it. Only working time counts: the engine marks each wait for requests
+(``pause``), and the first step after it takes the wait out of the window, the other processes' CPU during it
+included. What other processes do with the cores while the engine has nothing to do says nothing about how they
+share them with its work (a benchmark that alternates engines kept an engine of short runs on one thread that
+way: each reading then held the other engines' runs).
 
 The thread count changes the last bits of some ops (decode attention splits its work by thread), so with
 ``adaptive_threads=False`` an engine keeps exactly ``num_threads`` and repeats its logprobs bit for bit.
@@ -72,7 +72,7 @@ class ThreadGovernor:
         self._next_s = 0.0
         self._last: tuple[float, float, float] | None = None  # clock, machine busy s, own CPU s
         self._proposed: int | None = None
-        self._paused_s: float | None = None  # when the engine last began to wait for work
+        self._paused: tuple[float, float | None, float] | None = None  # the reading when a wait began
         self.changes = 0
 
     @classmethod
@@ -85,20 +85,20 @@ class ThreadGovernor:
         return cls(max_threads, cpus)
 
     def pause(self) -> None:
-        """The engine is about to wait for work (see the module docstring)."""
-        self._paused_s = self._clock()
+        """The engine is about to wait for work: the wait, up to the next ``poll``, is left out of the window."""
+        if self._last is not None and self._paused is None:
+            self._paused = self._reading()
 
     def poll(self) -> None:
-        """Called every step; reads the machine only once per interval (a clock read otherwise)."""
+        """Called every step; reads the machine only once per interval of working time (a clock read
+        otherwise)."""
+        if self._paused is not None:
+            self._leave_out_the_wait()
         now = self._clock()
-        if self._paused_s is not None:
-            if now - self._paused_s > self._interval_s:  # a long wait: start a fresh window
-                self._last, self._proposed, self._next_s = None, None, 0.0
-            self._paused_s = None
         if now < self._next_s:
             return
         self._next_s = now + self._interval_s
-        busy, own = self._read_busy(self._cpus), self._read_own()
+        _, busy, own = self._reading(now)
         if busy is None:
             return
         last, self._last = self._last, (now, busy, own)
@@ -117,3 +117,17 @@ class ThreadGovernor:
             self._set_threads(target)
             self.threads, self._proposed = target, None
             self.changes += 1
+
+    def _reading(self, now: float | None = None) -> tuple[float, float | None, float]:
+        return (self._clock() if now is None else now), self._read_busy(self._cpus), self._read_own()
+
+    def _leave_out_the_wait(self) -> None:
+        """Move the window's start and the next reading forward by the wait that just ended."""
+        start, self._paused = self._paused, None
+        end = self._reading()
+        if self._last is None or start is None or start[1] is None or end[1] is None:
+            return
+        waited = end[0] - start[0]
+        t, busy, own = self._last
+        self._last = (t + waited, busy + (end[1] - start[1]), own + (end[2] - start[2]))
+        self._next_s += waited
