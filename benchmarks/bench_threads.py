@@ -142,8 +142,8 @@ leave free (`core/threads.py`). A user's `OMP_WAIT_POLICY`, `GOMP_SPINCOUNT` or 
 launcher reads the environment when it imports torch), and `adaptive_threads=False` fixes the thread count.
 An in-process engine cannot change the policy of an OpenMP runtime that is already loaded; a notebook user
 on a busy laptop can set `OMP_WAIT_POLICY=PASSIVE` before importing torch, or run the engine in the
-background. The governor reacts within about half a second of work (two readings that agree; a wait for
-requests longer than a reading's interval starts a fresh window), so a busy process
+background. The governor reacts within about half a second of work (two readings that agree; waits for
+requests are taken out of its window), so a busy process
 that starts mid-request costs that long. Pinning threads to cores was not tried: on a machine shared with
 other work it makes a descheduled worker wait for its own core instead of any free one.
 
