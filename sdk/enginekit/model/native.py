@@ -1,5 +1,5 @@
-"""The native CPU kernels (``skinny_gemm.c``, ``packed_gemm.c`` and ``layer_ops.c``): built once per machine into one library,
-loaded once per process.
+"""The native CPU kernels (``skinny_gemm.c``, ``packed_gemm.c`` and ``layer_ops.c``): built once per machine
+into one library, loaded once per process.
 
 - :func:`native_skinny_gemm`: the float32 product of 1 to ``MAX_ROWS`` (128) rows with a weight. A decode step
   of a few sequences multiplies every weight by that many vectors: it is bound by how fast the weights stream
@@ -408,7 +408,7 @@ def _probe_gemm(gemm: Callable[..., torch.Tensor]) -> None:
 
 def _probe_packed_gemm(gemm: Callable[..., torch.Tensor]) -> None:
     """The kernel against ``F.linear`` on shapes that take every path: full and partial micro-panels of rows and
-    panels of columns, several groups of panels, rows a stride apart, a bias, on one and two threads."""
+    panels of columns, one and several panels a task, rows a stride apart, a bias, on one and two threads."""
     gen = torch.Generator().manual_seed(0)
     for m, n, k, with_bias in [(1, 5, 7, True), (6, 16, 8, False), (29, 40, 19, True), (100, 530, 45, True)]:
         rows = torch.randn(m, k + 3, generator=gen)

@@ -206,9 +206,9 @@ class ModelRunner:
         size, tables, table_rows, lens = self.block_size, [], [], []
         for index, chunk in enumerate(chunks):
             start, end = chunk.start, chunk.start + chunk.num_tokens
-            tables.append(chunk.block_table[: -(-end // size)])
-            table_rows.extend([index] * chunk.num_tokens)
             native = index < meta.num_decode or meta.prefills[index - meta.num_decode].native
+            tables.append(chunk.block_table[: -(-end // size)] if native else [])  # SDPA reads its own
+            table_rows.extend([index] * chunk.num_tokens)
             lens.extend(range(start + 1, end + 1) if native else [0] * chunk.num_tokens)
         width = max(map(len, tables))
         meta.query_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
