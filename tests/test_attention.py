@@ -73,7 +73,6 @@ def test_paged_attention_equals_dense_attention_per_sequence(with_buffer, native
         decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:3]]),
         decode_len=max(lengths[:3]),
         decode_mask=(torch.arange(16)[None, :] < torch.tensor(lengths[:3])[:, None])[:, None, None, :],
-        decode_lens=torch.tensor(lengths[:3]),
     )
     meta.prefills = [
         PrefillChunk(

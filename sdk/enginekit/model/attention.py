@@ -59,9 +59,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks], padded with block 0
     decode_len: int = 0  # longest decode context
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, decode_len], None when all equal
-    decode_lens: torch.Tensor | None = None  # [num_decode] context lengths (native, a step of decodes only)
-    # Native attention of a step with prefill chunks: one table per decode, then one per chunk, [rows, blocks];
-    # each row's table, [num_tokens]; each row's context length, 0 for the rows SDPA attends, [num_tokens].
+    # Native attention: one table per decode, then one per prefill chunk (empty for the chunks SDPA attends),
+    # [tables, blocks]; each row's table, [num_tokens] (None in a step of decodes only: row i, table i); each
+    # row's context length, 0 for the rows SDPA attends, [num_tokens].
     query_tables: torch.Tensor | None = None
     query_table_rows: torch.Tensor | None = None
     query_lens: torch.Tensor | None = None
@@ -88,16 +88,12 @@ def paged_attention(
     """Attention of the step's new tokens; writes their keys and values to the cache first, unless ``ops`` (the
     native layer operations) is given: then they are already there (``LayerOps.rope_write_cache``), and the
     decodes and short prefill chunks attend in place, in one call (``LayerOps.paged_attention``)."""
-    if ops is not None:
-        if not meta.prefills:  # a pure decode step (most steps)
-            return ops.paged_attention(
-                q, kv_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale
-            )
+    if ops is not None:  # the decodes and the short prefill chunks, in one call
         out = ops.paged_attention(
             q, kv_cache, meta.query_tables, meta.query_lens, meta.block_size, scale, meta.query_table_rows
         )
         chunks = [chunk for chunk in meta.prefills if not chunk.native]
-        if not chunks:
+        if not chunks:  # most steps
             return out
     else:
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)

@@ -143,7 +143,8 @@ class DecodeGraphs:
             decode_block_tables=self.block_tables[:batch, :blocks],
             decode_len=length,
             decode_mask=mask[:, None, None, :],
-            decode_lens=self.context_lens[:batch],
+            query_tables=self.block_tables[:batch, :blocks],
+            query_lens=self.context_lens[:batch],
         )
         return self.model(
             self.token_ids[:batch], self.positions[:batch], self.kv_caches, meta, self.rows[:batch]

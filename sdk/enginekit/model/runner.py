@@ -165,10 +165,10 @@ class ModelRunner:
         for chunk in chunks[row:]:
             meta.prefills.append(self._prefill_chunk(chunk, row, native))
             row += chunk.num_tokens
-        if native and meta.prefills:  # one native call attends the decodes and the short chunks
+        if native:  # one native call attends the decodes and the short chunks
             self._query_metadata(meta, chunks)
         elif decodes:
-            self._decode_metadata(meta, decodes, native)
+            self._decode_metadata(meta, decodes)
         # The contexts gathered for SDPA: prefill chunks after a context, and the decodes without native attention.
         tables = [chunk.block_table for chunk in meta.prefills if not chunk.native]
         if not native:
@@ -186,23 +186,22 @@ class ModelRunner:
             self._gather_buffer = self._gather_buffer.new_empty((2, size, self._gather_buffer.shape[2]))
         return self._gather_buffer
 
-    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[SequenceChunk], native: bool) -> None:
+    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[SequenceChunk]) -> None:
         context_lens = [chunk.start + 1 for chunk in decodes]
         max_len = max(context_lens)
         max_blocks = -(-max_len // self.block_size)
         tables = [chunk.block_table[:max_blocks] for chunk in decodes]
         meta.decode_len = max_len
         meta.decode_block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-        if native:  # native decode attention reads each context's length
-            meta.decode_lens = self._tensor(context_lens)
-        elif min(context_lens) != max_len:
+        if min(context_lens) != max_len:
             lens = torch.tensor(context_lens).unsqueeze(1)
             mask = torch.arange(max_len).unsqueeze(0) < lens
             meta.decode_mask = mask[:, None, None, :].to(self.device)
 
     def _query_metadata(self, meta: AttentionMetadata, chunks: list[SequenceChunk]) -> None:
-        """Every row of a step with prefill chunks, for the native attention call: a table per chunk (decodes
-        included), each row's table and context length (a prefill token's: up to its own; 0 where SDPA attends)."""
+        """Every row of the step, for the native attention call: a table per chunk (decodes included), each row's
+        table (when the step has prefill chunks) and context length (a prefill token's: up to its own; 0 where SDPA
+        attends)."""
         size, tables, table_rows, lens = self.block_size, [], [], []
         for index, chunk in enumerate(chunks):
             start, end = chunk.start, chunk.start + chunk.num_tokens
@@ -212,7 +211,7 @@ class ModelRunner:
             lens.extend(range(start + 1, end + 1) if native else [0] * chunk.num_tokens)
         width = max(map(len, tables))
         meta.query_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
-        meta.query_table_rows = self._tensor(table_rows)
+        meta.query_table_rows = self._tensor(table_rows) if meta.prefills else None
         meta.query_lens = self._tensor(lens)
 
     def _prefill_chunk(self, chunk: SequenceChunk, row: int, native: bool) -> PrefillChunk:
