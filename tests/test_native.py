@@ -70,15 +70,8 @@ def _threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-@needs_native
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [*range(1, 14), 16, 31, 64, 127, MAX_ROWS])  # skinny, then every tile
-@pytest.mark.parametrize(
-    ("out", "cols", "bias"),
-    [(960, 576, False), (576, 1536, True), (13, 19, True), (1, 8, False), (9, 3, True)],
-)
-def test_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: int) -> None:
-    kernel = native_skinny_gemm()
+def _check_against_f_linear(kernel, rows: int, out: int, cols: int, bias: bool, threads: int) -> None:
+    """``kernel(x, w, b)`` on seeded inputs of these shapes, on ``threads`` threads, against ``F.linear``."""
     assert kernel is not None
     gen = torch.Generator().manual_seed(rows * out * cols)
     x, w = torch.randn(rows, cols, generator=gen), torch.randn(out, cols, generator=gen)
@@ -87,6 +80,17 @@ def test_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: i
         result = kernel(x, w, b)
     assert result.shape == (rows, out) and result.dtype == torch.float32
     torch.testing.assert_close(result, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * cols**0.5)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [*range(1, 14), 16, 31, 64, 127, MAX_ROWS])  # skinny, then every tile
+@pytest.mark.parametrize(
+    ("out", "cols", "bias"),
+    [(960, 576, False), (576, 1536, True), (13, 19, True), (1, 8, False), (9, 3, True)],
+)
+def test_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: int) -> None:
+    _check_against_f_linear(native_skinny_gemm(), rows, out, cols, bias, threads)
 
 
 @needs_native
@@ -106,15 +110,7 @@ def test_refuses_more_rows_than_it_takes() -> None:
 )
 def test_packed_gemm_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: int) -> None:
     """Whole and partial panels of 16 columns, one to several tasks a thread, the serial and parallel paths."""
-    kernel = native_packed_gemm()
-    assert kernel is not None
-    gen = torch.Generator().manual_seed(rows * out * cols)
-    x, w = torch.randn(rows, cols, generator=gen), torch.randn(out, cols, generator=gen)
-    b = torch.randn(out, generator=gen) if bias else None
-    with _threads(threads):
-        result = kernel(x, w, b)
-    assert result.shape == (rows, out) and result.dtype == torch.float32
-    torch.testing.assert_close(result, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * cols**0.5)
+    _check_against_f_linear(native_packed_gemm(), rows, out, cols, bias, threads)
 
 
 @needs_native
