@@ -478,7 +478,7 @@ def projection_gflops(
     """The engine's own projection kernels at a model's shapes, in GFLOP/s, with torch's current threads.
 
     One pass runs what a forward pass on ``rows`` tokens multiplies, with the engine's shapes and kernel
-    choice (``enginekit.model.llama.linear_kernel``: in float32 on CPU the native skinny GEMM up to 128 rows,
+    choice (``enginekit.model.layers.linear.linear_kernel``: in float32 on CPU the native skinny GEMM up to 128 rows,
     the native packed GEMM from 96 rows on inputs 256 wide, oneDNN's linear for large weights, else
     ``F.linear``): ``num_layers`` times the fused q/k/v, the
     output, the fused gate/up and the down projection (one layer's weights, reused), then the LM head.
@@ -491,7 +491,7 @@ def projection_gflops(
     import torch
     import torch.nn.functional as F
 
-    from enginekit.model.llama import linear_kernel
+    from enginekit.model.layers.linear import linear_kernel
 
     dt = _resolve_dtype(dtype)
     kernel = F.linear if plain else linear_kernel(torch.device("cpu"), dt)[1]

@@ -51,8 +51,8 @@ def sizes(ctx: Context) -> dict[str, Any]:
 
 
 def run(ctx: Context, report: SectionReport) -> None:
-    from enginekit.model.llama import PACKED_MIN_DEPTH, PACKED_MIN_ROWS
-    from enginekit.model.native import MAX_ROWS
+    from enginekit.model.kernels.native import MAX_ROWS
+    from enginekit.model.layers.linear import PACKED_MIN_DEPTH, PACKED_MIN_ROWS
 
     size = sizes(ctx)
     threads = ctx.threads
@@ -331,8 +331,9 @@ def native_switches(engine: Any) -> dict[str, Callable[[bool], None]]:
     torch's ops, contexts gathered out of the cache)."""
     import torch
 
-    from enginekit.model.llama import layer_ops, linear_kernel
-    from enginekit.model.native import native_skinny_gemm
+    from enginekit.model.kernels.native import native_skinny_gemm
+    from enginekit.model.layers.linear import linear_kernel
+    from enginekit.model.llama import layer_ops
 
     model = engine._client._core.runner.model  # an in-process engine's model (benchmark access only)
     cpu = torch.device("cpu")
@@ -404,7 +405,7 @@ def streamed_projections(config: Any, rows: tuple[int, ...], threads: int, round
     import torch
     import torch.nn.functional as F
 
-    from enginekit.model.llama import linear_kernel
+    from enginekit.model.layers.linear import linear_kernel
 
     from .baselines import layer_projection_shapes, torch_threads
 
@@ -494,7 +495,7 @@ def _limits(
 **1 concurrent** (engine / transformers {ratio("equal", 1)}). A token reads every weight once: 135 M
 parameters, 540 MB in float32, {per_token_ms:.0f} ms at the read bandwidth measured above, a ceiling of about
 {1e3 / per_token_ms:.0f} tokens/s for any float32 implementation. The engine's projections at 1-8 rows run its
-native skinny GEMM (`model/skinny_gemm.c`), which reads each weight once for all the rows; torch's kernels
+native skinny GEMM (`model/kernels/skinny_gemm.c`), which reads each weight once for all the rows; torch's kernels
 read a weight at well under the bandwidth at one row and take longer with every row added. Measured in this
 run, one pass of a forward pass's projections over every layer's own weights ({streamed["bytes"] / 1e6:.0f} MB,
 more than any cache), {threads} threads, the kernels alternating: {_streamed_text(streamed, bandwidth)}.
@@ -502,7 +503,7 @@ The rest of a token is the 30 layers' small ops (norms, rotary, residuals, the c
 one query, the MLP's activation). Through torch they were a dozen ops per layer at 5-10 us each on this class
 of CPU: measured on the second machine (2026-12-02, in-process, 64-token prompt) with the projections replaced
 by preallocated outputs, 12-15 ms of a token (paged attention 4.4, rotary embedding 2.7 before it became one
-roll, norms 1.5, the rest 3.8). The engine now runs them as four native calls per layer (`model/layer_ops.c`:
+roll, norms 1.5, the rest 3.8). The engine now runs them as four native calls per layer (`model/kernels/layer_ops.c`:
 RMS norm, rotary embedding with the cache write, decode attention over the cache in place, SiLU-and-multiply),
 plus the residual adds and views; the layer operations' table above gives the before and after.
 llama.cpp leads here because it reads 4.5-bit weights (about 90 MB per token) with fused dequantizing kernels.
@@ -560,7 +561,7 @@ not offered.
 
 def _streamed_text(streamed: dict[str, Any], bandwidth: Summary) -> str:
     """'at 1 row the engine's kernel X ms (Y GB/s, Z% of the read bandwidth), oneDNN's ..., F.linear ...'."""
-    from enginekit.model.native import SKINNY_ROWS
+    from enginekit.model.kernels.native import SKINNY_ROWS
 
     ms = streamed["ms"]
     parts = []

@@ -91,7 +91,7 @@ class ModelSpec:
 def _builtin_model(folder: Path) -> ModelSpec:
     """The built-in model, plus the same weights written as a Hugging Face Llama folder for transformers."""
     from enginekit.model.builtin import BUILTIN_CONFIG, builtin_weights
-    from enginekit.model.tokenizer import ByteTokenizer
+    from enginekit.model.text.tokenizer import ByteTokenizer
 
     config = BUILTIN_CONFIG
     weights = builtin_weights(config, 0)  # seed 0 is the engine's default seed
@@ -140,13 +140,13 @@ def _save_hf_llama(folder: Path, config: Any, weights: dict) -> None:
 
 
 def _llama_model(folder: Path) -> ModelSpec:
-    from enginekit.model.config import ModelConfig
+    from enginekit.model.formats.hf import read_hf_config
 
     checkpoints = _import_file("hf_checkpoints", REPO_ROOT / "tests" / "hf_checkpoints.py")
     checkpoints.build_checkpoint(
         folder, "llama", max_position_embeddings=LLAMA_MAX_POSITIONS, seed=0, **LLAMA_SIZES
     )
-    config = ModelConfig.from_folder(folder)
+    config = read_hf_config(folder)
     return ModelSpec(
         key="llama",
         label="tiny random Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocab 4096)",
@@ -159,8 +159,8 @@ def _llama_model(folder: Path) -> ModelSpec:
 
 def _smollm2_model(folder: Path) -> ModelSpec:
     """The default real model: SmolLM2-135M-Instruct's Q4_1 GGUF; transformers loads the same file, dequantized."""
-    from enginekit.model.gguf import read_gguf_config
-    from enginekit.model.source import DEFAULT_MODEL, default_model_file
+    from enginekit.model.formats.gguf import read_gguf_config
+    from enginekit.model.formats.source import DEFAULT_MODEL, default_model_file
 
     path = default_model_file()
     config = read_gguf_config(path)

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from enginekit import Engine, SamplingParams
 from enginekit.model import llama
-from enginekit.model.attention import AttentionMetadata, PrefillChunk, paged_attention
-from enginekit.model.native import native_layer_ops
+from enginekit.model.kernels.native import native_layer_ops
+from enginekit.model.layers.paged_attention import AttentionMetadata, PrefillChunk, paged_attention
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from enginekit import Engine, SamplingParams
-from enginekit.output_processor import RequestState
+from enginekit.frontend.output_processor import RequestState
 from enginekit.wire.messages import EngineCoreRequest
 
 MODES = ["inproc", "mp", "async"]

@@ -1,4 +1,4 @@
-"""enginekit.model.chat_template: rendering equals transformers' apply_chat_template; errors are precise."""
+"""enginekit.model.text.chat_template: rendering equals transformers' apply_chat_template; errors are precise."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from tokenizers import AddedToken, Tokenizer, models
 
 import gguf_files as files
 from enginekit.errors import EngineStartupError
-from enginekit.model.chat_template import ChatTemplate, chat_template_from_folder, end_of_turn_token_ids
-from enginekit.model.gguf_header import read_gguf_header
-from enginekit.model.gguf_tokenizer import tokenizer_from_gguf
+from enginekit.model.formats.gguf_header import read_gguf_header
+from enginekit.model.formats.gguf_tokenizer import tokenizer_from_gguf
+from enginekit.model.text.chat_template import ChatTemplate, chat_template_from_folder, end_of_turn_token_ids
 
 SMOLLM2 = files.installed_smollm2()
 needs_smollm2 = pytest.mark.skipif(

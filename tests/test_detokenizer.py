@@ -1,5 +1,5 @@
 from enginekit.core.detokenizer import IncrementalDetokenizer
-from enginekit.model.tokenizer import ByteTokenizer
+from enginekit.model.text.tokenizer import ByteTokenizer
 
 
 def feed(text: str, stop=()):

@@ -1,4 +1,4 @@
-"""enginekit.model.gguf: config and weights of GGUF files, checked against transformers' own GGUF loading."""
+"""enginekit.model.formats.gguf: config and weights of GGUF files, checked against transformers' own GGUF loading."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from gguf.quants import dequantize
 
 import gguf_files as files
 from enginekit.errors import EngineStartupError
-from enginekit.model.gguf import dequantizable_types, read_gguf_config, read_gguf_weights
-from enginekit.model.gguf_header import read_gguf_header
+from enginekit.model.formats.gguf import dequantizable_types, read_gguf_config, read_gguf_weights
+from enginekit.model.formats.gguf_header import read_gguf_header
 from gguf_files import Q
 
 SMOLLM2 = files.installed_smollm2()

@@ -1,4 +1,4 @@
-"""enginekit.model.gguf_header: the metadata and tensor table of GGUF files, and what a damaged file reports."""
+"""enginekit.model.formats.gguf_header: the metadata and tensor table of GGUF files, and what a damaged file reports."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from gguf import GGUFReader
 
 import gguf_files as files
 from enginekit.errors import EngineStartupError
-from enginekit.model.gguf import read_gguf_config
-from enginekit.model.gguf_header import read_gguf_header
+from enginekit.model.formats.gguf import read_gguf_config
+from enginekit.model.formats.gguf_header import read_gguf_header
 from gguf_files import Q
 
 

@@ -1,4 +1,4 @@
-"""enginekit.model.gguf_tokenizer: tokenizers built from GGUF metadata, checked against transformers' GGUF tokenizer."""
+"""enginekit.model.formats.gguf_tokenizer: tokenizers built from GGUF metadata, checked against transformers' GGUF tokenizer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gguf import GGUFReader
 
 import gguf_files as files
 from enginekit.errors import EngineStartupError
-from enginekit.model.gguf_tokenizer import tokenizer_from_gguf
+from enginekit.model.formats.gguf_tokenizer import tokenizer_from_gguf
 
 SMOLLM2 = files.installed_smollm2()
 needs_smollm2 = pytest.mark.skipif(

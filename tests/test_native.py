@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from enginekit.model import native as native_module
-from enginekit.model.llama import PACKED_MIN_DEPTH, PACKED_MIN_ROWS, linear_kernel
-from enginekit.model.native import MAX_ROWS, native_layer_ops, native_packed_gemm, native_skinny_gemm
+from enginekit.model.kernels.native import MAX_ROWS, native_layer_ops, native_packed_gemm, native_skinny_gemm
+from enginekit.model.layers.linear import PACKED_MIN_DEPTH, PACKED_MIN_ROWS, linear_kernel
 
 BUILDABLE = (
     sys.platform == "linux"
@@ -37,8 +37,8 @@ PROBE = textwrap.dedent(
     records = []
     logging.getLogger("enginekit.model").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
     logging.getLogger("enginekit.model").setLevel(logging.INFO)
-    from enginekit.model.llama import linear_kernel
-    from enginekit.model.native import native_layer_ops, native_packed_gemm, native_skinny_gemm, _openmp_runtimes
+    from enginekit.model.layers.linear import linear_kernel
+    from enginekit.model.kernels.native import native_layer_ops, native_packed_gemm, native_skinny_gemm, _openmp_runtimes
     kernel = native_skinny_gemm()
     print(json.dumps({"native": kernel is not None, "packed": native_packed_gemm() is not None, "layer_ops": native_layer_ops() is not None, "kernel": linear_kernel(torch.device("cpu"), torch.float32)[0],
                       "runtimes": sorted(_openmp_runtimes()), "log": records}))
@@ -206,7 +206,7 @@ def test_rope_write_cache_and_decode_attention_match_torch(
 ) -> None:
     """The fused rotary embedding and cache write against ``llama.rotate`` and ``index_copy_``; decode attention
     over scattered blocks, contexts of unequal lengths (1 token to several blocks), against SDPA."""
-    from enginekit.model.llama import rotate
+    from enginekit.model.layers.rotary import rotate
 
     ops = native_layer_ops()
     assert ops is not None and ops.supports(heads, kv_heads, dim)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from enginekit.output_processor import OutputProcessor, RequestState
+from enginekit.frontend.output_processor import OutputProcessor, RequestState
 from enginekit.outputs import Logprob
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import (

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from enginekit.core.validation import RequestLimits
-from enginekit.model.tokenizer import ByteTokenizer
-from enginekit.prompts import normalize_params, normalize_prompts, prepare_request
+from enginekit.frontend.prompts import normalize_params, normalize_prompts, prepare_request
+from enginekit.model.text.tokenizer import ByteTokenizer
 from enginekit.sampling_params import SamplingParams
 
 TOKENIZER = ByteTokenizer()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from enginekit import Engine, SamplingParams
-from enginekit.model.source import default_model_file
+from enginekit.model.formats.source import default_model_file
 
 MODES = ["inproc", "mp", "async"]
 NUM_TOKENS = 32

@@ -9,7 +9,7 @@ from enginekit.core.request import Request
 from enginekit.core.scheduler import Scheduler
 from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.model.sampler import SamplerOutput
-from enginekit.model.tokenizer import ByteTokenizer
+from enginekit.model.text.tokenizer import ByteTokenizer
 from enginekit.sampling_params import SamplingParams
 from enginekit.wire.messages import EngineCoreRequest, FinishReason, RequestStatus
 

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 from enginekit import Engine, EngineShutdownError, SamplingParams
+from enginekit.frontend.output_processor import RequestState
 from enginekit.notebook import GenerationHandle, Viewer, in_jupyter, text_view
 from enginekit.notebook import viewer as viewer_module
 from enginekit.notebook.engine_stats import EngineStats
-from enginekit.output_processor import RequestState
 from enginekit.wire.messages import EngineCoreOutput, FinishReason, RequestStatus
 
 STATS = {

@@ -1,4 +1,4 @@
-"""enginekit.model.weight_cache: build once, then map; damaged entries are rebuilt, never used."""
+"""enginekit.model.formats.weight_cache: build once, then map; damaged entries are rebuilt, never used."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 
 import gguf_files as files
 from enginekit.errors import EngineStartupError
-from enginekit.model import weight_cache
-from enginekit.model.gguf import read_gguf_config, read_gguf_weights
+from enginekit.model.formats import weight_cache
+from enginekit.model.formats.gguf import read_gguf_config, read_gguf_weights
 
 KEY = {"dtype": "float32", "layout": "test-1"}
 

@@ -6,7 +6,6 @@
 """
 
 from enginekit.config import EngineConfig, EngineMode
-from enginekit.engine import Engine
 from enginekit.errors import (
     EngineDeadError,
     EngineError,
@@ -14,6 +13,7 @@ from enginekit.errors import (
     EngineStartupError,
     UtilityCallError,
 )
+from enginekit.frontend.engine import Engine
 from enginekit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from enginekit.runtime.launcher import shutdown_launcher
 from enginekit.sampling_params import RequestOutputKind, SamplingParams

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from enginekit.engine import Engine
+from enginekit.frontend.engine import Engine
 
 __all__ = ["enginekit_engine", "make_test_engine"]
 

@@ -7,7 +7,7 @@ a stop string.
 
 from __future__ import annotations
 
-from enginekit.model.tokenizer import Tokenizer
+from enginekit.model.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # leading context so that the first token decodes with its correct spacing

@@ -7,7 +7,7 @@ import string
 import torch
 
 from enginekit.model.config import ModelConfig
-from enginekit.model.tokenizer import ByteTokenizer
+from enginekit.model.text.tokenizer import ByteTokenizer
 
 BUILTIN_CONFIG = ModelConfig(
     architecture="llama",

@@ -1,19 +1,8 @@
-"""ModelConfig: the architecture numbers of a Llama-family checkpoint, read from its ``config.json``."""
+"""ModelConfig: the architecture numbers of a Llama-family checkpoint, whatever format it came in."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import msgspec
-
-from enginekit.errors import EngineStartupError
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,100 +21,3 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> ModelConfig:
-        config_path = folder / "config.json"
-        if not config_path.is_file():
-            raise EngineStartupError(
-                f"model folder {folder} has no config.json; expected a Hugging Face checkpoint folder",
-                phase="model load",
-            )
-        raw = _read_json(config_path)
-        required = _Required(raw, config_path)
-        architectures = raw.get("architectures") or []
-        arch = next(
-            (SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES),
-            None,
-        )
-        if arch is None:
-            raise EngineStartupError(
-                f"unsupported architecture {architectures or raw.get('model_type')!r} in {config_path}; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
-                phase="model load",
-            )
-        rope_theta, rope_type = _rope(raw)
-        if rope_type not in (None, "default"):
-            raise EngineStartupError(
-                f"unsupported rope scaling {rope_type!r} in {config_path}; only default rotary embeddings",
-                phase="model load",
-            )
-        num_heads = required.int("num_attention_heads")
-        max_positions = raw.get("max_position_embeddings", 2048)
-        sliding_window = raw.get("sliding_window")
-        if sliding_window and (arch == "mistral" or raw.get("use_sliding_window")):
-            # NOTE: no sliding-window attention kernel: cap the context where full attention is exact.
-            max_positions = min(max_positions, sliding_window)
-        hidden_size = required.int("hidden_size")
-        return cls(
-            architecture=arch,
-            vocab_size=required.int("vocab_size"),
-            hidden_size=hidden_size,
-            intermediate_size=required.int("intermediate_size"),
-            num_layers=required.int("num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or hidden_size // num_heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-            eos_token_ids=_eos_ids(folder, raw),
-            bos_token_id=raw.get("bos_token_id"),
-        )
-
-
-class _Required:
-    """Reads the keys a config must have; a missing or non-integer one names the file and the key."""
-
-    def __init__(self, raw: dict, path: Path) -> None:
-        self.raw, self.path = raw, path
-
-    def int(self, key: str) -> int:
-        value = self.raw.get(key)
-        if value is None:
-            raise EngineStartupError(f"{self.path} lacks the key {key!r}", phase="model load")
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise EngineStartupError(
-                f"{self.path}: {key!r} must be a positive integer, got {value!r}", phase="model load"
-            )
-        return value
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise EngineStartupError(f"cannot read {path}: {error}", phase="model load") from None
-    if not isinstance(raw, dict):
-        raise EngineStartupError(f"{path} is not a JSON object", phase="model load")
-    return raw
-
-
-def _rope(raw: dict) -> tuple[float, str | None]:
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    return float(theta), rope_type
-
-
-def _eos_ids(folder: Path, raw: dict) -> tuple[int, ...]:
-    eos = raw.get("eos_token_id")
-    generation_config = folder / "generation_config.json"
-    if generation_config.is_file():
-        eos = _read_json(generation_config).get("eos_token_id", eos)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (eos,)

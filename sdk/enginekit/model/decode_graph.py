@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from enginekit.model.attention import AttentionMetadata
 from enginekit.model.batch import SequenceChunk
+from enginekit.model.layers.paged_attention import AttentionMetadata
 from enginekit.model.llama import LlamaForCausalLM
 
 

@@ -3,28 +3,29 @@
 Three formats: the built-in tiny model, a Hugging Face folder (``config.json``, ``*.safetensors``,
 ``tokenizer.json``), and a GGUF file. A GGUF file is dequantized once, fused into our layout in the engine's
 dtype, and stored in the weight cache; later loads and every restart map that entry instead of reading the
-file again (``model/weight_cache.py``).
+file again (``model/formats/weight_cache.py``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from enginekit.errors import EngineStartupError
-from enginekit.model import weight_cache
 from enginekit.model.builtin import BUILTIN_CONFIG, builtin_weights
-from enginekit.model.chat_template import ChatTemplate, chat_template_from_folder, end_of_turn_token_ids
 from enginekit.model.config import ModelConfig
-from enginekit.model.gguf import read_gguf_config, read_gguf_weights
-from enginekit.model.gguf_header import GGUFHeader, read_gguf_header
-from enginekit.model.gguf_tokenizer import tokenizer_from_gguf
-from enginekit.model.llama import LlamaForCausalLM, layer_ops, linear_kernel
-from enginekit.model.source import ModelSource, resolve_model
-from enginekit.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from enginekit.model.formats import weight_cache
+from enginekit.model.formats.gguf import read_gguf_config, read_gguf_weights
+from enginekit.model.formats.gguf_header import GGUFHeader, read_gguf_header
+from enginekit.model.formats.gguf_tokenizer import tokenizer_from_gguf
+from enginekit.model.formats.hf import read_hf_config, read_hf_weights
+from enginekit.model.formats.source import ModelSource, resolve_model
+from enginekit.model.layers.linear import linear_kernel
+from enginekit.model.llama import LlamaForCausalLM, layer_ops
+from enginekit.model.text.chat_template import ChatTemplate, chat_template_from_folder, end_of_turn_token_ids
+from enginekit.model.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 logger = logging.getLogger("enginekit.model")
 
@@ -61,7 +62,7 @@ def load_model_spec(model: str | None) -> ModelSpec:
                 info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token, origin=origin
             )
     else:
-        config = ModelConfig.from_folder(source.path)
+        config = read_hf_config(source.path)
         eos = config.eos_token_ids[0] if config.eos_token_ids else None
         tokenizer = load_tokenizer(source.path, bos_token_id=config.bos_token_id, eos_token_id=eos)
         template = chat_template_from_folder(source.path)
@@ -85,7 +86,9 @@ def load_model(
             build=lambda: _fuse(_checked(read_gguf_weights(header, config, dtype), config, header), config),
         )
     else:
-        weights = builtin_weights(config, seed) if source.format == "builtin" else _read_checkpoint(source)
+        weights = (
+            builtin_weights(config, seed) if source.format == "builtin" else read_hf_weights(source.path)
+        )
         state = _fuse(_checked(weights, config, source.path), config)
     module.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
@@ -155,32 +158,6 @@ def _checked(
                 f"{list(shape)}",
                 phase="model load",
             )
-    return weights
-
-
-def _read_checkpoint(source: ModelSource) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = source.path
-    assert folder is not None
-    index = folder / "model.safetensors.index.json"
-    try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise EngineStartupError(f"cannot read {index}: {error!r}", phase="model load") from None
-    if files is None:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise EngineStartupError(f"model folder {folder} has no *.safetensors weights", phase="model load")
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        try:
-            weights.update(load_file(folder / name))
-        except (SafetensorError, OSError, ValueError) as error:
-            raise EngineStartupError(
-                f"cannot read weights file {folder / name}: {error}", phase="model load"
-            ) from error
     return weights
 
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from enginekit.model.attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
 from enginekit.model.decode_graph import DecodeGraphs
+from enginekit.model.layers.paged_attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
 from enginekit.model.llama import LlamaForCausalLM
 from enginekit.model.sampler import Sampler, SamplerOutput, top_logprobs
 

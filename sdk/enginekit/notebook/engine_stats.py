@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from enginekit.engine import Engine
+    from enginekit.frontend.engine import Engine
 
 
 class EngineStats:

@@ -21,7 +21,7 @@ from enginekit.notebook.text_view import TextView
 from enginekit.notebook.widget_view import WidgetView
 
 if TYPE_CHECKING:
-    from enginekit.engine import Engine
+    from enginekit.frontend.engine import Engine
     from enginekit.outputs import RequestOutput
     from enginekit.sampling_params import SamplingParams
 

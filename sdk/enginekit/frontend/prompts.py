@@ -15,7 +15,7 @@ import torch
 
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
 from enginekit.model.loader import ModelSpec
-from enginekit.model.tokenizer import Tokenizer
+from enginekit.model.text.tokenizer import Tokenizer
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import EngineCoreRequest
 

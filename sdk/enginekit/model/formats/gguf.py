@@ -1,7 +1,7 @@
 """A GGUF model (llama.cpp's format): its config from the metadata, its weights in Hugging Face layout.
 
 Tensor data is dequantized with ``gguf.quants.dequantize``, one tensor at a time, so the peak memory is the
-output plus one float32 tensor. The header itself is parsed by :mod:`enginekit.model.gguf_header`.
+output plus one float32 tensor. The header itself is parsed by :mod:`enginekit.model.formats.gguf_header`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from enginekit.model.config import ModelConfig
-from enginekit.model.gguf_header import GGUFHeader, GGUFTensorInfo, gguf_error, read_gguf_header
+from enginekit.model.formats.gguf_header import GGUFHeader, GGUFTensorInfo, gguf_error, read_gguf_header
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 

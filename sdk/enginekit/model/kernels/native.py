@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from enginekit.model.weight_cache import cache_dir
+from enginekit.cache import cache_dir
 
 logger = logging.getLogger("enginekit.model")
 

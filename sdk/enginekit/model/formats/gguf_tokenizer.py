@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from enginekit.model.gguf_header import GGUFHeader, gguf_error, read_gguf_header
+from enginekit.model.formats.gguf_header import GGUFHeader, gguf_error, read_gguf_header
 
 if TYPE_CHECKING:
     from gguf import GGUFReader

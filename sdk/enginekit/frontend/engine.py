@@ -8,19 +8,19 @@ import logging
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from typing import Any
 
-from enginekit.chat import ChatMixin
 from enginekit.client import EngineCoreClient, check_client, make_client
 from enginekit.config import EngineConfig, EngineMode, resolve_mode
 from enginekit.core.validation import RequestLimits
 from enginekit.errors import EngineShutdownError
+from enginekit.frontend.chat import ChatMixin
+from enginekit.frontend.output_processor import RequestState, watched
+from enginekit.frontend.output_router import OutputRouter
+from enginekit.frontend.prompts import RequestBuilder, vllm_names
 from enginekit.logs import show_logs
 from enginekit.model.loader import ModelSpec, load_model_spec
-from enginekit.model.tokenizer import Tokenizer
+from enginekit.model.text.tokenizer import Tokenizer
 from enginekit.notebook import GenerationHandle, start_background, watcher_for, watches_live
-from enginekit.output_processor import RequestState, watched
-from enginekit.output_router import OutputRouter
 from enginekit.outputs import RequestOutput
-from enginekit.prompts import RequestBuilder, vllm_names
 from enginekit.runtime import exit_hooks
 from enginekit.sampling_params import SamplingParams
 

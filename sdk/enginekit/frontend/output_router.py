@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from enginekit.client.base import EngineCoreClient
 from enginekit.errors import EngineError
+from enginekit.frontend.output_processor import OutputProcessor, RequestState
 from enginekit.interrupts import deferred_interrupts
-from enginekit.output_processor import OutputProcessor, RequestState
 from enginekit.outputs import RequestOutput
 from enginekit.sampling_params import RequestOutputKind
 

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from enginekit.cache import cache_dir
 from enginekit.errors import EngineStartupError
 
 CACHE_FORMAT = 1
@@ -67,11 +68,6 @@ logger = logging.getLogger("enginekit.weight_cache")
 
 class _DamagedEntry(Exception):
     """An entry that must not be used; the message says what is wrong with it."""
-
-
-def cache_dir() -> Path:
-    """The cache folder: ``$ENGINEKIT_CACHE``, else ``~/.cache/enginekit``."""
-    return Path(os.environ.get("ENGINEKIT_CACHE") or Path.home() / ".cache" / "enginekit")
 
 
 def clear_cache() -> int:

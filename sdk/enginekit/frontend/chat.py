@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from enginekit.model.chat_template import ChatTemplate
+from enginekit.frontend.prompts import normalize_params, vllm_names
 from enginekit.model.loader import ModelSpec
+from enginekit.model.text.chat_template import ChatTemplate
 from enginekit.outputs import RequestOutput
-from enginekit.prompts import normalize_params, vllm_names
 from enginekit.sampling_params import SamplingParams
 
 Params = SamplingParams | list[SamplingParams] | None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from enginekit.model.native import LayerOps
+from enginekit.model.kernels.native import LayerOps
 
 # Prefill chunks that end within this many tokens of their sequence's start attend through the native call (each
 # query over its own context), the others through SDPA (which reuses each key across many queries). Against

@@ -17,7 +17,7 @@ from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import EngineCoreOutput, EngineCoreOutputs, RequestStatus
 
 if TYPE_CHECKING:
-    from enginekit.prompts import PreparedRequest
+    from enginekit.frontend.prompts import PreparedRequest
 
 _STATUS_NAMES = {
     RequestStatus.WAITING: "waiting",

@@ -1,0 +1,45 @@
+"""The attention block: fused q/k/v projection, rotary embedding, paged attention, output projection."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from enginekit.model.config import ModelConfig
+from enginekit.model.kernels.native import LayerOps
+from enginekit.model.layers.linear import Linear
+from enginekit.model.layers.paged_attention import AttentionMetadata, paged_attention
+from enginekit.model.layers.rotary import rotate
+
+
+class Attention(nn.Module):
+    ops: LayerOps | None = None  # see LlamaForCausalLM.use_layer_ops
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden, rotary, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        if self.ops is not None:  # rotates q and k, and writes k and v to the cache, in one call
+            qk = self.ops.rope_write_cache(
+                qkv, *rotary, meta.slot_mapping, kv_cache, self.num_heads, self.num_kv_heads
+            )
+        else:
+            # q and k are adjacent in each row: rotate them as one [T, heads + kv_heads, D] view (half the ops).
+            qk = rotate(
+                qkv[:, : self.q_size + self.kv_size].view(
+                    -1, self.num_heads + self.num_kv_heads, self.head_dim
+                ),
+                *rotary,
+            )
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops)
+        return self.o_proj(out.reshape(-1, self.q_size))

@@ -1,0 +1,113 @@
+"""Linear layers and the CPU kernel that runs them (``linear_kernel``): the native GEMMs, oneDNN or ``F.linear``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from enginekit.model.kernels.native import MAX_ROWS, native_packed_gemm, native_skinny_gemm
+
+logger = logging.getLogger("enginekit.model")
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class Linear(nn.Linear):
+    """A linear layer that skips random initialisation (its weights always come from a loader) and runs the
+    model's chosen kernel (see ``linear_kernel``)."""
+
+    kernel: LinearKernel = F.linear
+
+    def reset_parameters(self) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.bias)
+
+
+# Measured with torch 2.13 on 2 cores, 1-128 rows: in the whole 135M model oneDNN made the projections 1.35-1.5x
+# faster; on the tiny test models' weights (under 400k elements) it was 0.15-0.7x of F.linear, its fixed cost
+# per call (40-50 us) dominating. With many rows that cost is amortised: at 129-2048 rows oneDNN was 1.1-1.3x
+# F.linear on 16k-330k-element weights (the default model's 576x576 output projection among them), 0.6-1.0x
+# below 2**25 multiply-adds per call.
+ONEDNN_MIN_WEIGHT_NUMEL = 1 << 19
+ONEDNN_MIN_WORK = 1 << 25  # rows x weight elements
+# From this many rows the native packed GEMM runs a call: on the default model's weights (2 threads, an AVX2 CPU)
+# it overtakes the skinny GEMM's tiles at 81-95 rows (150 against 140 GFLOP/s at 96, 153 against 146 at 128).
+# With inputs under 256 wide (the tiny test models' 128) its short inner loop loses to oneDNN at 512-2,048 rows.
+PACKED_MIN_ROWS = 96
+PACKED_MIN_DEPTH = 256  # input features
+
+
+def linear_kernel(
+    device: torch.device, dtype: torch.dtype, *, native: bool = True
+) -> tuple[str, LinearKernel]:
+    """The fastest correct kernel for the model's projections on this device, with its name (``native=False``:
+    without the native GEMMs, to measure what they give).
+
+    On CPU in float32 it picks per call, by the input's rows and the weight's size:
+
+    - **``PACKED_MIN_ROWS`` (96) rows or more, inputs ``PACKED_MIN_DEPTH`` (256) wide or more** (a prefill step,
+      the largest decode steps): the native packed GEMM of ``packed_gemm.c``, 1.2-1.3x oneDNN's linear at
+      256-2,048 rows on the default model's weights;
+    - **otherwise 1 to ``MAX_ROWS`` (128) rows** (a decode step): the native skinny GEMM of ``skinny_gemm.c``.
+      Up to 8 rows it reads each weight once for all the rows, at 75-90% of the CPU's read bandwidth, where
+      torch's kernels reach 50-70% at one row and slow down with every row added; past that its
+      register-blocked tiles run 1.1-1.5x oneDNN's linear on an AVX2 CPU;
+    - past those, and where the native library cannot be built or loaded (``enginekit.model.kernels.native`` then
+      returns ``None``), **weights of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more, or calls of
+      ``ONEDNN_MIN_WORK`` multiply-adds or more**: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the kernel
+      torch's own compiler emits for a CPU linear). It reads the same ``[out, in]`` weights in place and is
+      1.35-1.5x faster than ``F.linear`` (MKL's GEMM, which repacks the weights on every call) for the model's
+      shapes at 1 to 128 rows (see docs/benchmarks.md), used when this torch build has it and it agrees with
+      ``F.linear`` on a probe. Its fixed cost per call (about 40-50 us here) loses to ``F.linear`` on smaller
+      weights;
+    - otherwise ``F.linear``, which is also the kernel on other devices and dtypes.
+    """
+    if device.type != "cpu" or dtype != torch.float32:
+        return "F.linear", F.linear
+    onednn = _onednn_linear()
+    skinny = native_skinny_gemm() if native else None
+    packed = native_packed_gemm() if native else None
+    if onednn is None and skinny is None and packed is None:
+        return "F.linear", F.linear
+
+    def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous():
+            rows = x.shape[0]
+            if packed is not None and rows >= PACKED_MIN_ROWS and weight.shape[1] >= PACKED_MIN_DEPTH:
+                return packed(x, weight, bias)
+            if skinny is not None and 0 < rows <= MAX_ROWS and x.is_contiguous():
+                return skinny(x, weight, bias)
+        if onednn is not None and (
+            weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL or x.numel() * weight.shape[0] >= ONEDNN_MIN_WORK
+        ):
+            return onednn(x, weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+    parts = [f"native packed GEMM from {PACKED_MIN_ROWS} rows {PACKED_MIN_DEPTH} wide"] if packed else []
+    if skinny is not None:
+        parts.append(f"native skinny GEMM at 1-{MAX_ROWS} rows")
+    if onednn is not None:
+        parts.append(
+            f"oneDNN from {ONEDNN_MIN_WEIGHT_NUMEL} weight elements or {ONEDNN_MIN_WORK} multiply-adds"
+        )
+    return ", ".join([*parts, "else F.linear"]), cpu_linear
+
+
+def _onednn_linear() -> Callable[..., torch.Tensor] | None:
+    """oneDNN's linear, if this torch build has it and it agrees with ``F.linear`` on a probe."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+        if not torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5):
+            raise RuntimeError("oneDNN's linear disagrees with F.linear on a probe")
+    except (AttributeError, RuntimeError) as error:
+        logger.info("CPU linear: no oneDNN (it is not usable here: %s)", error)
+        return None
+    return op
