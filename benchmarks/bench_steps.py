@@ -49,7 +49,7 @@ class _Timers:
 @contextlib.contextmanager
 def _instrumented(core: Any, timers: _Timers) -> Iterator[None]:
     """Wrap the engine core's parts with timers (instance attributes and one module global), then restore."""
-    from enginekit.model import llama
+    from enginekit.model.layers import attention as llama
 
     runner = core.runner
     targets = [

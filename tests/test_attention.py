@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from enginekit import Engine, SamplingParams
-from enginekit.model import llama
 from enginekit.model.kernels.native import native_layer_ops
+from enginekit.model.layers import attention as llama
 from enginekit.model.layers.paged_attention import AttentionMetadata, PrefillChunk, paged_attention
 
 BLOCK = 4

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginekit.model import native as native_module
+from enginekit.model.kernels import native as native_module
 from enginekit.model.kernels.native import MAX_ROWS, native_layer_ops, native_packed_gemm, native_skinny_gemm
 from enginekit.model.layers.linear import PACKED_MIN_DEPTH, PACKED_MIN_ROWS, linear_kernel
 
@@ -128,7 +128,7 @@ def test_packed_gemm_reads_rows_a_stride_apart() -> None:
 def test_model_kernel_picks_by_rows_and_width(monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed from PACKED_MIN_ROWS rows on inputs PACKED_MIN_DEPTH wide, the skinny GEMM below (and for narrow
     inputs up to MAX_ROWS), torch's kernels past both; every path agrees with F.linear."""
-    from enginekit.model import llama
+    from enginekit.model.layers import linear as llama
 
     name, kernel = linear_kernel(torch.device("cpu"), torch.float32)
     assert name.startswith(f"native packed GEMM from {PACKED_MIN_ROWS} rows"), name
@@ -369,4 +369,4 @@ def test_unwritable_cache_builds_privately(tmp_path: Path) -> None:
 
 def test_source_ships_with_the_package() -> None:
     assert all(source.is_file() for source in native_module.SOURCES)
-    assert '"model/*.c"' in (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '"model/kernels/*.c"' in (Path(__file__).parents[1] / "pyproject.toml").read_text()
