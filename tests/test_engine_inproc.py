@@ -1,5 +1,7 @@
 """The engine core through the facade, in-process, on the built-in tiny model."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -272,3 +274,31 @@ def test_several_threads_share_one_inprocess_engine(engine, greedy):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda p: engine.generate(p, greedy(6))[0].outputs[0].token_ids, prompts))
     assert results == expected
+
+
+@pytest.mark.parametrize("call", ["astream", "astream_chat"])
+def test_astream_yields_token_by_token_and_break_stops_the_generation(call):
+    # One engine per case: the token counter then counts this stream's tokens alone.
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with Engine("builtin", mode="inproc", num_kv_blocks=256) as engine:
+        params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+        async def first_two():
+            if call == "astream":
+                stream = engine.astream("stream me", params)
+            else:
+                stream = engine.astream_chat(
+                    [{"role": "user", "content": "hi"}], params, chat_template=template
+                )
+            seen = []
+            async for output in stream:
+                seen.append(len(output.outputs[0].token_ids))
+                if len(seen) == 2:
+                    break
+            await asyncio.sleep(0.05)  # the abandoned generator's clean-up runs on the loop
+            return seen
+
+        seen = asyncio.run(first_two())
+        assert seen[0] < seen[1] < 300  # yielded while the request ran, not once at its end
+        assert engine.call_utility("get_request_ids") == []
+        assert engine.get_stats()["num_generated_tokens"] < 300  # the break stopped it

@@ -207,7 +207,11 @@ async def _pump(router_ref: weakref.ref[OutputRouter], client: EngineCoreClient)
                 return  # nothing left to route; the next waiter starts a new pump
             took = router.take()
             del router
-            if not took:
+            if took:
+                # NOTE: in-process, every take runs a step: yield between steps, or a stream on this loop
+                # sees nothing until the pump runs out of work, and cannot stop it by leaving.
+                await asyncio.sleep(0)
+            else:
                 await client.wait_for_output_async()
     except Exception as error:
         router = router_ref()
