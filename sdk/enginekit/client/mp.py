@@ -30,6 +30,7 @@ from enginekit.client.sockets import EngineSockets
 from enginekit.client.startup import EngineRank, check_placement, spawn_engines, wait_for_ready
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineDeadError, EngineShutdownError
+from enginekit.interrupts import awaiting_with_signal_checks
 from enginekit.model.loader import ModelSpec
 from enginekit.runtime.engine_process import EngineProcess
 from enginekit.wire.messages import (
@@ -208,7 +209,8 @@ class MPClient(EngineCoreClient):
                 self._send(self._utility_request(call_id, method_name, args), target)
             gathered = asyncio.gather(*(future for _, future in calls))
             gathered.add_done_callback(_retrieve)  # cancelled with its caller: not "never retrieved"
-            results = await asyncio.wait_for(gathered, timeout)
+            with awaiting_with_signal_checks():
+                results = await asyncio.wait_for(gathered, timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
         finally:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from enginekit.client.base import EngineCoreClient
 from enginekit.errors import EngineError
 from enginekit.frontend.output_processor import OutputProcessor, RequestState
-from enginekit.interrupts import deferred_interrupts
+from enginekit.interrupts import awaiting_with_signal_checks, deferred_interrupts
 from enginekit.outputs import RequestOutput
 from enginekit.sampling_params import RequestOutputKind
 
@@ -179,10 +179,11 @@ class OutputRouter:
         event = asyncio.Event()
         state.listener = functools.partial(_notify, loop, event)
         try:
-            while state.version == seen:
-                self._ensure_pump(loop)
-                await event.wait()
-                event.clear()
+            with awaiting_with_signal_checks():
+                while state.version == seen:
+                    self._ensure_pump(loop)
+                    await event.wait()
+                    event.clear()
         finally:
             state.listener = None
         if state.error is not None:
