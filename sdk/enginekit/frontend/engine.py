@@ -10,6 +10,7 @@ from typing import Any
 
 from enginekit.client import EngineCoreClient, check_client, make_client
 from enginekit.config import EngineConfig, EngineMode, resolve_mode
+from enginekit.core.resources import check_startup
 from enginekit.core.validation import RequestLimits
 from enginekit.errors import EngineShutdownError
 from enginekit.frontend.chat import ChatMixin
@@ -60,8 +61,8 @@ class Engine(ChatMixin):
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def _start(self) -> None:
-        if self._spec is None or self._spec.name != self.config.model:
-            self._spec = load_model_spec(self.config.model)  # the tokenizer is read once, not per restart
+        self._spec = self._spec_for(self.config)
+        check_startup(self.config, self._spec.config)
         show_logs(self.config.log_level)
         self._client = make_client(self.mode, self.config, self._spec)
         self._router = OutputRouter(self._client)
@@ -74,6 +75,11 @@ class Engine(ChatMixin):
         )
         exit_hooks.register(self)
         logger.info("engine started: mode=%s pid=%s", self.mode, self._client.engine_pid)
+
+    def _spec_for(self, config: EngineConfig) -> ModelSpec:
+        if self._spec is not None and self._spec.name == config.model:
+            return self._spec  # the tokenizer is read once, not per restart
+        return load_model_spec(config.model)
 
     @property
     def is_running(self) -> bool:
@@ -111,14 +117,33 @@ class Engine(ChatMixin):
         client.shutdown(timeout)
 
     def restart(self, *, mode: EngineMode | None = None, **options: Any) -> None:
-        """Shut down (also after the engine died) and start again, optionally in another mode or config; a bad
-        mode or option raises first and leaves the running engine alone."""
+        """Shut down (also after the engine died) and start again, optionally in another mode or config.
+
+        What can be checked first is checked before the running engine stops: the mode and options, the model
+        (its files, tokenizer and template), the device and whether ``max_model_len`` fits; such an error
+        leaves the running engine alone. If the new engine still fails to start, the previous mode and config
+        are kept and the previous engine is started again; the error raised says whether it did.
+        """
         new_mode = resolve_mode(mode) if mode is not None else self.mode
         new_config = self.config.replace(**options) if options else self.config
         check_client(new_mode, new_config)
+        check_startup(new_config, self._spec_for(new_config).config)
+        previous = self.config, self.mode
         self.shutdown()
         self.config, self.mode = new_config, new_mode
-        self._start()
+        try:
+            self._start()
+        except BaseException as error:
+            if (new_config, new_mode) == previous:
+                raise
+            self.config, self.mode = previous
+            try:
+                self._start()
+            except Exception as again:
+                error.add_note(f"the previous engine could not be started again either: {again}")
+            else:
+                error.add_note("the previous mode and config are kept, and the previous engine runs again")
+            raise
 
     def __enter__(self) -> Engine:
         return self
