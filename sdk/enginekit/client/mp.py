@@ -267,7 +267,13 @@ class MPClient(EngineCoreClient):
 
     def _on_engine_dead(self, message: EngineDead) -> None:
         engine = next((e for e in self.engines if e.rank == message.engine_index), self.engines[0])
-        reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
+        if message.signal_name is not None:
+            reason = (
+                f"{self._who(engine)}the engine process was sent {message.signal_name} (not by this front end) "
+                "and stopped; the requests it was running did not finish"
+            )
+        else:
+            reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
         if _running_loop() is None:
             self._mark_dead(reason, engine)
         else:  # NOTE: describing the death waits for the exit (up to a second): never on a running loop

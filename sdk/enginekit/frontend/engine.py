@@ -61,6 +61,7 @@ class Engine(ChatMixin):
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def _start(self) -> None:
+        check_client(self.mode, self.config)
         self._spec = self._spec_for(self.config)
         check_startup(self.config, self._spec.config)
         show_logs(self.config.log_level)
