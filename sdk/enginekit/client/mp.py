@@ -113,6 +113,10 @@ class MPClient(EngineCoreClient):
     def ranks(self) -> list[int]:
         return [engine.rank for engine in self.engines]
 
+    @property
+    def num_ranks(self) -> int:
+        return len(self.engines)
+
     # ---- sending ------------------------------------------------------------------------------------
     def _send(self, message: Any, rank: int | None = None) -> None:
         self._check_usable()
@@ -144,7 +148,11 @@ class MPClient(EngineCoreClient):
             raise EngineShutdownError("the engine has been shut down; call engine.restart()")
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        rank = self.balancer.choose(request.request_id) if self.balancer is not None else None
+        # NOTE: the samples of one prompt go to one rank: they share its prompt's KV blocks there.
+        balancer = self.balancer
+        rank = (
+            balancer.choose(request.request_id, request.parent_request_id) if balancer is not None else None
+        )
         try:
             self._send(request, rank)
         except BaseException:

@@ -308,12 +308,13 @@ class Engine(ChatMixin):
         return {**await self.client.get_stats_async(), "mode": self.mode, "engine_pid": self.engine_pid}
 
     def ping(self) -> bool:
-        """A cheap liveness check through the whole request path."""
-        return self.call_utility("ping") == "pong"
+        """A cheap liveness check through the whole request path (of every data-parallel rank)."""
+        return all(answer == "pong" for answer in self.client.call_utility_on_each_rank("ping", timeout=30.0))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (only possible while no request runs); returns whether it did."""
-        return self.call_utility("reset_prefix_cache")
+        """Forget the prefix cache (only possible while no request runs); returns whether it did (on every
+        data-parallel rank)."""
+        return all(self.client.call_utility_on_each_rank("reset_prefix_cache", timeout=30.0))
 
 
 def _check_method_name(method_name: Any) -> None:
