@@ -277,3 +277,13 @@ def test_sync_streams_in_async_mode_never_lose_a_token():
     with Engine("builtin", mode="async") as engine:
         for _ in range(40):
             assert list(engine.stream(PROMPTS[0], params))[-1].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_max_tokens_none_generates_up_to_the_context(mode):
+    with Engine("builtin", mode=mode, max_model_len=40, num_kv_blocks=16) as engine:
+        prompt = engine.tokenizer.encode("twelve bytes")
+        params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+        out = engine.generate(prompt, params)[0].outputs[0]
+        assert len(out.token_ids) == 40 - len(prompt) and out.finish_reason == "length"
+

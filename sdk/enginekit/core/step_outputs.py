@@ -154,7 +154,9 @@ class StepOutputs:
             return FinishReason.STOP, None
         if num_output >= params.min_tokens and token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
-        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            params.max_tokens is not None and num_output >= params.max_tokens
+        ) or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 
