@@ -287,3 +287,12 @@ def test_max_tokens_none_generates_up_to_the_context(mode):
         out = engine.generate(prompt, params)[0].outputs[0]
         assert len(out.token_ids) == 40 - len(prompt) and out.finish_reason == "length"
 
+
+def test_an_inproc_utility_call_raises_at_its_timeout_while_the_utility_still_runs():
+    with Engine("builtin", mode="inproc", num_kv_blocks=16) as engine:
+        with pytest.raises(TimeoutError, match=r"utility 'sleep' did not answer within 0\.2s"):
+            engine.call_utility("sleep", 3.0, timeout=0.2)
+        # As with an engine process: the caller's deadline holds, the engine is busy until the utility ends.
+        assert any(thread.name == "enginekit-utility" for thread in threading.enumerate())
+        assert engine.ping()
+        assert engine.generate("after", SamplingParams(max_tokens=2))[0].finished
