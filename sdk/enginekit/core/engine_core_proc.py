@@ -47,6 +47,7 @@ logger = logging.getLogger("enginekit.engine_process")
 
 READY_TIMEOUT_S = 10.0
 GIL_YIELD_S = 0.001
+SIGNAL_CHECK_S = 0.1  # how long an idle loop may sleep through a signal delivered to another thread
 COPY_MAX_BYTES = 64 * 1024  # output messages up to this size are copied into zmq, larger ones sent zero-copy
 _STOP = object()  # tells the output thread to finish
 
@@ -125,13 +126,23 @@ class EngineCoreProc(EngineCore):
         if not self.has_work():
             if self.thread_governor is not None:
                 self.thread_governor.pause()  # what others do while we wait says nothing of sharing the cores
-            self.handle(self.input_queue.get(block=True))
+            self.handle(self._wait_for_input())
         while True:
             try:
                 message = self.input_queue.get_nowait()
             except queue.Empty:
                 return
             self.handle(message)
+
+    def _wait_for_input(self) -> Any:
+        # NOTE: a signal sent to this process may be delivered to any of its threads (zmq's, torch's, the IO
+        # threads); Python runs the handler on the main thread only once that thread runs bytecode again, and a
+        # main thread blocked in an untimed get would sleep through a SIGTERM until the next message.
+        while True:
+            try:
+                return self.input_queue.get(timeout=SIGNAL_CHECK_S)
+            except queue.Empty:
+                pass
 
     def _process_engine_step(self) -> None:
         while True:
