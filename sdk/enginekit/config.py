@@ -28,6 +28,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``None`` (CUDA when available, else CPU).
     dtype
         ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``None`` (float32 on CPU, bfloat16 on CUDA).
+    quantization
+        How a GGUF file's quantized weights are held (other models ignore it). ``"auto"``: as the file stores
+        them, mapped read-only and shared by every engine process of that file, wherever a kernel computes with
+        them (CPU, float32, the native kernels; Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16), and
+        dequantized at load to ``dtype`` otherwise (the log says which tensors and why; always on CUDA).
+        ``"gguf"``: as stored, or an ``EngineStartupError`` naming the tensor and type that cannot be.
+        ``"none"``: every weight dequantized at load (the float32 reference; through the weight cache).
     max_model_len
         Longest prompt plus output in tokens; ``None`` takes the checkpoint's limit (capped by the KV cache).
     block_size
@@ -107,6 +114,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model: str | None = None
     device: str | None = None
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    quantization: Literal["auto", "gguf", "none"] = "auto"
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None

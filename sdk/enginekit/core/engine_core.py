@@ -105,7 +105,9 @@ class EngineCore:
         self.tokenizer = spec.tokenizer
         self.num_kv_blocks, self.max_model_len = size_kv_cache(config, model_config, self.dtype)
         self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
-        model = load_model(spec, device=self.device, dtype=self.dtype, seed=config.seed)
+        model = load_model(
+            spec, device=self.device, dtype=self.dtype, seed=config.seed, quantization=config.quantization
+        )
         self.runner = ModelRunner(
             model,
             model_config,
