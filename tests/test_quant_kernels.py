@@ -53,7 +53,9 @@ def _q4k_q5k(rng: np.random.Generator, blocks: int, five_bits: bool) -> tuple[np
     qs = (low[:, 0::2] | low[:, 1::2] << 4).reshape(blocks, 128).astype(np.uint8)
     parts = [d, dmin, packed]
     if five_bits:
-        qh = sum((q[:, s] >> 4) << s for s in range(8)).astype(np.uint8)  # bit s of qh[i]: sub-block s, value i
+        qh = sum((q[:, s] >> 4) << s for s in range(8)).astype(
+            np.uint8
+        )  # bit s of qh[i]: sub-block s, value i
         parts.append(qh)
     parts.append(qs)
     ds = d.view(np.float16).astype(np.float32) * scale.astype(np.float32)
@@ -68,7 +70,9 @@ def _q6k(rng: np.random.Generator, blocks: int) -> tuple[np.ndarray, np.ndarray]
     scales = rng.integers(-128, 128, (blocks, 16)).astype(np.int8)
     q = rng.integers(0, 64, (blocks, 256))
     ql, qh = np.zeros((blocks, 128), dtype=np.uint8), np.zeros((blocks, 64), dtype=np.uint8)
-    for i in range(256):  # value i: half i // 128; its low nibble and its two high bits, where the format puts them
+    for i in range(
+        256
+    ):  # value i: half i // 128; its low nibble and its two high bits, where the format puts them
         half, within = divmod(i, 128)
         ql[:, 64 * half + within % 64] |= ((q[:, i] & 15) << (4 * (within // 64))).astype(np.uint8)
         qh[:, 32 * half + within % 32] |= ((q[:, i] >> 4) << (2 * (within // 32))).astype(np.uint8)
@@ -116,7 +120,9 @@ def test_dequantization_is_bit_exact_with_gguf_py(qtype: QType) -> None:
 def test_dequantization_of_subnormal_infinite_and_nan_halves_is_bit_exact() -> None:
     if NATIVE is None:
         pytest.skip("the native library cannot be built or loaded here")
-    special = np.array([0x0001, 0x03FF, 0x8001, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x7E01, 0x8000, 0], dtype=np.uint16)
+    special = np.array(
+        [0x0001, 0x03FF, 0x8001, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x7E01, 0x8000, 0], dtype=np.uint16
+    )
     blocks = torch.from_numpy(np.tile(special, 4).view(np.uint8).reshape(2, 40).copy())
     native = NATIVE.dequantize(blocks, QType.F16, 2, 20)
     assert torch.equal(native.view(torch.int32), dequantized(blocks, QType.F16, 2, 20).view(torch.int32))
@@ -191,7 +197,9 @@ def test_without_the_library_quant_gemm_is_the_portable_form() -> None:
         "g = quant_gemm(); print(json.dumps([native_quant_gemm() is None, g.name]))"
     )
     env = {**os.environ, "ENGINEKIT_NATIVE_KERNELS": "0"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     is_none, name = json.loads(done.stdout.strip().splitlines()[-1])
     assert is_none and name.startswith("portable")
 

@@ -11,7 +11,8 @@
 #include <immintrin.h>
 
 #define AVX2 __attribute__((target("avx2,fma")))
-#define AVX512_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+#define AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 /* The sum of the eight floats of v. */
 AVX2 static inline float hsum8(__m256 v) {

@@ -68,9 +68,10 @@ int enginekit_quant_isa(void) {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return ISA_AVX512_VNNI;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return ISA_AVX2;
   return ISA_SCALAR;
 }
 
@@ -191,17 +192,6 @@ static void dequantize_row(int type, const uint8_t *row, float *y, long k) {
   }
 }
 
-/* y[n, k] = W dequantized, rows split over `threads` threads. Returns OK, or BAD_TYPE / BAD_SHAPE. */
-int enginekit_dequantize(const uint8_t *w, int type, float *y, long n, long k, int threads) {
-  format f = format_of(type);
-  if (!f.block) return BAD_TYPE;
-  if (n < 0 || k < 0 || k % f.block) return BAD_SHAPE;
-  long row_bytes = k / f.block * f.bytes;
-#pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
-  for (long r = 0; r < n; r++) dequantize_row(type, w + r * row_bytes, y + r * k, k);
-  return OK;
-}
-
 /* ---- The int8 path. A weight row unpacked: per block of 32 values, q[32] (int8), lanes[8] (the scale of each
  * four values) and min, the value being lanes[i / 4] * q[i] + min. An input row quantized: per block q[32] (int8),
  * lanes[8] (its scale, eight times), sums (scale x the sum of q) and corr[8] (-128 x each four values' sum, for
@@ -303,13 +293,6 @@ static inline float min_share(const float *mins, const float *sums, long blocks)
   return total;
 }
 
-AVX2 static inline float min_share_avx2(const float *mins, const float *sums, long blocks) {
-  __m256 acc = _mm256_setzero_ps();
-  long b = 0;
-  for (; b + 8 <= blocks; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + b), _mm256_loadu_ps(sums + b), acc);
-  return hsum8(acc) + min_share(mins + b, sums + b, blocks - b);
-}
-
 /* One unpacked weight row against `rows` quantized input rows from r0, into y[0], y[ldy], ... */
 static void int8_rows_scalar(const int8_t *wq, const float *wl, const float *wm, int has_min, const quantized *a,
                              long r0, int rows, float *y, long ldy) {
@@ -328,76 +311,31 @@ static void int8_rows_scalar(const int8_t *wq, const float *wl, const float *wm,
   }
 }
 
-/* AVX2: |w| times x with w's sign (vpmaddubsw takes one operand unsigned), pairs then fours summed to int32. */
-#define DEFINE_INT8_AVX2(C)                                                                                     \
-  AVX2 static void int8_avx2_##C(const int8_t *wq, const float *wl, const float *wm, int has_min,             \
-                                 const quantized *a, long r0, float *y, long ldy) {                            \
-    __m256 acc[C];                                                                                              \
-    const __m256i ones = _mm256_set1_epi16(1);                                                                  \
-    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();                                                  \
-    for (long b = 0; b < a->blocks; b++) {                                                                      \
-      __m256i w = _mm256_loadu_si256((const __m256i *)(wq + QK * b));                                           \
-      __m256i magnitude = _mm256_sign_epi8(w, w);                                                               \
-      __m256 scale = _mm256_loadu_ps(wl + LANES * b);                                                           \
-      for (int c = 0; c < C; c++) {                                                                             \
-        long block = (r0 + c) * a->blocks + b;                                                                  \
-        __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + QK * block));                                   \
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w)), ones);         \
-        __m256 scales = _mm256_mul_ps(scale, _mm256_loadu_ps(a->lanes + LANES * block));                        \
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scales, acc[c]);                                      \
-      }                                                                                                         \
-    }                                                                                                           \
-    for (int c = 0; c < C; c++)                                                                                 \
-      y[c * ldy] = hsum8(acc[c]) + (has_min ? min_share_avx2(wm, a->sums + (r0 + c) * a->blocks, a->blocks) : 0.0f); \
-  }
-DEFINE_INT8_AVX2(1)
-DEFINE_INT8_AVX2(2)
-DEFINE_INT8_AVX2(3)
-DEFINE_INT8_AVX2(4)
-
-/* AVX-512 VNNI: two blocks a vector; vpdpbusd of (w + 128) and x, started from -128 x the sums of x's fours. */
-#define DEFINE_INT8_VNNI(C)                                                                                     \
-  AVX512_VNNI static void int8_vnni_##C(const int8_t *wq, const float *wl, const float *wm, int has_min,      \
-                                        const quantized *a, long r0, float *y, long ldy) {                     \
-    __m512 acc[C];                                                                                              \
-    __m256 tail[C];                                                                                             \
-    for (int c = 0; c < C; c++) acc[c] = _mm512_setzero_ps(), tail[c] = _mm256_setzero_ps();                   \
-    long b = 0;                                                                                                 \
-    for (; b + 2 <= a->blocks; b += 2) {                                                                        \
-      __m512i w = _mm512_xor_si512(_mm512_loadu_si512(wq + QK * b), _mm512_set1_epi8((char)0x80));             \
-      __m512 scale = _mm512_loadu_ps(wl + LANES * b);                                                           \
-      for (int c = 0; c < C; c++) {                                                                             \
-        long block = (r0 + c) * a->blocks + b;                                                                  \
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + LANES * block), w,                      \
-                                          _mm512_loadu_si512(a->q + QK * block));                               \
-        __m512 scales = _mm512_mul_ps(scale, _mm512_loadu_ps(a->lanes + LANES * block));                        \
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc[c]);                                      \
-      }                                                                                                         \
-    }                                                                                                           \
-    if (b < a->blocks) {                                                                                        \
-      __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wq + QK * b)),                          \
-                                   _mm256_set1_epi8((char)0x80));                                               \
-      __m256 scale = _mm256_loadu_ps(wl + LANES * b);                                                           \
-      for (int c = 0; c < C; c++) {                                                                             \
-        long block = (r0 + c) * a->blocks + b;                                                                  \
-        __m256i dot = _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(a->corr + LANES * block)), w,    \
-                                          _mm256_loadu_si256((const __m256i *)(a->q + QK * block)));            \
-        __m256 scales = _mm256_mul_ps(scale, _mm256_loadu_ps(a->lanes + LANES * block));                        \
-        tail[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scales, tail[c]);                                    \
-      }                                                                                                         \
-    }                                                                                                           \
-    for (int c = 0; c < C; c++)                                                                                 \
-      y[c * ldy] = _mm512_reduce_add_ps(acc[c]) + hsum8(tail[c]) +                                              \
-                   (has_min ? min_share_avx2(wm, a->sums + (r0 + c) * a->blocks, a->blocks) : 0.0f);           \
-  }
-DEFINE_INT8_VNNI(1)
-DEFINE_INT8_VNNI(2)
-DEFINE_INT8_VNNI(3)
-DEFINE_INT8_VNNI(4)
-
-typedef void (*int8_fn)(const int8_t *, const float *, const float *, int, const quantized *, long, float *, long);
-static const int8_fn INT8_AVX2[5] = {0, int8_avx2_1, int8_avx2_2, int8_avx2_3, int8_avx2_4};
-static const int8_fn INT8_VNNI[5] = {0, int8_vnni_1, int8_vnni_2, int8_vnni_3, int8_vnni_4};
+/* The fused kernels of quant_dot.h, once for AVX2 (vpmaddubsw: |w| times x with w's sign, pairs then fours summed)
+ * and once for AVX-512 VNNI (vpdpbusd on 256-bit vectors; signed weights as w + 128, from -128 x the input's four
+ * value sums). */
+#define ISA AVX2_F16C
+#define NAME(x) x##_avx2
+#define WITH_DEQUANTIZE
+#define DOT_U(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+#define DOT_S(w, x, corr) \
+  _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1))
+#include "quant_dot.h"
+#undef ISA
+#undef NAME
+#undef DOT_U
+#undef DOT_S
+#undef WITH_DEQUANTIZE
+#define ISA AVX512_VNNI
+#define NAME(x) x##_vnni
+#define DOT_U(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+#define DOT_S(w, x, corr)                                                                                     \
+  _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(corr)), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x)
+#include "quant_dot.h"
+#undef ISA
+#undef NAME
+#undef DOT_U
+#undef DOT_S
 
 static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads,
                      int isa) {
@@ -419,12 +357,15 @@ static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long 
     int8_t *wq = (int8_t *)mine;
     float *wl = (float *)(mine + k), *wm = wl + blocks * LANES;
     for (long r = t * ROWS_PER_TASK; r < n && r < (t + 1) * ROWS_PER_TASK; r++) {
-      unpack_row(type, w + r * row_bytes, k, wq, wl, wm);
-      for (long i = 0; i < m; i += 4) {
-        int rows = m - i < 4 ? (int)(m - i) : 4;
-        if (isa == ISA_AVX512_VNNI) INT8_VNNI[rows](wq, wl, wm, has_min, &a, i, y + i * n + r, n);
-        else if (isa == ISA_AVX2) INT8_AVX2[rows](wq, wl, wm, has_min, &a, i, y + i * n + r, n);
-        else int8_rows_scalar(wq, wl, wm, has_min, &a, i, rows, y + i * n + r, n);
+      const uint8_t *stored = w + r * row_bytes;
+      if (isa == ISA_AVX512_VNNI) {
+        int8_rows_vnni(type, stored, k, &a, 0, m, y + r, n);
+      } else if (isa == ISA_AVX2) {
+        int8_rows_avx2(type, stored, k, &a, 0, m, y + r, n);
+      } else {
+        unpack_row(type, stored, k, wq, wl, wm);
+        for (long i = 0; i < m; i += 4)
+          int8_rows_scalar(wq, wl, wm, has_min, &a, i, m - i < 4 ? (int)(m - i) : 4, y + i * n + r, n);
       }
     }
   }
@@ -476,7 +417,8 @@ static int gemm_float(const float *x, const uint8_t *w, int type, float *y, long
   for (long t = 0; t < tasks; t++) {
     float *wr = memory + row * omp_get_thread_num();
     for (long r = t * ROWS_PER_TASK; r < n && r < (t + 1) * ROWS_PER_TASK; r++) {
-      dequantize_row(type, w + r * row_bytes, wr, k);
+      if (isa == ISA_SCALAR) dequantize_row(type, w + r * row_bytes, wr, k);
+      else dequantize_row_avx2(type, w + r * row_bytes, wr, k);
       for (long i = 0; i < m; i += 4) {
         int rows = m - i < 4 ? (int)(m - i) : 4;
         if (isa == ISA_SCALAR) float_rows_scalar(wr, x + i * k, k, rows, y + i * n + r, n);
@@ -496,12 +438,12 @@ typedef struct {
   long row_bytes;
 } stored_weight;
 
-AVX2 static void pack_stored_panel(const void *weights, long n, long k, long panel, float *wp, float *work) {
+AVX2_F16C static void pack_stored_panel(const void *weights, long n, long k, long panel, float *wp, float *work) {
   const stored_weight *s = weights;
   for (long j = 0; j < 16; j++) {
     long r = panel * 16 + j;
     if (r < n) {
-      dequantize_row(s->type, s->w + r * s->row_bytes, work, k);
+      dequantize_row_avx2(s->type, s->w + r * s->row_bytes, work, k);
       for (long kk = 0; kk < k; kk++) wp[kk * 16 + j] = work[kk];
     } else {
       for (long kk = 0; kk < k; kk++) wp[kk * 16 + j] = 0.0f;
@@ -546,4 +488,19 @@ int enginekit_quant_gemm(const float *x, const uint8_t *w, int type, float *y, l
     case PATH_PANELS: return gemm_panels(x, w, type, y, m, n, k, threads);
     default: return BAD_PATH;
   }
+}
+
+/* y[n, k] = W dequantized, rows split over `threads` threads. Returns OK, or BAD_TYPE / BAD_SHAPE. */
+int enginekit_dequantize(const uint8_t *w, int type, float *y, long n, long k, int threads) {
+  format f = format_of(type);
+  int simd = enginekit_quant_isa() != ISA_SCALAR;
+  if (!f.block) return BAD_TYPE;
+  if (n < 0 || k < 0 || k % f.block) return BAD_SHAPE;
+  long row_bytes = k / f.block * f.bytes;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
+  for (long r = 0; r < n; r++) {
+    if (simd) dequantize_row_avx2(type, w + r * row_bytes, y + r * k, k);
+    else dequantize_row(type, w + r * row_bytes, y + r * k, k);
+  }
+  return OK;
 }
