@@ -8,7 +8,9 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["GrammarKind", "StructuredOutputsParams"]
+__all__ = ["MAX_JSON_WHITESPACE", "GrammarKind", "StructuredOutputsParams"]
+
+MAX_JSON_WHITESPACE = 20
 
 GrammarKind = Literal["json", "regex", "choice", "grammar", "json_object"]
 _KINDS: tuple[GrammarKind, ...] = ("json", "regex", "choice", "grammar", "json_object")
@@ -40,7 +42,9 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, array_l
     json_object
         ``True``: any JSON object.
     disable_any_whitespace
-        JSON without whitespace between its tokens (by default any whitespace may go there).
+        JSON without whitespace between its tokens. By default up to ``MAX_JSON_WHITESPACE`` (20) whitespace
+        characters may go between two tokens: enough to indent nine levels, too few for a small model to
+        lose itself in blank lines.
 
     Raises
     ------
@@ -166,6 +170,13 @@ def _check_text(params: StructuredOutputsParams, kind: str) -> None:
         raise TypeError(f"StructuredOutputsParams.{kind} must be a string, got {type(value).__name__}")
     if not value.strip():
         raise ValueError(f"StructuredOutputsParams.{kind} is an empty string")
+
+
+def json_options(any_whitespace: bool) -> dict[str, Any]:
+    """llguidance's options for a JSON schema: compact separators, and bounded whitespace between tokens."""
+    if not any_whitespace:
+        return {"whitespace_flexible": False}
+    return {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
 
 
 @functools.lru_cache(maxsize=256)

@@ -14,7 +14,7 @@ import torch
 
 from enginekit.core.structured.backend import GrammarMatcher
 from enginekit.model.text.vocabulary import Vocabulary
-from enginekit.structured_outputs import GrammarKind
+from enginekit.structured_outputs import GrammarKind, json_options
 
 SPECIAL_MARK = b"\xff"  # llguidance's prefix for a special token's name
 
@@ -64,8 +64,8 @@ class LLGuidanceBackend:
     def compile(self, kind: GrammarKind, text: str, any_whitespace: bool) -> llguidance.LLMatcher:
         try:
             if kind in ("json", "json_object"):
-                options = {"whitespace_flexible": any_whitespace}
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
+                options = json_options(any_whitespace)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)  # type: ignore[arg-type]
             else:
                 grammar = llguidance.grammar_from("grammar" if kind == "grammar" else kind, text)
         except ValueError as error:

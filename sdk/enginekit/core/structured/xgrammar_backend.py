@@ -17,7 +17,7 @@ import xgrammar
 
 from enginekit.core.structured.backend import GrammarMatcher, bitmask_words
 from enginekit.model.text.vocabulary import Vocabulary
-from enginekit.structured_outputs import GrammarKind
+from enginekit.structured_outputs import MAX_JSON_WHITESPACE, GrammarKind
 
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+\.(cc|h):\d+:\s*")  # "[20:17:05] /project/cpp/x.cc:94: "
 
@@ -76,7 +76,10 @@ class XGrammarBackend:
         try:
             if kind in ("json", "json_object"):
                 return compiler.compile_json_schema(
-                    text, any_whitespace=any_whitespace, separators=(",", ":")
+                    text,
+                    any_whitespace=any_whitespace,
+                    separators=(",", ":"),
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE,
                 )
             if kind == "regex":
                 return compiler.compile_regex(text)
