@@ -1,7 +1,11 @@
 """The llguidance backend (the default): a small native library with no Python dependencies.
 
-Its tokenizer is built from our vocabulary (``model/text/vocabulary.py``), so it sees exactly the token bytes
-the xgrammar backend sees. A compiled grammar is a matcher in its start state; each request gets a copy.
+llguidance tokenizes the text a grammar forces (a JSON key, a fixed word) and allows only that tokenization, so
+it needs the tokenizer itself, not just its tokens' bytes: a ``tokenizers`` tokenizer (a Hugging Face folder's,
+a GGUF file's) is handed over whole, as its JSON, which llguidance reads natively (it knows, for instance, that a
+SentencePiece tokenizer spells a word inside a text without the space it adds at the start). The built-in
+byte tokenizer, whose one token per byte is its own tokenization, goes over as our vocabulary's bytes. A
+compiled grammar is a matcher in its start state; each request gets a copy.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import llguidance
 import torch
 
 from enginekit.core.structured.backend import GrammarMatcher
-from enginekit.model.text.vocabulary import Vocabulary
+from enginekit.model.text.tokenizer import HFTokenizer, Tokenizer
+from enginekit.model.text.vocabulary import Vocabulary, build_vocabulary
 from enginekit.structured_outputs import GrammarKind, json_options
 
 SPECIAL_MARK = b"\xff"  # llguidance's prefix for a special token's name
@@ -54,11 +59,14 @@ class LLGuidanceMatcher:
 class LLGuidanceBackend:
     name = "llguidance"
 
-    def __init__(
-        self, vocabulary: Vocabulary, eos_token_ids: list[int], encode: Callable[[str], list[int]]
-    ) -> None:
-        wrapper = llguidance.TokenizerWrapper(_Tokens(vocabulary, eos_token_ids, encode))
-        self._tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=vocabulary.size, eos_token=eos_token_ids)
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        if isinstance(tokenizer, HFTokenizer):
+            described: str | llguidance.TokenizerWrapper = tokenizer.backend.to_str()
+        else:
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            vocabulary = build_vocabulary(tokenizer, vocab_size)
+            described = llguidance.TokenizerWrapper(_Tokens(vocabulary, eos_token_ids, encode))
+        self._tokenizer = llguidance.LLTokenizer(described, n_vocab=vocab_size, eos_token=eos_token_ids)
         self._executor = llguidance.LLExecutor()
 
     def compile(self, kind: GrammarKind, text: str, any_whitespace: bool) -> llguidance.LLMatcher:

@@ -20,7 +20,7 @@ import torch
 
 from enginekit.core.structured.backend import GrammarBackend, GrammarMatcher, bitmask_words
 from enginekit.model.text.tokenizer import Tokenizer
-from enginekit.model.text.vocabulary import Vocabulary, build_vocabulary
+from enginekit.model.text.vocabulary import build_vocabulary
 from enginekit.structured_outputs import StructuredOutputsParams
 
 MAX_CACHED = 256
@@ -29,16 +29,17 @@ Spec = tuple[str, str, bool]
 
 
 def load_backend(
-    name: str, vocabulary: Vocabulary, eos_token_ids: list[int], encode: Callable[[str], list[int]]
+    name: str, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]
 ) -> GrammarBackend:
-    """The backend ``name`` for this vocabulary (imports its package now; ``EngineConfig`` checked it is there)."""
+    """The backend ``name`` for a model with this tokenizer and ``vocab_size`` logits (imports the backend's
+    package now; ``EngineConfig`` checked it is installed)."""
     if name == "xgrammar":
         from enginekit.core.structured.xgrammar_backend import XGrammarBackend
 
-        return XGrammarBackend(vocabulary, eos_token_ids)
+        return XGrammarBackend(build_vocabulary(tokenizer, vocab_size), eos_token_ids)
     from enginekit.core.structured.llguidance_backend import LLGuidanceBackend
 
-    return LLGuidanceBackend(vocabulary, eos_token_ids, encode)
+    return LLGuidanceBackend(tokenizer, vocab_size, eos_token_ids)
 
 
 class RequestGrammar:
@@ -62,10 +63,7 @@ class StructuredOutputManager:
     ) -> None:
         self.backend_name = backend_name
         self._make_backend: Callable[[], GrammarBackend] = lambda: load_backend(
-            backend_name,
-            build_vocabulary(tokenizer, vocab_size),
-            list(eos_token_ids),
-            lambda text: tokenizer.encode(text, add_special_tokens=False),
+            backend_name, tokenizer, vocab_size, list(eos_token_ids)
         )
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
