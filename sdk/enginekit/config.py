@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 from typing import Any, Literal, get_args
 
@@ -104,6 +105,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_keys
         The file that holds the CURVE keys and ports remote ranks need (mode 0600; copy it to their hosts).
         The front end writes it at startup, keeping the keys of an existing file so that copies stay valid.
+    structured_outputs_backend
+        The library that compiles ``StructuredOutputsParams`` and computes their token masks: ``"llguidance"``
+        (the default; installed with enginekit) or ``"xgrammar"`` (``pip install 'enginekit[xgrammar]'``). Both
+        take the same constraints; see the API reference for how they differ.
     cuda_graphs
         Replay decode steps from captured CUDA graphs (one per padded batch size and context length, captured
         on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
@@ -140,6 +145,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_size_local: int | None = None
     data_parallel_keys: str | None = None
     cuda_graphs: bool = False
+    structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
 
     def __post_init__(self) -> None:
         _require(
@@ -173,6 +179,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         self._check_data_parallel()
+        if self.structured_outputs_backend != "llguidance" and importlib.util.find_spec("xgrammar") is None:
+            raise ImportError(
+                "structured_outputs_backend='xgrammar' needs the xgrammar package, which is not installed: "
+                "pip install 'enginekit[xgrammar]', or leave the default backend, 'llguidance'"
+            )
 
     def _check_data_parallel(self) -> None:
         size, rank, balancing = (

@@ -29,9 +29,12 @@ from enginekit.core.request import Request
 from enginekit.core.resources import release_device_memory, resolve_device, size_kv_cache
 from enginekit.core.scheduler import Scheduler
 from enginekit.core.step_outputs import StepOutputs, status_changes
+from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.core.validation import RequestLimits, validate_request
+from enginekit.model.batch import TokenBitmask
 from enginekit.model.loader import ModelSpec, load_model, load_model_spec
 from enginekit.model.runner import ModelRunner
+from enginekit.model.text.vocabulary import bad_words_token_ids
 from enginekit.wire.messages import (
     AbortRequest,
     EngineCoreOutputs,
@@ -46,6 +49,8 @@ from enginekit.wire.messages import (
 )
 
 logger = logging.getLogger("enginekit.core")
+
+GRAMMAR_WAIT_S = 0.01  # how long an idle step waits for a grammar to compile before returning
 
 
 class ShutdownState(enum.Enum):
@@ -84,6 +89,7 @@ class EngineCore:
             stream_interval=config.stream_interval,
         )
         self._utility_outputs: list[UtilityOutput] = []
+        self._compiling: list[Request] = []  # requests whose structured output has not compiled yet
         self._idle_waiters: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._handlers: dict[type, Callable[[Any], None]] = {
             EngineCoreRequest: self._add,
@@ -133,6 +139,12 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
+        self.structured = StructuredOutputManager(
+            config.structured_outputs_backend,
+            self.tokenizer,
+            model_config.vocab_size,
+            list(model_config.eos_token_ids),
+        )
 
     # ---- the dispatch point -------------------------------------------------------------------------
     def handle(self, message: Any) -> None:
@@ -159,8 +171,16 @@ class EngineCore:
             request.prompt_token_ids,
             params.stop,
             include_stop=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
-        self.scheduler.add_request(Request(request, detokenizer=detokenizer))
+        added = Request(request, detokenizer=detokenizer)
+        if params.bad_words:
+            added.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
+        if params.structured_outputs is not None:
+            added.grammar = self.structured.request_grammar(params.structured_outputs)
+            self._compiling.append(added)
+        self.scheduler.add_request(added)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests by id; unknown or finished ids are ignored (abort is idempotent)."""
@@ -226,7 +246,11 @@ class EngineCore:
             self.abort_all()
         ran_forward = False
         if self.scheduler.has_unfinished_requests():
+            if self._compiling:
+                self._resolve_grammars()
             ran_forward = self._run_scheduled()
+            if not ran_forward and self._compiling:
+                self.structured.wait([r.grammar for r in self._compiling if r.grammar], GRAMMAR_WAIT_S)
         if not self.scheduler.has_unfinished_requests():
             if self._idle_waiters:
                 self._wake_idle_waiters()
@@ -245,6 +269,10 @@ class EngineCore:
             self.outputs.report_status(changes)
             return False
         batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache)
+        constrained = [row for row, request in enumerate(sampling) if request.grammar is not None]
+        if constrained:
+            matchers = [sampling[row].grammar.matcher for row in constrained]  # type: ignore[union-attr]
+            batch.token_bitmask = TokenBitmask(constrained, self.structured.bitmask(matchers))  # type: ignore[arg-type]
         sampled = self.runner.execute(batch)
         self.num_steps += 1
         for request, num_new in scheduled.scheduled:
@@ -257,6 +285,19 @@ class EngineCore:
         self.outputs.report_status(changes)
         self.outputs.end_step()
         return True
+
+    def _resolve_grammars(self) -> None:
+        """Hand each request whose grammar compiled its matcher; refuse those whose grammar does not compile."""
+        compiling = []
+        for request in self._compiling:
+            if request.is_finished:
+                continue
+            assert request.grammar is not None
+            if not self.structured.resolve(request.grammar):
+                compiling.append(request)
+            elif request.grammar.error is not None:
+                self.outputs.fail(request, request.grammar.error)
+        self._compiling = compiling
 
     def _wake_idle_waiters(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -286,6 +327,7 @@ class EngineCore:
             "num_generated_tokens": self.outputs.num_generated_tokens,
             "uptime_s": time.monotonic() - self.start_time,
             "data_parallel_rank": self.engine_index,
+            **self.structured.stats(),
         }
 
     def utility_wait_idle(self) -> concurrent.futures.Future[dict[str, Any]]:
@@ -313,6 +355,8 @@ class EngineCore:
         for future in self._idle_waiters:
             future.cancel()
         self._idle_waiters.clear()
+        self._compiling.clear()
+        self.structured.shutdown()
         if self.runner is not None:
             self.runner.release()
         # In-process, the thread count is the user's process-wide torch setting: give it back.

@@ -91,7 +91,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
             self._zero_new_blocks(batch.num_used_blocks)
             with torch.inference_mode():
-                return self._sample(chunks, self.decode_graphs(chunks), {})
+                return self._sample(batch, self.decode_graphs(chunks), {})
         inputs = self._prepare_inputs(chunks)
         meta = self._attention_metadata(chunks, inputs.slot_mapping)
         self._zero_new_blocks(batch.num_used_blocks)
@@ -99,19 +99,23 @@ class ModelRunner:
             logits = self.model(
                 inputs.token_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices, inputs.embeds
             )
-            return self._sample(chunks, logits, inputs.prompt_rows)
+            return self._sample(batch, logits, inputs.prompt_rows)
 
     def _sample(
-        self, chunks: list[SequenceChunk], logits: torch.Tensor, prompt_rows: dict[int, slice]
+        self, batch: ScheduledBatch, logits: torch.Tensor, prompt_rows: dict[int, slice]
     ) -> SamplerOutput:
         """Sample the chunks that end their known tokens; score the prompt rows whose logprobs were asked for."""
+        chunks = batch.chunks
         sampling = [chunk for chunk in chunks if chunk.samples]
         histories = [chunk.history for chunk in sampling] if any(c.history for c in sampling) else None
+        bad_words = [chunk.bad_words for chunk in sampling] if any(c.bad_words for c in sampling) else None
         output = self.sampler(
             logits[: len(sampling)],
             [c.sampling_params for c in sampling],
             [c.generator for c in sampling],
             histories,
+            bad_words=bad_words,
+            bitmask=batch.token_bitmask,
         )
         if prompt_rows:
             output.prompt_logprobs = {
