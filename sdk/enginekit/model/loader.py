@@ -86,9 +86,11 @@ def load_model(
             build=lambda: _fuse(_checked(read_gguf_weights(header, config, dtype), config, header), config),
         )
     else:
-        weights = (
-            builtin_weights(config, seed) if source.format == "builtin" else read_hf_weights(source.path)
-        )
+        if source.format == "builtin":
+            weights = builtin_weights(config, seed)
+        else:
+            assert source.path is not None
+            weights = read_hf_weights(source.path)
         state = _fuse(_checked(weights, config, source.path), config)
     module.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:

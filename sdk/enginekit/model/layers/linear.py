@@ -24,8 +24,8 @@ class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.weight, self.bias)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # named as nn.Linear names it
+        return self.kernel(input, self.weight, self.bias)
 
 
 # Measured with torch 2.13 on 2 cores, 1-128 rows: in the whole 135M model oneDNN made the projections 1.35-1.5x

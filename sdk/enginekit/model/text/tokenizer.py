@@ -11,9 +11,15 @@ from enginekit.errors import EngineStartupError
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
-    bos_token_id: int | None
-    eos_token_id: int | None
+    # Read-only: a tokenizer may fix them as class constants (ByteTokenizer's are plain ints).
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
