@@ -39,6 +39,7 @@ test-browser: setup
 lint: setup
 	$(VENV)/bin/ruff check sdk tests benchmarks
 	$(VENV)/bin/ruff format --check sdk tests benchmarks
+	$(VENV)/bin/pyright
 
 format: setup
 	$(VENV)/bin/ruff check --fix sdk tests benchmarks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import msgspec
 
@@ -283,7 +283,7 @@ def resolve_mode(mode: str | None) -> EngineMode:
     if chosen not in valid:
         source = "mode" if mode is not None else MODE_ENV_VAR
         raise ValueError(f"{source} must be one of {', '.join(map(repr, valid))}, got {chosen!r}")
-    return chosen  # type: ignore[return-value]
+    return cast(EngineMode, chosen)  # one of its values: checked above
 
 
 def _option_error(cls: type, error: msgspec.ValidationError) -> Exception:

@@ -15,7 +15,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from types import FrameType
 
 _active: list[bool] | None = None  # the outermost section's notes, while its handler is in place
 
@@ -37,7 +37,7 @@ def deferred_interrupts(on_interrupt: Callable[[], None] | None = None) -> Itera
         yield interrupted
         return
 
-    def on_sigint(signum: int, frame: Any) -> None:
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
         if interrupted:
             raise KeyboardInterrupt
         interrupted.append(True)

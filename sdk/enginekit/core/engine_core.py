@@ -76,7 +76,7 @@ class EngineCore:
             # NOTE: free what was built before the failure now, not whenever the traceback dies: a notebook
             # keeps the last traceback, and its frames (the model in _build's locals) with it.
             traceback.clear_frames(error.__traceback__)
-            self.runner = None  # type: ignore[assignment]
+            self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # frees the model a failed start built
             torch.set_num_threads(self._previous_num_threads)
             release_device_memory(self.device)
             raise
@@ -114,7 +114,7 @@ class EngineCore:
         model = load_model(
             spec, device=self.device, dtype=self.dtype, seed=config.seed, quantization=config.quantization
         )
-        self.runner = ModelRunner(
+        self.runner: ModelRunner = ModelRunner(  # None only after a failed start
             model,
             model_config,
             num_blocks=self.num_kv_blocks,
@@ -279,7 +279,9 @@ class EngineCore:
             request.num_computed_tokens += num_new
             self.kv_cache.cache_full_blocks(request)
         for index, parts in (sampled.prompt_logprobs or {}).items():
-            requests[index].prompt_logprobs.append(parts)
+            unsent = requests[index].prompt_logprobs
+            assert unsent is not None  # build_batch asks for them only while unsent
+            unsent.append(parts)
         for row, request in enumerate(sampling):
             self.outputs.token(request, sampled, row, changes.pop(request.request_id, None))
         self.outputs.report_status(changes)

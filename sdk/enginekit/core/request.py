@@ -62,7 +62,8 @@ class Request:
         self.detokenizer = detokenizer
         self.parent_request_id = message.parent_request_id
         self.first_scheduled_time = 0.0
-        self.prompt_logprobs: list[tuple[torch.Tensor, ...]] = []  # parts, one per prefill chunk, until sent
+        # Parts, one per prefill chunk, until sent; None once sent.
+        self.prompt_logprobs: list[tuple[torch.Tensor, ...]] | None = []
         # Tokens produced but not sent yet (a final_only request's until it ends; a stream's between sends when
         # the engine's stream_interval is above 1), and their logprob rows.
         self.final_only = message.final_only

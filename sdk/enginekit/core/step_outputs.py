@@ -116,7 +116,7 @@ class StepOutputs:
         if status is not None:
             _stamp(output, request, status)
         if request.prompt_logprobs is not None and params.prompt_logprobs is not None:
-            _attach_prompt_logprobs(output, request)
+            _attach_prompt_logprobs(output, request, params.prompt_logprobs)
         if finish_reason is None:
             output.new_text = request.detokenizer.flush()
             self.pending.append(output)
@@ -148,7 +148,7 @@ class StepOutputs:
         if params.logprobs is not None:
             request.output_logprobs.append(_logprob_rows(sampled, row, params.logprobs + 1))
         if request.prompt_logprobs is not None and params.prompt_logprobs is not None:
-            _attach_prompt_logprobs(output, request)
+            _attach_prompt_logprobs(output, request, params.prompt_logprobs)
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, str | int | None]:
         """Whether ``token_id``, just appended, ends its request: a stop string, EOS, a stop token or a limit."""
@@ -248,13 +248,13 @@ def _complete(request: Request) -> EngineCoreOutput:
     return output
 
 
-def _attach_prompt_logprobs(output: EngineCoreOutput, request: Request) -> None:
+def _attach_prompt_logprobs(output: EngineCoreOutput, request: Request, num_logprobs: int) -> None:
     """The prompt is done: send its logprobs once, with the first token (none for a one-token prompt)."""
     parts = request.prompt_logprobs or []
     if parts:
         values, ids, ranks = (torch.cat(column) for column in zip(*parts))
     else:
-        width = request.sampling_params.prompt_logprobs + 1
+        width = num_logprobs + 1
         values, ids, ranks = torch.empty(0, width), torch.empty(0, width, dtype=torch.long), None
     output.prompt_logprob_values, output.prompt_logprob_token_ids = values, ids
     output.prompt_logprob_ranks = ranks

@@ -8,8 +8,8 @@ its conversation (``RequestOutput.messages``, which the live viewer shows as tur
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -19,11 +19,22 @@ from enginekit.model.text.chat_template import ChatTemplate
 from enginekit.outputs import RequestOutput
 from enginekit.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from enginekit.frontend.output_processor import RequestState
+    from enginekit.frontend.output_router import OutputRouter
+
 Params = SamplingParams | list[SamplingParams] | None
 
 
 class ChatMixin:
     """The chat methods of ``Engine``; see the module docstring."""
+
+    if TYPE_CHECKING:  # what the host, Engine, provides
+        _spec: ModelSpec | None
+        _router: OutputRouter
+        _submit: Callable[..., list[RequestState]]
+        _generate: Callable[..., list[RequestOutput]]
+        _agenerate: Callable[..., Coroutine[Any, Any, list[RequestOutput]]]
 
     @vllm_names
     def chat(
@@ -103,7 +114,8 @@ class ChatMixin:
     def _chat_inputs(
         self, messages: Any, params: Any, chat_template: str | None, add_generation_prompt: bool
     ) -> tuple[list[dict[str, Any]], list[SamplingParams], list[list[dict[str, Any]]]]:
-        spec: ModelSpec = self._spec  # type: ignore[attr-defined]
+        spec = self._spec
+        assert spec is not None  # the engine read it before it started
         template = _template(spec, chat_template)
         conversations = messages if _is_batch(messages) else [messages]
         prompts = []

@@ -118,9 +118,11 @@ def load_model(
                 ),
             )
     else:
-        weights = (
-            builtin_weights(config, seed) if source.format == "builtin" else read_hf_weights(source.path)
-        )
+        if source.format == "builtin":
+            weights = builtin_weights(config, seed)
+        else:
+            assert source.path is not None
+            weights = read_hf_weights(source.path)
         state = _fuse(_checked(weights, config, source.path), config)
     module.load_state_dict(state, strict=False, assign=True)
     _use_stored(module, stored, config)

@@ -48,7 +48,7 @@ class ModelRunner:
         max_num_seqs: int = 1,
         max_blocks_per_seq: int = 1,
     ) -> None:
-        self.model = model
+        self.model: LlamaForCausalLM = model  # None only once released
         self.block_size = block_size
         self.device = device
         # With decode graphs, one more block past the pool's: the scratch slot of padding rows (never handed out).
@@ -111,19 +111,19 @@ class ModelRunner:
         bad_words = [chunk.bad_words for chunk in sampling] if any(c.bad_words for c in sampling) else None
         output = self.sampler(
             logits[: len(sampling)],
-            [c.sampling_params for c in sampling],
+            [c.sampling_params for c in sampling if c.sampling_params is not None],  # all of them
             [c.generator for c in sampling],
             histories,
             bad_words=bad_words,
             bitmask=batch.token_bitmask,
         )
         if prompt_rows:
-            output.prompt_logprobs = {
-                index: top_logprobs(
-                    logits[rows], torch.tensor(chunks[index].prompt_targets), chunks[index].prompt_logprobs
-                )
-                for index, rows in prompt_rows.items()
-            }
+            output.prompt_logprobs = {}
+            for index, rows in prompt_rows.items():
+                chunk = chunks[index]
+                assert chunk.prompt_logprobs is not None  # prompt_rows holds the chunks that want them
+                targets = torch.tensor(chunk.prompt_targets)
+                output.prompt_logprobs[index] = top_logprobs(logits[rows], targets, chunk.prompt_logprobs)
         return output
 
     def _prepare_inputs(self, chunks: list[SequenceChunk]) -> ModelInputs:
@@ -247,4 +247,4 @@ class ModelRunner:
             self.decode_graphs = None
         self.kv_caches = []
         self._gather_buffer = self._gather_buffer.new_empty((2, 0, 0))
-        self.model = None  # type: ignore[assignment]
+        self.model = None  # pyright: ignore[reportAttributeAccessIssue]  # released: never used again

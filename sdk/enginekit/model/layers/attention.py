@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from enginekit.model.config import ModelConfig
@@ -25,7 +26,13 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, hidden, rotary, kv_cache, meta: AttentionMetadata):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         if self.ops is not None:  # rotates q and k, and writes k and v to the cache, in one call
             qk = self.ops.rope_write_cache(

@@ -10,6 +10,9 @@ class RotaryEmbedding(nn.Module):
     """cos and sin tables for every position, computed once the way the reference implementation does; the sin
     table's first half is stored negated (see ``rotate``)."""
 
+    cos: torch.Tensor  # buffers, [max_positions, D]
+    signed_sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
         with torch.device("cpu"):  # NOTE: real tables even when the model is built on the meta device

@@ -11,10 +11,18 @@ from enginekit.errors import EngineStartupError
 
 
 class Tokenizer(Protocol):
-    vocab_size: int
-    bos_token_id: int | None
-    eos_token_id: int | None
-    special_token_ids: frozenset[int]
+    # Read-only: a tokenizer may fix them as class constants (ByteTokenizer's are plain ints).
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def special_token_ids(self) -> frozenset[int]: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
