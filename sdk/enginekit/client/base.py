@@ -52,6 +52,18 @@ class EngineCoreClient(ABC):
         self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None
     ) -> Any: ...
 
+    @property
+    def num_ranks(self) -> int:
+        """Engine cores behind this client (data-parallel ranks)."""
+        return 1
+
+    def call_utility_on_each_rank(
+        self, method_name: str, *args: Any, timeout: float | None = None
+    ) -> list[Any]:
+        """``utility_<method_name>`` on every rank: one result per rank, however many there are."""
+        result = self.call_utility(method_name, *args, timeout=timeout)
+        return result if self.num_ranks > 1 else [result]
+
     def get_stats(self) -> dict[str, Any]:
         """The engine's statistics; with several ranks, their sums and a per-rank breakdown."""
         return merge_stats(self.call_utility("get_stats", timeout=30.0))

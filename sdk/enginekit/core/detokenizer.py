@@ -75,12 +75,14 @@ class IncrementalDetokenizer:
         return self._release(end)
 
     def flush_final(self) -> str:
-        """Everything not yet released (the request has finished), including an unfinished character."""
+        """Everything not yet released (the request has finished), less a character left unfinished at the end:
+        the tokens with its other bytes never came (``max_tokens``, a stop token or an abort came first), and
+        its replacement character is no text (vLLM drops it too)."""
         pending = self._ids[self._read_offset :]
         if pending:
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             full_text = self._decode(self._ids[self._prefix_offset :])
-            self.text += full_text[len(prefix_text) :]
+            self.text += full_text[len(prefix_text) :].removesuffix(REPLACEMENT)
             self._prefix_offset = self._read_offset = len(self._ids)
         return self._release(len(self.text))
 

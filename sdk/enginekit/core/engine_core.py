@@ -82,6 +82,9 @@ class EngineCore:
             raise
         self.shutdown_state = ShutdownState.RUNNING
         self.shutdown_deadline = 0.0
+        # A signal sent to the engine process, not the front end, asked for this shutdown: its requests are
+        # never ended as aborted (nobody aborted them); the process reports its death instead.
+        self.shutdown_signal: str | None = None
         self.outputs = StepOutputs(
             self.scheduler,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
@@ -154,7 +157,8 @@ class EngineCore:
     def _add(self, request: EngineCoreRequest) -> None:
         request_id = request.request_id
         if self.shutdown_state is not ShutdownState.RUNNING:
-            self.outputs.shutting_down(request_id)
+            if self.shutdown_signal is None:  # else unanswered: the death the process reports fails it
+                self.outputs.shutting_down(request_id)
             return
         if request_id in self.scheduler.requests:
             # NOTE: never answer under the id of a running request: that would end it for its caller.
@@ -243,9 +247,12 @@ class EngineCore:
     def step(self) -> tuple[EngineCoreOutputs | None, bool]:
         """Run one forward pass if anything is scheduled; return what was produced and whether it ran."""
         if self.shutdown_state is ShutdownState.REQUESTED and time.monotonic() >= self.shutdown_deadline:
-            self.abort_all()
+            if self.shutdown_signal is None:
+                self.abort_all()
+            else:
+                self.shutdown_state = ShutdownState.DONE  # what still runs fails with the reported death
         ran_forward = False
-        if self.scheduler.has_unfinished_requests():
+        if self.shutdown_state is not ShutdownState.DONE and self.scheduler.has_unfinished_requests():
             if self._compiling:
                 self._resolve_grammars()
             ran_forward = self._run_scheduled()

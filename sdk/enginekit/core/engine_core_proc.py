@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -165,11 +166,13 @@ class EngineCoreProc(EngineCore):
 
     def signal_shutdown(self, signum: int, frame: FrameType | None) -> None:
         # NOTE: runs on the main thread between bytecodes; SimpleQueue.put is safe to call re-entrantly.
+        if self.shutdown_signal is None and self.is_running:
+            self.shutdown_signal = signal.Signals(signum).name
         self.input_queue.put_nowait(ShutdownRequest(self.config.shutdown_timeout))
 
-    def send_engine_dead(self, reason: str) -> None:
+    def send_engine_dead(self, reason: str, signal_name: str | None = None) -> None:
         """Broadcast the engine's death and wait (bounded) for the output thread to send it."""
-        self.output_queue.put_nowait(EngineDead(reason, self.engine_index))
+        self.output_queue.put_nowait(EngineDead(reason, self.engine_index, signal_name))
         self.output_thread.join(timeout=5.0)
 
     def close_io(self) -> None:

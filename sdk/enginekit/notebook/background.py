@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
+from enginekit.interrupts import awaiting_with_signal_checks
 from enginekit.notebook.loop import run_sync
 from enginekit.notebook.viewer import Viewer, check_viewer_argument
 from enginekit.notebook.watch import watcher_for
@@ -105,10 +106,11 @@ class GenerationHandle:
         return run_sync(self._wait())
 
     async def _wait(self) -> list[RequestOutput]:
-        return await asyncio.shield(self._task)
+        with awaiting_with_signal_checks():
+            return await asyncio.shield(self._task)
 
     def __await__(self) -> Generator[Any, None, list[RequestOutput]]:
-        return asyncio.shield(self._task).__await__()
+        return self._wait().__await__()
 
     def __repr__(self) -> str:
         if not self._task.done():

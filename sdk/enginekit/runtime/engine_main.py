@@ -52,6 +52,11 @@ def run_engine_core(args: EngineProcArgs, on_started: Callable[[EngineCoreProc],
         if on_started is not None:
             on_started(engine)
         engine.run_busy_loop()
+        if engine.shutdown_signal is not None:
+            # Not the front end's shutdown: the calls waiting on this engine fail, naming the signal.
+            signum = signal.Signals[engine.shutdown_signal]
+            engine.send_engine_dead(f"it received {engine.shutdown_signal}", engine.shutdown_signal)
+            return 128 + signum
         engine.close_io()
         return 0
     except SystemExit:
