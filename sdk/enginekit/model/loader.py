@@ -16,6 +16,7 @@ import torch
 from enginekit.errors import EngineStartupError
 from enginekit.model.builtin import BUILTIN_CONFIG, builtin_weights
 from enginekit.model.config import ModelConfig
+from enginekit.model.decoder import Decoder, layer_ops
 from enginekit.model.formats import weight_cache
 from enginekit.model.formats.gguf import read_gguf_config, read_gguf_weights
 from enginekit.model.formats.gguf_header import GGUFHeader, read_gguf_header
@@ -23,7 +24,6 @@ from enginekit.model.formats.gguf_tokenizer import tokenizer_from_gguf
 from enginekit.model.formats.hf import read_hf_config, read_hf_weights
 from enginekit.model.formats.source import ModelSource, resolve_model
 from enginekit.model.layers.linear import linear_kernel
-from enginekit.model.llama import LlamaForCausalLM, layer_ops
 from enginekit.model.text.chat_template import ChatTemplate, chat_template_from_folder, end_of_turn_token_ids
 from enginekit.model.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -70,13 +70,11 @@ def load_model_spec(model: str | None) -> ModelSpec:
     return ModelSpec(model, source, config, tokenizer, template, end_of_turn)
 
 
-def load_model(
-    spec: ModelSpec, *, device: torch.device, dtype: torch.dtype, seed: int = 0
-) -> LlamaForCausalLM:
+def load_model(spec: ModelSpec, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Decoder:
     """Build the model on ``device`` in ``dtype`` with its weights (seeded random ones for the built-in model)."""
     config, source = spec.config, spec.source
     with torch.device("meta"):
-        module = LlamaForCausalLM(config)
+        module = Decoder(config)
     if source.format == "gguf":
         assert source.path is not None
         header = read_gguf_header(source.path)
@@ -132,6 +130,11 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             "self_attn.k_proj.bias": (kv_size,),
             "self_attn.v_proj.bias": (kv_size,),
         }
+    if config.qk_norm:
+        layer |= {
+            "self_attn.q_norm.weight": (config.head_dim,),
+            "self_attn.k_norm.weight": (config.head_dim,),
+        }
     for i in range(config.num_layers):
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
     return shapes
@@ -183,6 +186,8 @@ def _fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, to
             [weights[f"{src}mlp.{p}_proj.weight"] for p in ("gate", "up")]
         )
         state[f"{dst}mlp.down_proj.weight"] = weights[f"{src}mlp.down_proj.weight"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else []
+        for norm in norms:
             state[f"{dst}{norm}.weight"] = weights[f"{src}{norm}.weight"]
     return {name: tensor.contiguous() for name, tensor in state.items()}
