@@ -331,9 +331,9 @@ def native_switches(engine: Any) -> dict[str, Callable[[bool], None]]:
     torch's ops, contexts gathered out of the cache)."""
     import torch
 
+    from enginekit.model.decoder import layer_ops
     from enginekit.model.kernels.native import native_skinny_gemm
     from enginekit.model.layers.linear import linear_kernel
-    from enginekit.model.llama import layer_ops
 
     model = engine._client._core.runner.model  # an in-process engine's model (benchmark access only)
     cpu = torch.device("cpu")

@@ -41,8 +41,8 @@ SHARED = {
     "cache",
 }
 ENTRY = {"demo", "testing", "cli"}
-# model/'s root modules that formats/ and layers/ may use: the plain config of an architecture.
-MODEL_BASICS = {"enginekit.model.config"}
+# model/'s root modules that formats/ and layers/ may use: the plain config of a model and the specs of architectures.
+MODEL_BASICS = {"enginekit.model.config", "enginekit.model.architectures"}
 
 
 def module_name(path: Path) -> str:

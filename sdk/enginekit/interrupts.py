@@ -20,6 +20,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 _active: list[bool] | None = None  # the outermost section's notes, while its handler is in place
 

@@ -22,6 +22,7 @@ import torch
 from enginekit.errors import EngineStartupError
 from enginekit.model.builtin import BUILTIN_CONFIG, builtin_weights
 from enginekit.model.config import ModelConfig
+from enginekit.model.decoder import Decoder, layer_ops
 from enginekit.model.formats import weight_cache
 from enginekit.model.formats.gguf import StoredTensor, read_gguf_config, read_gguf_weights, weight_types
 from enginekit.model.formats.gguf_header import GGUFHeader, gguf_error, read_gguf_header
@@ -32,7 +33,6 @@ from enginekit.model.kernels.native import native_quant_gemm
 from enginekit.model.kernels.quant_gemm import NATIVE_TYPES
 from enginekit.model.layers.linear import linear_kernel
 from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
-from enginekit.model.llama import LlamaForCausalLM, layer_ops
 from enginekit.model.text.chat_template import ChatTemplate, chat_template_from_folder, end_of_turn_token_ids
 from enginekit.model.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -89,7 +89,7 @@ def load_model(
     dtype: torch.dtype,
     seed: int = 0,
     quantization: Quantization = "auto",
-) -> LlamaForCausalLM:
+) -> Decoder:
     """Build the model on ``device`` in ``dtype`` with its weights (seeded random ones for the built-in model).
 
     ``quantization`` applies to GGUF files (see ``stored_tensor_names``): ``"auto"`` keeps the quantized
@@ -97,7 +97,7 @@ def load_model(
     """
     config, source = spec.config, spec.source
     with torch.device("meta"):
-        module = LlamaForCausalLM(config)
+        module = Decoder(config)
     stored: dict[str, StoredWeight | QuantizedWeight] = {}
     if source.format == "gguf":
         assert source.path is not None
@@ -262,6 +262,11 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             "self_attn.k_proj.bias": (kv_size,),
             "self_attn.v_proj.bias": (kv_size,),
         }
+    if config.qk_norm:
+        layer |= {
+            "self_attn.q_norm.weight": (config.head_dim,),
+            "self_attn.k_norm.weight": (config.head_dim,),
+        }
     for i in range(config.num_layers):
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
     return shapes
@@ -314,7 +319,9 @@ def _fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, to
             [weights[f"{src}mlp.{p}_proj.weight"] for p in ("gate", "up")]
         )
         state[f"{dst}mlp.down_proj.weight"] = _join([weights[f"{src}mlp.down_proj.weight"]])
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else []
+        for norm in norms:
             state[f"{dst}{norm}.weight"] = weights[f"{src}{norm}.weight"]
     return {
         name: tensor.contiguous() if isinstance(tensor, torch.Tensor) else tensor
@@ -373,7 +380,7 @@ def _undo_row_permutation(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _use_stored(
-    module: LlamaForCausalLM, stored: dict[str, StoredWeight | QuantizedWeight], config: ModelConfig
+    module: Decoder, stored: dict[str, StoredWeight | QuantizedWeight], config: ModelConfig
 ) -> None:
     """Hand each layer its weight kept as stored (the tied LM head: the embedding's rows)."""
     for name, weight in stored.items():

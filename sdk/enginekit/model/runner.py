@@ -13,8 +13,8 @@ import torch
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
 from enginekit.model.decode_graph import DecodeGraphs
+from enginekit.model.decoder import Decoder
 from enginekit.model.layers.paged_attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
-from enginekit.model.llama import LlamaForCausalLM
 from enginekit.model.sampler import Sampler, SamplerOutput, top_logprobs
 
 
@@ -35,7 +35,7 @@ class ModelInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: Decoder,
         config: ModelConfig,
         *,
         num_blocks: int,
@@ -48,7 +48,7 @@ class ModelRunner:
         max_num_seqs: int = 1,
         max_blocks_per_seq: int = 1,
     ) -> None:
-        self.model: LlamaForCausalLM = model  # None only once released
+        self.model: Decoder = model  # None only once released
         self.block_size = block_size
         self.device = device
         # With decode graphs, one more block past the pool's: the scratch slot of padding rows (never handed out).
