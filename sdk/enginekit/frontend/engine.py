@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+import sys
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from enginekit.client import EngineCoreClient, check_client, make_client
@@ -148,7 +149,11 @@ class Engine:
         except BaseException as error:
             if (new_config, new_mode) != previous:
                 self.config, self.mode = previous
-                error.add_note(self._start_previous())
+                note = self._start_previous()
+                if sys.version_info >= (3, 11):
+                    error.add_note(note)
+                else:  # NOTE: no exception notes before 3.11
+                    logger.warning("restart failed: %s", note)
             raise
 
     def _start_previous(self) -> str:
@@ -192,11 +197,17 @@ class Engine:
         )
         return states, attach_watcher(self, *watched(states))
 
-    def _render(self, messages: Any, params: Any, options: dict[str, Any]) -> tuple[list[ChatPrompt], Any]:
-        """A chat call's conversations as prompts; takes the chat options out of ``options``."""
+    def _render(
+        self, messages: Any, params: Any, options: Mapping[str, Any]
+    ) -> tuple[list[ChatPrompt], Any, dict[str, Any]]:
+        """A chat call's conversations as prompts, and its options less the chat ones."""
         assert self._spec is not None
-        chat_options = {name: options.pop(name) for name in ChatOptions.__optional_keys__ if name in options}
-        return render_chat(self._spec, messages, params, **chat_options)
+        chat_options = {
+            name: value for name, value in options.items() if name in ChatOptions.__optional_keys__
+        }
+        rest = {name: value for name, value in options.items() if name not in chat_options}
+        prompts, params = render_chat(self._spec, messages, params, **chat_options)
+        return prompts, params, rest
 
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests by id; their outputs finish with ``finish_reason="abort"``. Unknown ids are ignored."""
@@ -265,14 +276,16 @@ class Engine:
         template's end-of-turn token. Raises ``ValueError`` if the model has no template and none is given.
         Other options as for ``generate``.
         """
-        return self.generate(*self._render(messages, sampling_params, options), **options)
+        prompts, params, rest = self._render(messages, sampling_params, options)
+        return self.generate(prompts, params, **rest)
 
     @takes(ChatGenerateOptions)
     def achat(
         self, messages: Any, sampling_params: Params = None, **options: Unpack[ChatGenerateOptions]
     ) -> Coroutine[Any, Any, list[RequestOutput]]:
         """``chat`` for asyncio, as ``agenerate`` is to ``generate``: submits now, returns a coroutine to await."""
-        return self.agenerate(*self._render(messages, sampling_params, options), **options)
+        prompts, params, rest = self._render(messages, sampling_params, options)
+        return self.agenerate(prompts, params, **rest)
 
     @takes(ChatStreamOptions)
     def stream_chat(
@@ -282,7 +295,8 @@ class Engine:
         **options: Unpack[ChatStreamOptions],
     ) -> Iterator[RequestOutput]:
         """Stream the answer to one conversation, as ``stream`` does for a prompt."""
-        return self.stream(*self._render(messages, sampling_params, options), **options)
+        prompts, params, rest = self._render(messages, sampling_params, options)
+        return self.stream(prompts, params, **rest)
 
     @takes(ChatStreamOptions)
     def astream_chat(
@@ -292,7 +306,8 @@ class Engine:
         **options: Unpack[ChatStreamOptions],
     ) -> AsyncIterator[RequestOutput]:
         """Async ``stream_chat``, as ``astream`` is to ``stream``."""
-        return self.astream(*self._render(messages, sampling_params, options), **options)
+        prompts, params, rest = self._render(messages, sampling_params, options)
+        return self.astream(prompts, params, **rest)
 
     # ---- utilities ----------------------------------------------------------------------------------
     def call_utility(

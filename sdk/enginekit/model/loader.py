@@ -15,7 +15,7 @@ import itertools
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar, cast
 
 import torch
 
@@ -31,7 +31,8 @@ from enginekit.model.formats.hf import read_hf_config, read_hf_weights
 from enginekit.model.formats.source import ModelSource, resolve_model
 from enginekit.model.kernels.native import native_quant_gemm
 from enginekit.model.kernels.quant_gemm import NATIVE_TYPES
-from enginekit.model.layers.linear import linear_kernel
+from enginekit.model.layers.embedding import Embedding
+from enginekit.model.layers.linear import Linear, linear_kernel
 from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
 from enginekit.model.text.chat_template import ChatTemplate, chat_template_from_folder, end_of_turn_token_ids
 from enginekit.model.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -39,6 +40,9 @@ from enginekit.model.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 logger = logging.getLogger("enginekit.model")
 
 LAYOUT_VERSION = "fused-1"  # bump when the cached layout of the weights changes
+_W = TypeVar(
+    "_W", torch.Tensor, torch.Tensor | StoredTensor
+)  # a checkpoint's tensors: float, or some kept as stored
 Quantization = Literal["auto", "gguf", "none"]
 # GGUF tensors whose products are fused into one (their rows joined in this order): q/k/v and gate/up.
 FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
@@ -107,14 +111,19 @@ def load_model(
             weights = read_gguf_weights(header, config, dtype, keep=keep)
             state = _fuse(_checked(weights, config, header), config)
             stored = {
-                name: state.pop(name) for name in list(state) if not isinstance(state[name], torch.Tensor)
+                name: weight
+                for name, weight in state.items()
+                if isinstance(weight, (StoredWeight, QuantizedWeight))
             }
+            for name in stored:
+                del state[name]
         else:
             state = weight_cache.load_or_build(
                 source.path,
                 key_parts={"dtype": str(dtype).removeprefix("torch."), "layout": LAYOUT_VERSION},
-                build=lambda: _fuse(
-                    _checked(read_gguf_weights(header, config, dtype), config, header), config
+                build=lambda: cast(  # nothing kept as stored: every entry is a float tensor
+                    dict[str, torch.Tensor],
+                    _fuse(_checked(read_gguf_weights(header, config, dtype), config, header), config),
                 ),
             )
     else:
@@ -272,9 +281,7 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _checked(
-    weights: dict[str, torch.Tensor], config: ModelConfig, origin: object
-) -> dict[str, torch.Tensor]:
+def _checked(weights: dict[str, _W], config: ModelConfig, origin: object) -> dict[str, _W]:
     """Refuse missing or misshapen weights, naming them as the checkpoint does."""
     where = origin.path if isinstance(origin, GGUFHeader) else origin
     expected = checkpoint_shapes(config)
@@ -296,7 +303,9 @@ def _checked(
     return weights
 
 
-def _fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def _fuse(
+    weights: dict[str, torch.Tensor] | dict[str, torch.Tensor | StoredTensor], config: ModelConfig
+) -> dict[str, torch.Tensor | StoredWeight | QuantizedWeight]:
     """Map checkpoint names onto ours, concatenating q/k/v and gate/up into one matmul each (``_join``); a
     weight kept as stored becomes a ``StoredWeight`` (the embedding) or a ``QuantizedWeight`` (a projection)."""
     state = {
@@ -311,7 +320,7 @@ def _fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, to
             [weights[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"]
         )
         if config.attention_bias:
-            state[f"{dst}self_attn.qkv_proj.bias"] = torch.cat(
+            state[f"{dst}self_attn.qkv_proj.bias"] = _join(
                 [weights[f"{src}self_attn.{p}_proj.bias"] for p in "qkv"]
             )
         state[f"{dst}self_attn.o_proj.weight"] = _join([weights[f"{src}self_attn.o_proj.weight"]])
@@ -364,7 +373,9 @@ def _stored_run(run: list[StoredTensor]) -> StoredWeight:
         blocks = first.blocks
         if len(run) > 1:  # one view over the stretch of the file the parts fill
             blocks = torch.empty(0, dtype=torch.uint8).set_(
-                blocks.untyped_storage(), blocks.storage_offset(), (rows, blocks.shape[1])
+                blocks.untyped_storage(),  # pyright: ignore[reportCallIssue]  # torch's stubs lack this overload
+                blocks.storage_offset(),
+                (rows, blocks.shape[1]),
             )
     else:
         blocks = torch.cat([_undo_row_permutation(part.blocks, part.rotary_heads) for part in run])
@@ -384,7 +395,13 @@ def _use_stored(
 ) -> None:
     """Hand each layer its weight kept as stored (the tied LM head: the embedding's rows)."""
     for name, weight in stored.items():
-        module.get_submodule(name.removesuffix(".weight")).use_stored(weight)
+        layer = module.get_submodule(name.removesuffix(".weight"))
+        if isinstance(layer, Embedding):
+            assert isinstance(weight, StoredWeight)
+            layer.use_stored(weight)
+        else:
+            assert isinstance(layer, Linear) and isinstance(weight, QuantizedWeight)
+            layer.use_stored(weight)
     embedding = stored.get("embed_tokens.weight")
     if config.tie_word_embeddings and isinstance(embedding, StoredWeight):
         module.lm_head.use_stored(QuantizedWeight([embedding]))

@@ -128,6 +128,7 @@ def read_gguf_weights(
     for gguf_name, hf_name, _, rotary_heads in plan:
         info = header.tensors[gguf_name]
         if gguf_name in keep:
+            assert file_bytes is not None
             heads = rotary_heads if config.architecture == "llama" else 0
             weights[hf_name] = StoredTensor(
                 gguf_name, _stored_rows(file_bytes, info), info.quant_type, info.shape, info.offset, heads

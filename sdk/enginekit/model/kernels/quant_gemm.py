@@ -42,10 +42,11 @@ NATIVE_TYPES = frozenset(
         QType.BF16,
     }
 )
-ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # enginekit_quant_isa in quant_gemm.c
-PATHS = {"auto": 0, "int8": 1, "float": 2, "panels": 3}
 Isa = Literal["scalar", "avx2", "avx512_vnni"]
 Path = Literal["auto", "int8", "float", "panels"]
+ISAS: dict[Isa, int] = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # enginekit_quant_isa in quant_gemm.c
+ISA_NAMES: dict[int, Isa] = {code: name for name, code in ISAS.items()}
+PATHS = {"auto": 0, "int8": 1, "float": 2, "panels": 3}
 
 
 def row_bytes(qtype: int, in_features: int) -> int:
@@ -96,14 +97,14 @@ class NativeQuantGemm(QuantGemm):
     def __init__(self, lib) -> None:
         self._gemm = entries.QUANT_GEMM.bind(lib)
         self._dequantize = entries.DEQUANTIZE.bind(lib)
-        self.best_isa = {code: name for name, code in ISAS.items()}[lib.enginekit_quant_isa()]
+        self.best_isa: Isa = ISA_NAMES[lib.enginekit_quant_isa()]
         self.name = f"native ({self.best_isa})"
         self._threads = torch.get_num_threads
 
     def supports(self, qtype: int) -> bool:
         return int(qtype) in NATIVE_TYPES
 
-    def isas(self) -> list[str]:
+    def isas(self) -> list[Isa]:
         """The instruction sets this CPU can run, slowest first."""
         return [name for name, code in ISAS.items() if code <= ISAS[self.best_isa]]
 

@@ -38,7 +38,9 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if self.q_norm is not None:  # normed in place in qkv, so the native rotary call below reads them
+        if (
+            self.q_norm is not None and self.k_norm is not None
+        ):  # normed in place in qkv, so the native rotary call below reads them
             tokens = qkv.shape[0]
             q = qkv[:, : self.q_size].reshape(tokens * self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(

@@ -23,12 +23,12 @@ class Embedding(nn.Embedding):
                 f"a stored table of [{weight.out_features}, {weight.in_features}] for an embedding of "
                 f"[{self.num_embeddings}, {self.embedding_dim}]"
             )
-        self.weight = None
+        self.weight = None  # pyright: ignore[reportAttributeAccessIssue]  # the stored table replaces it
         self.stored = weight
         self._gemm = quant_gemm()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # named as nn.Embedding names it
         if self.stored is None:
-            return super().forward(input_ids)
-        rows = self.stored.rows(input_ids, self._gemm)
-        return rows.view(*input_ids.shape, self.embedding_dim)
+            return super().forward(input)
+        rows = self.stored.rows(input, self._gemm)
+        return rows.view(*input.shape, self.embedding_dim)
