@@ -126,8 +126,8 @@ def test_dequantizable_types_cover_the_common_ones():
 
 
 def test_an_unsupported_architecture(folder):
-    path, _ = write(folder, "gemma", arch="gemma2")
-    with raises_about(path, r"unsupported architecture 'gemma2'; supported: llama .*qwen2"):
+    path, _ = write(folder, "falcon", arch="falcon")
+    with raises_about(path, r"unsupported architecture 'falcon'; supported: llama, .*qwen2, qwen3"):
         read_gguf_config(path)
 
 
@@ -161,9 +161,23 @@ def test_a_missing_metadata_key(folder, key):
         read_gguf_config(path)
 
 
-def test_unsupported_rope_scaling(folder):
-    path, _ = write(folder, "yarn", extra_strings={"llama.rope.scaling.type": "yarn"})
-    with raises_about(path, "unsupported rope scaling 'yarn'"):
+@pytest.mark.parametrize(
+    ("scaling", "problem"),
+    [
+        ("ntk", "unsupported rope scaling 'ntk'; supported: none, linear, yarn"),
+        ("yarn", "rope scaling 'yarn' needs the metadata key llama.rope.scaling.factor"),
+    ],
+)
+def test_unsupported_rope_scaling(folder, scaling, problem):
+    path, _ = write(folder, scaling, extra_strings={"llama.rope.scaling.type": scaling})
+    with raises_about(path, problem):
+        read_gguf_config(path)
+
+
+def test_rope_freqs_of_the_wrong_shape(folder):
+    path = folder / "rope-freqs.gguf"
+    files.write_tiny_gguf(path, extra_tensors={"rope_freqs.weight": np.ones(7, dtype=np.float32)})
+    with raises_about(path, re.escape("tensor rope_freqs.weight has shape [7], the config needs [32]")):
         read_gguf_config(path)
 
 

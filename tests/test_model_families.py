@@ -84,3 +84,65 @@ def test_unsupported_options_are_refused_by_name(tmp_path, change, named):
     with pytest.raises(EngineStartupError, match=r"supported|needs") as error:
         Engine(str(path), mode="inproc")
     assert named in str(error.value)
+
+
+# The same checkpoints as GGUF files, written as llama.cpp's converter writes them (tests/hf_to_gguf.py).
+
+GGUF_CASES = {
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
+    "yarn-rope": ("qwen2", {"rope_parameters": YARN | {"beta_fast": 16.0}, "rope_theta": 10000.0}),
+    "linear-rope": ("llama", {"rope_parameters": LINEAR}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+def round_weights_to_f16(path):
+    """Store the folder's weights at float16 precision (still float32), so a file holding them as F16 carries the
+    same numbers as the reference."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v.half().float() for k, v in weights.items()}, path / "model.safetensors", {"format": "pt"})
+
+
+def run_gguf_engine(path, batch, quantization, mode="inproc"):
+    with Engine(
+        str(path),
+        mode=mode,
+        quantization=quantization,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+    ) as engine:
+        outputs = engine.generate(
+            batch, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        )
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(("weight_type", "quantization"), [("F32", "none"), ("F32", "auto"), ("F16", "auto")])
+@pytest.mark.parametrize("case", sorted(GGUF_CASES))
+def test_gguf_greedy_tokens_match_transformers(tmp_path, case, weight_type, quantization):
+    from hf_to_gguf import Q, write_gguf_from_hf
+
+    arch, options = GGUF_CASES[case]
+    path = build_checkpoint(tmp_path / case, arch, **options)
+    if weight_type == "F16":
+        round_weights_to_f16(path)
+    gguf = write_gguf_from_hf(path, tmp_path / f"{case}.gguf", Q[weight_type])
+    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=2)
+    assert run_gguf_engine(gguf, batch, quantization) == hf_greedy(path, batch, MAX_TOKENS)
+
+
+def test_gguf_in_the_background_process_matches_transformers(tmp_path):
+    from hf_to_gguf import Q, write_gguf_from_hf
+
+    path = build_checkpoint(tmp_path / "llama3", "llama", rope_parameters=LLAMA3)
+    round_weights_to_f16(path)
+    gguf = write_gguf_from_hf(path, tmp_path / "llama3.gguf", Q.F16)
+    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=3)
+    assert run_gguf_engine(gguf, batch, "auto", mode="mp") == hf_greedy(path, batch, MAX_TOKENS)
