@@ -19,17 +19,27 @@ LLAMA3 = {
 }
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 LINEAR = {"rope_type": "linear", "factor": 2.0}
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0}
+# Phi-3.5-mini style: short factors within the original 64 positions, long ones past them (head_dim 16: 8 each)
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0],
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+    "original_max_position_embeddings": 64,
+}
 
 
-def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+def prompts(vocab_size: int, seed: int = 0, lengths=(1, 7, 33, 70)) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(2, vocab_size) for _ in range(n)] for n in (1, 7, 33, 70)]
+    return [[rng.randrange(2, vocab_size) for _ in range(n)] for n in lengths]
 
 
 CASES = {
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
     "yarn-rope": ("llama", {"rope_parameters": YARN, "rope_theta": 10000.0}),
     "linear-rope": ("qwen2", {"rope_parameters": LINEAR}),
+    "dynamic-rope": ("llama", {"rope_parameters": DYNAMIC}),
+    "longrope": ("llama", {"rope_parameters": LONGROPE}),
     "qwen3": ("qwen3", {}),
     "qwen3-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
 }
@@ -49,7 +59,10 @@ def run_engine(path, batch, mode="inproc"):
 def test_greedy_tokens_match_transformers(tmp_path, case):
     arch, options = CASES[case]
     path = build_checkpoint(tmp_path / case, arch, **options)
-    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"])
+    # longrope: the 48- and 56-token prompts cross the original 64 positions while generating (the long factors
+    # change their tokens), the 70-token one is past them from the start
+    lengths = (1, 7, 33, 48, 56, 70)
+    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], lengths=lengths)
     assert run_engine(path, batch) == hf_greedy(path, batch, MAX_TOKENS)
 
 
@@ -70,8 +83,12 @@ def test_the_rope_scaling_changes_the_tokens(tmp_path):
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
+        (
+            {"rope_parameters": {"rope_type": "ntk-by-parts", "factor": 2.0, "rope_theta": 1e4}},
+            "'ntk-by-parts'",
+        ),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "short_factor"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "factor"),
         ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
         ({"partial_rotary_factor": 0.5}, "partial rotary"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "low_freq_factor"),

@@ -37,7 +37,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 )
 
 # The rope types whose tables we compute (``layers/rotary.py``), as transformers names them.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def by_hf_class(classes: list[str]) -> Architecture | None:
