@@ -34,6 +34,12 @@ def prompts(vocab_size: int, seed: int = 0, lengths=(1, 7, 33, 70)) -> list[list
     return [[rng.randrange(2, vocab_size) for _ in range(n)] for n in lengths]
 
 
+# Prompt lengths per case (default ""). Phi-3's longrope: the 48- and 56-token prompts cross the original 64
+# positions while generating (transformers recomputes them with the long factors, and so do we; the long factors
+# change their tokens), the 70-token one is past them from the start. Llama's longrope code in transformers keeps
+# the keys rotated with the short factors instead: its case stays clear of that step.
+LENGTHS = {"": (1, 7, 33, 70), "phi3.5-longrope": (1, 7, 33, 48, 56, 70)}
+
 CASES = {
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
     "yarn-rope": ("llama", {"rope_parameters": YARN, "rope_theta": 10000.0}),
@@ -41,6 +47,8 @@ CASES = {
     "dynamic-rope": ("llama", {"rope_parameters": DYNAMIC}),
     "longrope": ("llama", {"rope_parameters": LONGROPE}),
     "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", {}),
+    "phi3.5-longrope": ("phi3", {"rope_parameters": LONGROPE, "seed": 1}),  # seed 0 ties at one step
     "qwen3-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
 }
 
@@ -59,16 +67,36 @@ def run_engine(path, batch, mode="inproc"):
 def test_greedy_tokens_match_transformers(tmp_path, case):
     arch, options = CASES[case]
     path = build_checkpoint(tmp_path / case, arch, **options)
-    # longrope: the 48- and 56-token prompts cross the original 64 positions while generating (the long factors
-    # change their tokens), the 70-token one is past them from the start
-    lengths = (1, 7, 33, 48, 56, 70)
-    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], lengths=lengths)
+    batch = prompts(
+        json.loads((path / "config.json").read_text())["vocab_size"], lengths=LENGTHS.get(case, LENGTHS[""])
+    )
     assert run_engine(path, batch) == hf_greedy(path, batch, MAX_TOKENS)
 
 
-def test_background_process_matches_transformers(tmp_path):
-    path = build_checkpoint(tmp_path / "qwen3", "qwen3", head_dim=32, rope_parameters=LLAMA3)
-    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=1)
+def test_longrope_sequences_past_the_original_length_share_no_blocks_with_shorter_ones(tmp_path):
+    """The same 40 leading tokens, rotated with the short factors in one sequence and the long ones in another:
+    the prefix cache must not hand one's blocks to the other (each request runs alone, after the previous one
+    cached its blocks)."""
+    path = build_checkpoint(tmp_path / "phi3", "phi3", rope_parameters=LONGROPE, seed=1)
+    short, long = prompts(json.loads((path / "config.json").read_text())["vocab_size"], lengths=(40, 70))
+    batch = [short, short[:40] + long[40:], short]
+    expected = hf_greedy(path, batch, MAX_TOKENS)
+    with Engine(str(path), mode="inproc", block_size=8, num_kv_blocks=64, max_model_len=256) as engine:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        assert [engine.generate([p], params)[0].outputs[0].token_ids for p in batch] == expected
+
+
+@pytest.mark.parametrize(
+    ("arch", "options", "lengths"),
+    [
+        ("qwen3", {"head_dim": 32, "rope_parameters": LLAMA3}, LENGTHS[""]),
+        ("phi3", {"rope_parameters": LONGROPE, "seed": 1}, LENGTHS["phi3.5-longrope"]),
+    ],
+    ids=["qwen3", "phi3"],
+)
+def test_background_process_matches_transformers(tmp_path, arch, options, lengths):
+    path = build_checkpoint(tmp_path / arch, arch, **options)
+    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=1, lengths=lengths)
     assert run_engine(path, batch, mode="mp") == hf_greedy(path, batch, MAX_TOKENS)
 
 

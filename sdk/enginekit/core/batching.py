@@ -22,7 +22,7 @@ def build_batch(
             request.all_token_ids[start : start + num_new],
             start,
             block_ids[request.request_id],
-            num_prompt_tokens=request.num_prompt_tokens,
+            rope_long=request.rope_long,
         )
         if start < request.num_prompt_tokens:
             _prompt_chunk(chunk, request, start, num_new)

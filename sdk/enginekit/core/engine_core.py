@@ -141,6 +141,7 @@ class EngineCore:
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            long_rope_from=model_config.long_rope_from,
         )
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend,

@@ -36,8 +36,8 @@ class SequenceChunk:
     prompt_logprobs, prompt_targets
         For a prompt chunk whose prompt logprobs are wanted: how many top tokens, and the prompt token each row
         predicts (the next one; the last prompt token predicts nothing of the prompt).
-    num_prompt_tokens
-        The length of the sequence's prompt (the rotary embedding of ``longrope`` depends on it).
+    rope_long
+        ``longrope``: the sequence is rotated with the long factors (``Request.rope_long``).
     """
 
     token_ids: list[int]
@@ -50,7 +50,7 @@ class SequenceChunk:
     prompt_embeds: torch.Tensor | None = None
     prompt_logprobs: int | None = None
     prompt_targets: list[int] | None = None
-    num_prompt_tokens: int = 0
+    rope_long: bool = False
 
     @property
     def num_tokens(self) -> int:

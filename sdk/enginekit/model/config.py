@@ -31,3 +31,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     rope_long_factors: tuple[float, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """``longrope``: the sequence length past which the long factors apply (its original context), else None."""
+        if self.rope_type != "longrope":
+            return None
+        return int(self.rope_parameters["original_max_position_embeddings"])

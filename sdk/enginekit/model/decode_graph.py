@@ -117,10 +117,7 @@ class DecodeGraphs:
         pad = batch - count
         rows = (
             [chunk.token_ids[0] for chunk in chunks],
-            [
-                self.model.rotary.rows(chunk.start, chunk.start + 1, chunk.num_prompt_tokens)[0]
-                for chunk in chunks
-            ],
+            [self.model.rotary.rows(chunk.start, chunk.start + 1, chunk.rope_long)[0] for chunk in chunks],
             [table[chunk.start // size] * size + chunk.start % size for chunk, table in zip(chunks, tables)],
             context_lens,
         )

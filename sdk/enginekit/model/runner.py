@@ -139,7 +139,7 @@ class ModelRunner:
             row, start, end = len(token_ids), chunk.start, chunk.start + chunk.num_tokens
             table = chunk.block_table
             token_ids.extend(chunk.token_ids)
-            positions.extend(rotary.rows(start, end, chunk.num_prompt_tokens))
+            positions.extend(rotary.rows(start, end, chunk.rope_long))
             slots.extend(table[p // size] * size + p % size for p in range(start, end))
             if chunk.prompt_embeds is not None:
                 embeds.append((row, chunk.prompt_embeds.to(self.device)))

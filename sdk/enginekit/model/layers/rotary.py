@@ -15,7 +15,7 @@ class RotaryEmbedding(nn.Module):
     table's first half is stored negated (see ``rotate``).
 
     ``longrope`` has two tables one after the other, the short factors' then the long factors'; ``rows`` says
-    which row each token reads (see there)."""
+    which row each token reads."""
 
     cos: torch.Tensor  # buffers, [max_positions (twice for longrope), D]
     signed_sin: torch.Tensor
@@ -24,13 +24,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         head_dim = config.head_dim
         self.max_positions = config.max_position_embeddings
-        # longrope: the position from which the long factors apply (transformers' original_max_position_embeddings)
-        self.long_from: int | None = None
+        self.long_from = config.long_rope_from  # longrope: the original length (see ``rows``)
         with torch.device("cpu"):  # NOTE: real tables even when the model is built on the meta device
             inv_freq, attention_factor = inverse_frequencies(config)
             cos, sin = _rotary_tables(inv_freq, self.max_positions, attention_factor)
-            if config.rope_type == "longrope":
-                self.long_from = int(config.rope_parameters["original_max_position_embeddings"])
+            if self.long_from is not None:
                 long_cos, long_sin = _rotary_tables(
                     inverse_frequencies(config, long=True)[0], self.max_positions, attention_factor
                 )
@@ -39,23 +37,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("signed_sin", signed_sin, persistent=False)
 
-    def rows(self, start: int, end: int, num_prompt_tokens: int) -> range | list[int]:
-        """The table rows of positions ``[start, end)`` of a sequence whose prompt has ``num_prompt_tokens``.
-
-        The row is the position, except with ``longrope``: transformers rotates the tokens of one forward pass
-        with the long factors when the pass reaches past ``original_max_position_embeddings`` positions, else
-        with the short ones, and keeps the keys it cached. Generating one token per pass, that is: a prompt
-        longer than that limit reads the long factors for all its tokens; otherwise each token from that
-        position on does. Both rules as one, per token, so that any chunking or recomputation of a sequence
-        rotates it the same way."""
-        if self.long_from is None:
-            return range(start, end)
-        if num_prompt_tokens > self.long_from:
-            return range(start + self.max_positions, end + self.max_positions)
-        if end <= self.long_from:
-            return range(start, end)
-        split = max(start, self.long_from)
-        return [*range(start, split), *range(split + self.max_positions, end + self.max_positions)]
+    def rows(self, start: int, end: int, long: bool) -> range:
+        """The table rows of positions ``[start, end)``: the positions, or with ``longrope`` for a ``long``
+        sequence (one past ``long_from`` tokens; see ``core/scheduler.py``) the long factors' rows."""
+        offset = self.max_positions if long and self.long_from is not None else 0
+        return range(start + offset, end + offset)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin of these positions, ``[T, 1, D]``; looked up once per step, used by every layer."""
