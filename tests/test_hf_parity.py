@@ -84,7 +84,7 @@ def test_text_prompts_use_the_checkpoint_tokenizer(tmp_path):
 def test_missing_model_folder(tmp_path):
     with pytest.raises(
         EngineStartupError,
-        match=r"model '.*nowhere' is not a local folder or file, and enginekit never downloads",
+        match=r"model '.*nowhere' is not a local folder or file, nor a Hugging Face repo id",
     ):
         Engine(str(tmp_path / "nowhere"), mode="inproc")
 

@@ -109,7 +109,7 @@ class EngineCore:
     def _build(self, config: EngineConfig, spec: ModelSpec | None) -> None:
         if config.debug_load_delay_s:
             time.sleep(config.debug_load_delay_s)
-        spec = spec or load_model_spec(config.model)
+        spec = spec or load_model_spec(config.model, config.revision)
         self.model_config = model_config = spec.config
         self.tokenizer = spec.tokenizer
         self.num_kv_blocks, self.max_model_len = size_kv_cache(config, model_config, self.dtype)

@@ -59,13 +59,19 @@ class ModelSpec:
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None = None
     end_of_turn_token_ids: tuple[int, ...] = ()
+    revision: str | None = None  # of a Hugging Face repo id, as the user gave it
+
+    @property
+    def source_key(self) -> tuple[str | None, str | None]:
+        """The model and revision as given: the same key, the same spec."""
+        return self.name, self.revision
 
 
-def load_model_spec(model: str | None) -> ModelSpec:
+def load_model_spec(model: str | None, revision: str | None = None) -> ModelSpec:
     """Read a model's architecture numbers, tokenizer and chat template (not its weights)."""
-    source = resolve_model(model)
+    source = resolve_model(model, revision)
     if source.format == "builtin":
-        return ModelSpec(model, source, BUILTIN_CONFIG, ByteTokenizer())
+        return ModelSpec(model, source, BUILTIN_CONFIG, ByteTokenizer(), revision=revision)
     assert source.path is not None
     if source.format == "gguf":
         header = read_gguf_header(source.path)
@@ -84,7 +90,7 @@ def load_model_spec(model: str | None) -> ModelSpec:
         tokenizer = load_tokenizer(source.path, bos_token_id=config.bos_token_id, eos_token_id=eos)
         template = chat_template_from_folder(source.path)
     end_of_turn = end_of_turn_token_ids(template, tokenizer.backend) if template is not None else ()
-    return ModelSpec(model, source, config, tokenizer, template, end_of_turn)
+    return ModelSpec(model, source, config, tokenizer, template, end_of_turn, revision)
 
 
 def load_model(
