@@ -6,7 +6,10 @@ What the converter does per architecture, as data (``FAMILIES``): the ``general.
 checkpoints become ``llama`` files), whether it interleaves the two rotary halves of each q/k head (``llama``), and
 the metadata keys. Rope scaling: ``linear`` and ``yarn`` as ``{arch}.rope.scaling.*`` keys, ``llama3`` as the
 tensor ``rope_freqs.weight`` (one divisor per frequency). Vectors are stored as F32, matrices in ``weight_type``.
-The tokenizer (the byte-level BPE of ``hf_checkpoints``) goes in as ``gpt2`` tokens and merges.
+Phi-3 (``phi3``): its fused ``attn_qkv`` and ``ffn_up`` (gate and up rows), and ``longrope`` as the tensors
+``rope_factors_short.weight`` / ``rope_factors_long.weight`` with ``rope.scaling.attn_factor`` and
+``original_context_length``. The tokenizer (the byte-level BPE of ``hf_checkpoints``) goes in as ``gpt2`` tokens
+and merges.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ FAMILIES = {
     "MistralForCausalLM": Family("llama", True),
     "Qwen2ForCausalLM": Family("qwen2", False),
     "Qwen3ForCausalLM": Family("qwen3", False),
+    "Phi3ForCausalLM": Family("phi3", False),
 }
 RENAMES = (
     ("model.embed_tokens.", "token_embd."),
@@ -45,6 +49,8 @@ RENAMES = (
     ("self_attn.v_proj", "attn_v"),
     ("self_attn.o_proj", "attn_output"),
     ("self_attn.q_norm", "attn_q_norm"),
+    ("self_attn.qkv_proj", "attn_qkv"),  # Phi-3's fused projections
+    ("mlp.gate_up_proj", "ffn_up"),
     ("self_attn.k_norm", "attn_k_norm"),
     ("mlp.gate_proj", "ffn_gate"),
     ("mlp.up_proj", "ffn_up"),
@@ -109,9 +115,14 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
     if config.get("head_dim") is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if family.permute_qk:
+    if family.permute_qk or arch == "phi3":
         writer.add_rope_dimension_count(head_dim)
-    _add_rope_scaling(writer, arch, rope)
+    if arch == "phi3":  # longrope: the factors are tensors, the rest these keys
+        writer.add_uint32(f"{arch}.attention.sliding_window", config.get("sliding_window") or 0)
+        original = rope.get("original_max_position_embeddings", config["max_position_embeddings"])
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+    else:
+        _add_rope_scaling(writer, arch, rope)
     _add_tokenizer(writer, folder, config)
 
     weights = load_file(folder / "model.safetensors")
@@ -119,6 +130,12 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
         weights.pop("lm_head.weight", None)
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_freq_divisors(rope, head_dim))
+    if rope.get("rope_type") == "longrope":
+        scale = config["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"]))
+        writer.add_float32(f"{arch}.rope.scaling.attn_factor", attn_factor if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for hf_name, tensor in weights.items():
         name = gguf_tensor_name(hf_name)
         if family.permute_qk and (".attn_q." in name or ".attn_k." in name):

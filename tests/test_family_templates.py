@@ -131,3 +131,28 @@ def test_the_templates_own_message_in_every_mode(mistral_folder, mode):
 
             asyncio.run(achat())
         assert engine.chat(good, params)[0].prompt == out.prompt  # the engine still serves
+
+
+def test_chat_passes_template_variables(tmp_path):
+    from chat_templates import QWEN_3
+
+    with Engine("builtin", mode="inproc", num_kv_blocks=64) as engine:
+        params = SamplingParams(max_tokens=2, temperature=0)
+        out = engine.chat(
+            THINKING,
+            params,
+            chat_template=QWEN_3,
+            chat_template_kwargs={"enable_thinking": False, "tools": TOOLS},
+        )[0]
+        expected = reference_render(
+            QWEN_3,
+            THINKING,
+            add_generation_prompt=True,
+            bos=None,
+            eos=None,
+            enable_thinking=False,
+            tools=TOOLS,
+        )
+        assert out.prompt == expected and out.prompt.endswith("<think>\n\n</think>\n\n")
+        with pytest.raises(TypeError, match="chat_template_kwargs must be a dict of template variables"):
+            engine.chat(THINKING, params, chat_template=QWEN_3, chat_template_kwargs=["enable_thinking"])

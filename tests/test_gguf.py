@@ -127,7 +127,10 @@ def test_dequantizable_types_cover_the_common_ones():
 
 def test_an_unsupported_architecture(folder):
     path, _ = write(folder, "falcon", arch="falcon")
-    with raises_about(path, r"unsupported architecture 'falcon'; supported: llama, .*qwen2, qwen3"):
+    with raises_about(
+        path,
+        r"unsupported architecture 'falcon'; supported: llama \(Llama and Mistral files\), qwen2, qwen3, phi3",
+    ):
         read_gguf_config(path)
 
 

@@ -55,10 +55,7 @@ def bad_gguf(tmp_path, good, case):
         write_tiny_gguf(path, extra_strings={}, drop_keys=())
         data = path.read_bytes().replace(b"llama", b"gemma", 1)
         path.write_bytes(data)
-        return (
-            path,
-            r"unsupported architecture 'gemma'; supported: llama, qwen2, qwen3 \(llama covers Llama and Mistral",
-        )
+        return path, r"unsupported architecture 'gemma'; supported: llama \(Llama and Mistral files\), qwen2"
     if case == "unsupported quant type":
         write_tiny_gguf(path, raw_types={"blk.0.ffn_up.weight": Q.Q8_1})
         return path, r"tensor blk.0.ffn_up.weight is stored as Q8_1, which cannot be dequantized"

@@ -141,6 +141,8 @@ GGUF_CASES = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    "phi3": ("phi3", {}),
+    "phi3.5-longrope": ("phi3", {"rope_parameters": LONGROPE, "seed": 1}),
 }
 
 
@@ -179,7 +181,10 @@ def test_gguf_greedy_tokens_match_transformers(tmp_path, case, weight_type, quan
     if weight_type == "F16":
         round_weights_to_f16(path)
     gguf = write_gguf_from_hf(path, tmp_path / f"{case}.gguf", Q[weight_type])
-    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=2)
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    batch = prompts(
+        vocab_size, seed=2 if case != "phi3.5-longrope" else 0, lengths=LENGTHS.get(case, LENGTHS[""])
+    )
     assert run_gguf_engine(gguf, batch, quantization) == hf_greedy(path, batch, MAX_TOKENS)
 
 

@@ -20,7 +20,7 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True):
     # ``use_sliding_window``
     gguf_rotary_permuted: bool = False  # llama.cpp's converter interleaves the rotary halves of q/k rows
     # the checkpoint stores q/k/v as one ``self_attn.qkv_proj`` and gate/up as one ``mlp.gate_up_proj`` (in the
-    # decoder's own order: q, k, v rows; gate rows, then up rows)
+    # decoder's own order: q, k, v rows; gate rows, then up rows); in GGUF ``attn_qkv`` and ``ffn_up``
     fused_checkpoint: bool = False
 
 
@@ -38,7 +38,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     ),
     Architecture(name="qwen3", hf_classes=("Qwen3ForCausalLM",), gguf_names=("qwen3",), qk_norm=True),
     Architecture(
-        name="phi3", hf_classes=("Phi3ForCausalLM",), sliding_window="always", fused_checkpoint=True
+        name="phi3",
+        hf_classes=("Phi3ForCausalLM",),
+        gguf_names=("phi3",),
+        sliding_window="always",
+        fused_checkpoint=True,
     ),
 )
 

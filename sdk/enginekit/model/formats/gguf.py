@@ -59,8 +59,11 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
     if spec is None:
         raise gguf_error(
             header.path,
-            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
-            "(llama covers Llama and Mistral files)",
+            f"unsupported architecture {arch!r}; supported: "
+            + ", ".join(
+                f"{name} (Llama and Mistral files)" if name == "llama" else name
+                for name in SUPPORTED_ARCHITECTURES
+            ),
         )
     num_heads = _required_int(header, f"{arch}.attention.head_count")
     hidden_size = _required_int(header, f"{arch}.embedding_length")
@@ -71,7 +74,7 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         raise gguf_error(
             header.path, f"unsupported value heads of {value_dim} dims for key heads of {head_dim}"
         )
-    rope_type, rope_parameters, freq_factors = _rope(header, arch, head_dim)
+    rope_type, rope_parameters, freq_factors, short_factors, long_factors = _rope(header, arch, head_dim)
     max_positions = _required_int(header, f"{arch}.context_length")
     sliding_window = meta.get(f"{arch}.attention.sliding_window")
     if sliding_window:
@@ -96,6 +99,8 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         rope_type=rope_type,
         rope_parameters=rope_parameters,
         rope_freq_factors=freq_factors,
+        rope_short_factors=short_factors,
+        rope_long_factors=long_factors,
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
     )
@@ -201,11 +206,21 @@ def _vocab_size(header: GGUFHeader, arch: str) -> int:
     return size
 
 
-def _rope(header: GGUFHeader, arch: str, head_dim: int) -> tuple[str, dict[str, float], tuple[float, ...]]:
-    """The rope type, its numbers as transformers names them, and the per-frequency divisors, from the metadata
-    llama.cpp's converter writes: ``{arch}.rope.scaling.*`` for linear and YaRN scaling, and the tensor
-    ``rope_freqs.weight`` (Llama 3's ``llama3`` scaling, stored as one divisor per frequency)."""
+_Factors = tuple[float, ...]
+
+
+def _rope(
+    header: GGUFHeader, arch: str, head_dim: int
+) -> tuple[str, dict[str, float], _Factors, _Factors, _Factors]:
+    """The rope type, its numbers as transformers names them, the per-frequency divisors and longrope's short and
+    long factors, from what llama.cpp's converter writes: ``{arch}.rope.scaling.*`` for linear and YaRN scaling,
+    the tensor ``rope_freqs.weight`` (Llama 3's ``llama3`` scaling, one divisor per frequency), and Phi-3's
+    ``rope_factors_short.weight`` / ``rope_factors_long.weight`` with ``{arch}.rope.scaling.attn_factor`` and
+    ``original_context_length`` (``longrope``)."""
     meta = header.metadata
+    data = np.memmap(header.path, dtype=np.uint8, mode="r")
+    if "rope_factors_long.weight" in header.tensors:
+        return _longrope(header, arch, head_dim, data)
     prefix = f"{arch}.rope.scaling."
     scaling = meta.get(prefix + "type", "none")
     factor = meta.get(prefix + "factor", meta.get(f"{arch}.rope.scale_linear"))
@@ -244,14 +259,41 @@ def _rope(header: GGUFHeader, arch: str, head_dim: int) -> tuple[str, dict[str, 
                 header.path,
                 f"tensor rope_freqs.weight has shape {list(info.shape)}, the config needs [{head_dim // 2}]",
             )
-        data = np.memmap(header.path, dtype=np.uint8, mode="r")
         freq_factors = tuple(float(x) for x in _dequantize(header, data, info).tolist())
-    rotary_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    _check_rotary_dims(header, arch, head_dim)
+    return rope_type, params, freq_factors, (), ()
+
+
+def _longrope(
+    header: GGUFHeader, arch: str, head_dim: int, data: np.memmap
+) -> tuple[str, dict[str, float], _Factors, _Factors, _Factors]:
+    factors = []
+    for name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+        info = header.tensors.get(name)
+        if info is None or info.shape != (head_dim // 2,):
+            shape = "missing" if info is None else f"of shape {list(info.shape)}"
+            raise gguf_error(
+                header.path, f"longrope needs the tensor {name} of [{head_dim // 2}]; it is {shape}"
+            )
+        factors.append(tuple(float(x) for x in _dequantize(header, data, info).tolist()))
+    original = _required_int(header, f"{arch}.rope.scaling.original_context_length")
+    params = {
+        "original_max_position_embeddings": float(original),
+        "factor": _required_int(header, f"{arch}.context_length") / original,
+    }
+    attn_factor = header.metadata.get(f"{arch}.rope.scaling.attn_factor")
+    if isinstance(attn_factor, (int, float)):
+        params["attention_factor"] = float(attn_factor)
+    _check_rotary_dims(header, arch, head_dim)
+    return "longrope", params, (), factors[0], factors[1]
+
+
+def _check_rotary_dims(header: GGUFHeader, arch: str, head_dim: int) -> None:
+    rotary_dims = header.metadata.get(f"{arch}.rope.dimension_count", head_dim)
     if rotary_dims != head_dim:
         raise gguf_error(
             header.path, f"unsupported partial rotary embedding ({rotary_dims} of {head_dim} dims)"
         )
-    return rope_type, params, freq_factors
 
 
 _Plan = list[tuple[str, str, tuple[int, ...], int]]
@@ -278,6 +320,13 @@ def _weight_plan(config: ModelConfig) -> _Plan:
         ("ffn_up.weight", "mlp.up_proj.weight", (inter, hidden), 0),
         ("ffn_down.weight", "mlp.down_proj.weight", (hidden, inter), 0),
     ]
+    if by_name(config.architecture).fused_checkpoint:  # Phi-3: q/k/v and gate/up stored fused
+        fused = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"}
+        layer = [entry for entry in layer if entry[0] not in fused]
+        layer += [
+            ("attn_qkv.weight", "self_attn.qkv_proj.weight", (q_size + 2 * kv_size, hidden), 0),
+            ("ffn_up.weight", "mlp.gate_up_proj.weight", (2 * inter, hidden), 0),
+        ]
     if config.qk_norm:
         layer += [
             ("attn_q_norm.weight", "self_attn.q_norm.weight", (config.head_dim,), 0),
