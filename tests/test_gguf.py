@@ -177,6 +177,29 @@ def test_unsupported_rope_scaling(folder, scaling, problem):
         read_gguf_config(path)
 
 
+def test_unsupported_yarn_options(folder):
+    path = folder / "yarn-ext.gguf"
+    writer_keys = {"llama.rope.scaling.type": "yarn"}
+    files.write_tiny_gguf(
+        path,
+        extra_strings=writer_keys,
+        extra_floats={
+            "llama.rope.scaling.factor": 4.0,
+            "llama.rope.scaling.yarn_ext_factor": 0.5,
+        },
+        extra_ints={"llama.rope.scaling.original_context_length": 128},
+    )
+    with raises_about(path, "unsupported YaRN option llama.rope.scaling.yarn_ext_factor = 0.5"):
+        read_gguf_config(path)
+
+
+def test_longrope_needs_both_factor_tensors(folder):
+    path = folder / "longrope-half.gguf"
+    files.write_tiny_gguf(path, extra_tensors={"rope_factors_long.weight": np.ones(32, dtype=np.float32)})
+    with raises_about(path, r"longrope needs the tensor rope_factors_short.weight of \[32\]; it is missing"):
+        read_gguf_config(path)
+
+
 def test_rope_freqs_of_the_wrong_shape(folder):
     path = folder / "rope-freqs.gguf"
     files.write_tiny_gguf(path, extra_tensors={"rope_freqs.weight": np.ones(7, dtype=np.float32)})

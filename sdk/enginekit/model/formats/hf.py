@@ -156,7 +156,12 @@ def _rope(
             phase="model load",
         )
     if raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise EngineStartupError(f"unsupported partial rotary embedding in {path}", phase="model load")
+        raise EngineStartupError(
+            f"unsupported partial rotary embedding in {path} (partial_rotary_factor "
+            f"{raw.get('partial_rotary_factor', params.get('partial_rotary_factor'))}); supported: 1.0, every "
+            "dimension of a head rotated",
+            phase="model load",
+        )
     if "original_max_position_embeddings" not in params and "original_max_position_embeddings" in raw:
         params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     short_factors: tuple[float, ...] = ()
