@@ -72,6 +72,7 @@ class Scheduler:
             if self._turns_long(request) and request.num_computed_tokens > 0:
                 del self.running[index]  # its cache holds short-rotated keys: compute it again
                 self.kv_cache.free(request)
+                request.status = RequestStatus.PREEMPTED
                 request.num_computed_tokens = 0
                 self.waiting.appendleft(request)
                 continue
