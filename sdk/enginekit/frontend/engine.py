@@ -90,9 +90,9 @@ class Engine:
         logger.info("engine started: mode=%s pid=%s", self.mode, self._client.engine_pid)
 
     def _spec_for(self, config: EngineConfig) -> ModelSpec:
-        if self._spec is not None and self._spec.name == config.model:
+        if self._spec is not None and self._spec.source_key == (config.model, config.revision):
             return self._spec  # the tokenizer is read once, not per restart
-        return load_model_spec(config.model)
+        return load_model_spec(config.model, config.revision)
 
     @property
     def is_running(self) -> bool:
