@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,12 @@ def _section(index: int, name: str, entry: dict[str, Any], plots: dict[str, str]
             _, render = section.load()
         except ModuleNotFoundError:
             render = None
-    parts.append(render(figures) if render is not None else generic_render(figures))
+    try:
+        parts.append(render(figures) if render is not None else generic_render(figures))
+    except Exception:  # a renderer's bug loses its section's text, not the page (the figures are in the JSON)
+        parts.append(
+            f"**This section's renderer failed:**\n\n```\n{traceback.format_exc(limit=4).strip()}\n```\n"
+        )
     for i, _ in enumerate(figures.get("curves", [])):
         key = f"{name}-{i}"
         if key in plots:
@@ -222,6 +228,9 @@ def _draw_curve(plt: Any, curve_: dict[str, Any], path: Path) -> None:
         high = [s["max"] - s["median"] for _, s in points]
         axes.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=system)
     axes.set_xscale("log", base=2)
+    ticks = sorted({c for points in curve_["systems"].values() for c, _ in points})
+    axes.set_xticks(ticks, [str(t) for t in ticks])
+    axes.minorticks_off()
     axes.set_yscale("log")
     axes.set_xlabel("concurrent requests")
     axes.set_ylabel("generated tokens/s")
