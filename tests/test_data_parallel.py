@@ -78,6 +78,21 @@ def test_utilities_go_to_one_rank_or_to_each(engine):
     assert [rank["num_kv_blocks"] for rank in stats["ranks"]] == [128, 128] and stats["num_kv_blocks"] == 256
 
 
+def test_facade_methods_return_the_same_type_as_with_one_rank(engine):
+    assert engine.ping() is True
+    assert engine.reset_prefix_cache() is True  # idle: both ranks forgot their prefix cache
+    assert isinstance(engine.get_stats(), dict)
+
+
+def test_the_samples_of_one_prompt_stay_on_one_rank(engine):
+    before = [rank["num_generated_tokens"] for rank in engine.get_stats()["ranks"]]
+    prompt = "one prompt, four samples: " + "p" * 40  # three full blocks the samples share
+    engine.generate(prompt, SamplingParams(n=4, max_tokens=10, temperature=0.8, seed=1))
+    stats = engine.get_stats()["ranks"]
+    grown = sorted(rank["num_generated_tokens"] - b for rank, b in zip(stats, before))
+    assert grown == [0, 40]
+
+
 def test_an_abort_follows_its_request_to_its_rank(engine):
     stream = engine.stream("abort me on my rank", LONG)
     first = next(stream)

@@ -35,3 +35,14 @@ def test_stop_string_split_across_tokens_and_multiple_stops():
     deltas, stopped = feed("abc\n\nxyz", stop=["zz", "\n\n"])
     assert stopped == "\n\n"
     assert "".join(deltas) == "abc"
+
+
+def test_a_character_cut_short_at_the_end_is_dropped():
+    tokenizer = ByteTokenizer()
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("prompt"), ())
+    deltas = []
+    for token in tokenizer.encode("ok 🙂")[1:-2]:  # the emoji's last two bytes never come
+        detokenizer.update(token)
+        deltas.append(detokenizer.flush())
+    deltas.append(detokenizer.flush_final())
+    assert "".join(deltas) == detokenizer.text == "ok "

@@ -1,5 +1,7 @@
 """The engine core through the facade, in-process, on the built-in tiny model."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -272,3 +274,45 @@ def test_several_threads_share_one_inprocess_engine(engine, greedy):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda p: engine.generate(p, greedy(6))[0].outputs[0].token_ids, prompts))
     assert results == expected
+
+
+@pytest.mark.parametrize("call", ["astream", "astream_chat"])
+def test_astream_yields_token_by_token_and_break_stops_the_generation(call):
+    # One engine per case: the token counter then counts this stream's tokens alone.
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with Engine("builtin", mode="inproc", num_kv_blocks=256) as engine:
+        params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+        async def first_two():
+            if call == "astream":
+                stream = engine.astream("stream me", params)
+            else:
+                stream = engine.astream_chat(
+                    [{"role": "user", "content": "hi"}], params, chat_template=template
+                )
+            seen = []
+            async for output in stream:
+                seen.append(len(output.outputs[0].token_ids))
+                if len(seen) == 2:
+                    break
+            await asyncio.sleep(0.05)  # the abandoned generator's clean-up runs on the loop
+            return seen
+
+        seen = asyncio.run(first_two())
+        assert seen[0] < seen[1] < 300  # yielded while the request ran, not once at its end
+        assert engine.call_utility("get_request_ids") == []
+        assert engine.get_stats()["num_generated_tokens"] < 300  # the break stopped it
+
+
+def test_max_tokens_inside_a_multibyte_character_drops_the_partial_character(engine):
+    # The built-in model's tokens are bytes: cut a seeded output just after a multi-byte character's lead byte
+    # (a seeded request samples the same tokens whatever its max_tokens).
+    seeded = {"temperature": 1.0, "seed": 3, "ignore_eos": True}
+    long = engine.generate("bytes", SamplingParams(max_tokens=400, **seeded))[0]
+    leads = [i for i, token in enumerate(long.outputs[0].token_ids) if 0xC2 <= token - 3 <= 0xF4]
+    assert leads, "no multi-byte lead byte in 400 sampled tokens"
+    params = SamplingParams(max_tokens=leads[0] + 1, **seeded)
+    out = engine.generate("bytes", params)[0].outputs[0]
+    assert out.finish_reason == "length" and not out.text.endswith("\ufffd")
+    pieces = [o.outputs[0].text for o in engine.stream("bytes", params)]
+    assert not pieces[-1].endswith("\ufffd") and pieces[-1] == out.text

@@ -205,6 +205,49 @@ def test_restart_with_a_bad_argument_keeps_the_running_engine(options, exception
         assert engine.generate("still here", SHORT)[0].finished
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        pytest.param(
+            {"device": "cuda"},
+            r"device='cuda' was asked for but CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"),
+        ),
+        ({"model": "/bad.gguf"}, r"model '/bad.gguf' is not a local folder or file"),
+        ({"max_model_len": 10**6}, r"max_model_len=1000000 exceeds the model's limit of 4096 positions"),
+        ({"max_model_len": 4000, "num_kv_blocks": 8}, r"max_model_len=4000 does not fit the KV cache"),
+    ],
+)
+def test_restart_that_cannot_start_keeps_the_engine_and_its_config(options, message):
+    with Engine("builtin", mode="mp", num_kv_blocks=64) as engine:
+        pid, config = engine.engine_pid, engine.config
+        with pytest.raises(EngineStartupError, match=message):
+            engine.restart(**options)
+        assert engine.is_running and engine.engine_pid == pid  # checked before the running engine stopped
+        assert engine.config == config
+        assert engine.generate("still here", SHORT)[0].finished
+        engine.restart()  # the bad option was not kept
+        assert engine.is_running and engine.engine_pid != pid
+
+
+def test_restart_whose_new_engine_fails_to_start_starts_the_previous_one_again():
+    with Engine("builtin", mode="mp", num_kv_blocks=64) as engine:
+        config = engine.config
+        with pytest.raises(EngineStartupError, match="did not report READY") as info:
+            engine.restart(debug_load_delay_s=60, startup_timeout=1.0)  # fails only once started
+        assert (
+            "the previous mode and config are kept, and the previous engine runs again"
+            in info.value.__notes__
+        )
+        assert engine.config == config and engine.is_running
+        assert engine.generate("back again", SHORT)[0].finished
+
+
+def test_a_kv_cache_budget_below_two_blocks_is_refused():
+    with pytest.raises(EngineStartupError, match=r"kv_cache_memory_bytes=1 holds less than the 2 KV blocks"):
+        Engine("builtin", mode="inproc", kv_cache_memory_bytes=1)
+
+
 def test_async_mode_serves_blocking_calls_from_two_threads():
     params = SamplingParams(max_tokens=8, temperature=0)
     prompts = [f"thread prompt {i}" for i in range(15)]

@@ -117,6 +117,26 @@ def test_kill_9_fails_the_waiting_call_then_restart_works(engine, operation):
     assert engine.generate("alive again", SamplingParams(max_tokens=3))[0].finished
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("operation", ["generate", "stream", "agenerate", "astream"])
+def test_a_signal_to_the_engine_process_fails_the_calls_in_flight_naming_it(engine, operation, signum):
+    # The engine stops for it; a request nobody aborted must not end as if it had finished ('abort').
+    name = signal.Signals(signum).name
+    pid = engine.engine_pid
+    error = run_until_fault(
+        engine,
+        OPERATIONS[operation],
+        in_flight=lambda: producing_tokens(engine),
+        inject=lambda: os.kill(pid, signum),
+    )
+    with pytest.raises(EngineDeadError, match=rf"engine process was sent {name} \(not by this front end\)"):
+        raise error
+    with pytest.raises(EngineDeadError, match=name):
+        engine.generate("a later call fails the same way", SamplingParams(max_tokens=2))
+    engine.restart()
+    assert engine.generate("alive again", SamplingParams(max_tokens=3))[0].finished
+
+
 # ---- an executor failure: EXECUTOR_FAILED -> ENGINE_CORE_DEAD -> EngineDeadError -------------------------
 
 EXECUTOR_FAILURE = r"engine core reported a fatal error(.|\n)*Executor failed(.|\n)*injected executor failure"

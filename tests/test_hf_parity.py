@@ -120,7 +120,7 @@ def test_unsupported_architecture(tmp_path):
 def test_unsupported_rope_scaling(tmp_path):
     path = build_checkpoint(tmp_path / "llama")
     config = json.loads((path / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EngineStartupError, match="unsupported rope scaling 'yarn'"):
+    with pytest.raises(EngineStartupError, match=r"unsupported rope type 'dynamic'.*supported: default"):
         Engine(str(path), mode="inproc")

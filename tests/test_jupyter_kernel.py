@@ -191,6 +191,34 @@ def test_interrupt_mid_generation_aborts_and_the_next_cell_generates(kernel_with
     assert kernel.value("len(engine.generate('next', SHORT)[0].outputs[0].token_ids)") == "4"
 
 
+@pytest.mark.parametrize("mode", ["mp", "async"])
+def test_interrupting_a_cell_that_awaits_agenerate_aborts_its_request_at_once(make_kernel, mode):
+    # ipykernel cancels an awaiting cell from its SIGINT handler, which runs only when the kernel's loop wakes
+    # up; agenerate hears nothing until its request ends, so without a periodic wake-up the whole generation
+    # ran first. The request must end long before its max_tokens.
+    kernel = make_kernel()
+    kernel.check(
+        f"engine = Engine('builtin', mode={mode!r}, num_kv_blocks=300, num_threads=1)\n"
+        "VERY_LONG = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)"
+    )
+    interrupted = []
+
+    def interrupt(text: str) -> None:
+        if "generating" in text and not interrupted:
+            interrupted.append(True)
+            kernel.manager.interrupt_kernel()
+
+    cell = (
+        "when_generating(engine, lambda: print('generating', flush=True))\n"
+        "await engine.agenerate('interrupt me', VERY_LONG)"
+    )
+    result = kernel.run(cell, on_output=interrupt)
+    assert interrupted and result.ename == "CancelledError"
+    assert kernel.value("engine.call_utility('get_request_ids')") == "[]"
+    assert int(kernel.value("engine.get_stats()['num_generated_tokens']")) < 4000
+    kernel.check("engine.shutdown()")
+
+
 def test_interrupts_at_any_moment_never_wedge_the_async_engine(kernel_with_engines):
     # A sync call in "async" mode runs the kernel's loop: an interrupt must not land inside one of its
     # callbacks (a zmq socket's would stop reading that socket for good). Vary where the SIGINT lands.

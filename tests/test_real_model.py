@@ -70,7 +70,9 @@ def reference():
 
 @pytest.fixture(scope="module", params=MODES)
 def engine(request):
-    with Engine(mode=request.param, max_model_len=1024) as engine:
+    # quantization="none": the file dequantized to float32, as transformers loads it (the weights as stored are
+    # compared with this in test_quantized.py).
+    with Engine(mode=request.param, max_model_len=1024, quantization="none") as engine:
         yield engine
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +37,7 @@ def source(tmp_path) -> Path:
 
 
 class Builder:
-    """A build function that counts its calls; ~2.5 MiB of tensors, so the data spans several chunks."""
+    """A build function that counts its calls; ~1.8 MiB of tensors, so the data spans several chunks."""
 
     def __init__(self, seed: int = 0) -> None:
         self.calls = 0
@@ -302,3 +305,69 @@ def test_gguf_weights_round_trip_through_the_cache(cache, tmp_path):
             build=lambda: read_gguf_weights(path, config, torch.bfloat16),
         )
         assert_equal(cached, direct)
+
+
+def build_entry(tmp_path, name: str) -> Path:
+    """An entry for a source file of its own; returns the source file."""
+    source = tmp_path / f"{name}.bin"
+    source.write_bytes(name.encode())
+    weight_cache.load_or_build(source, key_parts=KEY, build=Builder())
+    return source
+
+
+def entry_names(cache: Path) -> set[str]:
+    return {entry.path.name.split("-")[0] for entry in weight_cache.list_entries()}
+
+
+def test_the_cache_stays_under_its_size_bound_evicting_the_least_recently_used(cache, tmp_path, monkeypatch):
+    first = build_entry(tmp_path, "first")
+    one_entry = weight_cache.list_entries()[0].num_bytes
+    monkeypatch.setenv("ENGINEKIT_CACHE_MAX_BYTES", str(one_entry * 5 // 2))  # room for two
+    build_entry(tmp_path, "second")
+    weight_cache.load_or_build(first, key_parts=KEY, build=Builder())  # used again: now the most recent
+    build_entry(tmp_path, "third")
+    assert entry_names(cache) == {"first", "third"}
+    assert sum(entry.num_bytes for entry in weight_cache.list_entries()) <= one_entry * 5 // 2
+
+
+def test_entries_unused_for_longer_than_the_age_bound_are_removed(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINEKIT_CACHE_MAX_AGE_DAYS", "7")
+    old = build_entry(tmp_path, "old")
+    entry = next(e.path for e in weight_cache.list_entries())
+    eight_days_ago = time.time() - 8 * 86400
+    os.utime(entry, (eight_days_ago, eight_days_ago))
+    build_entry(tmp_path, "new")
+    assert entry_names(cache) == {"new"}
+    assert old.exists()  # the source is never touched
+
+
+def test_a_bad_bound_in_the_environment_is_refused_by_name(cache, monkeypatch):
+    monkeypatch.setenv("ENGINEKIT_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="ENGINEKIT_CACHE_MAX_BYTES must be a size in bytes"):
+        weight_cache.cache_limits()
+    monkeypatch.setenv("ENGINEKIT_CACHE_MAX_BYTES", "1.5G")
+    assert weight_cache.cache_limits()[0] == 3 << 29
+
+
+def test_the_cache_command_lists_prunes_and_clears(cache, tmp_path):
+    build_entry(tmp_path, "alpha")
+    build_entry(tmp_path, "beta")
+
+    def command(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "enginekit.cli", "cache", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    listing = command("list")
+    assert "2 entries" in listing and "alpha-" in listing and "beta-" in listing
+    assert "ENGINEKIT_CACHE_MAX_BYTES" in listing
+    one_entry = weight_cache.list_entries()[0].num_bytes
+    assert "removed 1 entries" in command("prune", "--max-bytes", str(one_entry * 3 // 2))
+    assert len(weight_cache.list_entries()) == 1
+    assert "removed 1 entries" in command("clear")
+    assert weight_cache.list_entries() == []

@@ -52,6 +52,18 @@ class EngineCoreClient(ABC):
         self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None
     ) -> Any: ...
 
+    @property
+    def num_ranks(self) -> int:
+        """Engine cores behind this client (data-parallel ranks)."""
+        return 1
+
+    def call_utility_on_each_rank(
+        self, method_name: str, *args: Any, timeout: float | None = None
+    ) -> list[Any]:
+        """``utility_<method_name>`` on every rank: one result per rank, however many there are."""
+        result = self.call_utility(method_name, *args, timeout=timeout)
+        return result if self.num_ranks > 1 else [result]
+
     def get_stats(self) -> dict[str, Any]:
         """The engine's statistics; with several ranks, their sums and a per-rank breakdown."""
         return merge_stats(self.call_utility("get_stats", timeout=30.0))
@@ -71,7 +83,7 @@ def merge_stats(stats: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
     """One engine's stats as they are; several ranks' summed (ratios recomputed), with ``ranks`` beside."""
     if isinstance(stats, dict):
         return stats
-    total = {
+    total: dict[str, Any] = {
         key: sum(rank[key] for rank in stats) for key in stats[0] if isinstance(stats[0][key], (int, float))
     }
     total["kv_cache_usage"] = 1.0 - total["num_free_kv_blocks"] / total["num_kv_blocks"]

@@ -24,12 +24,13 @@ import zmq
 from enginekit.client.balancer import LoadBalancer
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.pending import PendingCalls
-from enginekit.client.receiver import LoopReceiver, ThreadReceiver
+from enginekit.client.receiver import LoopReceiver, ThreadReceiver, WatchedProcess
 from enginekit.client.remote import RankWatcher, RemoteRank
 from enginekit.client.sockets import EngineSockets
 from enginekit.client.startup import EngineRank, check_placement, spawn_engines, wait_for_ready
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineDeadError, EngineShutdownError
+from enginekit.interrupts import awaiting_with_signal_checks
 from enginekit.model.loader import ModelSpec
 from enginekit.runtime.engine_process import EngineProcess
 from enginekit.wire.messages import (
@@ -112,6 +113,10 @@ class MPClient(EngineCoreClient):
     def ranks(self) -> list[int]:
         return [engine.rank for engine in self.engines]
 
+    @property
+    def num_ranks(self) -> int:
+        return len(self.engines)
+
     # ---- sending ------------------------------------------------------------------------------------
     def _send(self, message: Any, rank: int | None = None) -> None:
         self._check_usable()
@@ -143,7 +148,11 @@ class MPClient(EngineCoreClient):
             raise EngineShutdownError("the engine has been shut down; call engine.restart()")
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        rank = self.balancer.choose(request.request_id) if self.balancer is not None else None
+        # NOTE: the samples of one prompt go to one rank: they share its prompt's KV blocks there.
+        balancer = self.balancer
+        rank = (
+            balancer.choose(request.request_id, request.parent_request_id) if balancer is not None else None
+        )
         try:
             self._send(request, rank)
         except BaseException:
@@ -208,7 +217,8 @@ class MPClient(EngineCoreClient):
                 self._send(self._utility_request(call_id, method_name, args), target)
             gathered = asyncio.gather(*(future for _, future in calls))
             gathered.add_done_callback(_retrieve)  # cancelled with its caller: not "never retrieved"
-            results = await asyncio.wait_for(gathered, timeout)
+            with awaiting_with_signal_checks():
+                results = await asyncio.wait_for(gathered, timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
         finally:
@@ -259,13 +269,19 @@ class MPClient(EngineCoreClient):
         return message if message.outputs else None
 
     # ---- death --------------------------------------------------------------------------------------
-    def _on_process_exit(self, process: EngineProcess) -> None:
+    def _on_process_exit(self, process: WatchedProcess) -> None:
         engine = next(engine for engine in self.engines if engine.process is process)
         self._mark_dead(f"{self._who(engine)}the engine process died", engine)
 
     def _on_engine_dead(self, message: EngineDead) -> None:
         engine = next((e for e in self.engines if e.rank == message.engine_index), self.engines[0])
-        reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
+        if message.signal_name is not None:
+            reason = (
+                f"{self._who(engine)}the engine process was sent {message.signal_name} (not by this front end) "
+                "and stopped; the requests it was running did not finish"
+            )
+        else:
+            reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
         if _running_loop() is None:
             self._mark_dead(reason, engine)
         else:  # NOTE: describing the death waits for the exit (up to a second): never on a running loop

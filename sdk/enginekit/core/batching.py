@@ -25,8 +25,9 @@ def build_batch(
             _prompt_chunk(chunk, request, start, num_new)
         if start + num_new == request.num_tokens:
             chunk.sampling_params, chunk.generator = params, request.generator
-            if params.has_penalties:
+            if params.has_penalties or request.bad_words:
                 chunk.history = (request.all_token_ids, request.num_prompt_tokens)
+            chunk.bad_words = request.bad_words
             sampling.append(request)
         chunks.append(chunk)
     return ScheduledBatch(chunks, kv_cache.pool.num_used_blocks), [r for r, _ in ordered], sampling

@@ -14,10 +14,13 @@ import gc
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import msgspec
@@ -161,13 +164,15 @@ class EngineCoreProc(EngineCore):
     def is_running(self) -> bool:
         return self.shutdown_state is ShutdownState.RUNNING
 
-    def signal_shutdown(self, signum: int, frame: Any) -> None:
+    def signal_shutdown(self, signum: int, frame: FrameType | None) -> None:
         # NOTE: runs on the main thread between bytecodes; SimpleQueue.put is safe to call re-entrantly.
+        if self.shutdown_signal is None and self.is_running:
+            self.shutdown_signal = signal.Signals(signum).name
         self.input_queue.put_nowait(ShutdownRequest(self.config.shutdown_timeout))
 
-    def send_engine_dead(self, reason: str) -> None:
+    def send_engine_dead(self, reason: str, signal_name: str | None = None) -> None:
         """Broadcast the engine's death and wait (bounded) for the output thread to send it."""
-        self.output_queue.put_nowait(EngineDead(reason, self.engine_index))
+        self.output_queue.put_nowait(EngineDead(reason, self.engine_index, signal_name))
         self.output_thread.join(timeout=5.0)
 
     def close_io(self) -> None:
@@ -210,7 +215,7 @@ class EngineCoreProc(EngineCore):
         }
 
     # ---- IO threads ---------------------------------------------------------------------------------
-    def _run_io(self, loop: Any) -> None:
+    def _run_io(self, loop: Callable[[], None]) -> None:
         try:
             loop()
         except Exception as error:
@@ -299,6 +304,7 @@ class EngineCoreProc(EngineCore):
                 reuse.append(buffer)
             else:
                 tracker = socket.send_multipart(frames, copy=False, track=True)
+                assert tracker is not None  # pyzmq returns one whenever track=True and copy=False
                 # Buffers (and the tensors behind tensor frames) stay referenced until zmq has sent them.
                 in_flight.append((tracker, frames, buffer))
             if self._debug_kill_io == "output":

@@ -4,7 +4,8 @@ Each step, running requests are served first (decodes and unfinished prefill chu
 join while the token budget, ``max_num_seqs`` and free KV blocks allow. When blocks run out, the newest running
 request is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later.
 The samples of one prompt (``n > 1``) join after the first of them has prefilled it, so that they find the
-prompt's blocks in the prefix cache instead of computing them again.
+prompt's blocks in the prefix cache instead of computing them again. A request whose structured output is still
+compiling waits (the requests behind it may start first).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class Scheduler:
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
+            if request.is_waiting_for_grammar:
+                index += 1
+                continue
             if request.parent_request_id is not None:
                 if prefilling is None:
                     prefilling = {

@@ -1,119 +1,61 @@
-"""Chat: conversations rendered with the model's chat template and answered like prompts, as vLLM's ``LLM.chat``.
+"""Chat: conversations rendered with the model's chat template into prompts, as vLLM's ``LLM.chat`` does.
 
-``ChatMixin`` gives ``Engine`` its chat methods — ``chat``, ``achat``, ``stream_chat``, ``astream_chat`` — each the
-conversation-rendering front of its ``generate`` counterpart. The rendered text is tokenized without adding special
-tokens (the template writes them), generation stops at the template's end-of-turn token, and each output keeps
-its conversation (``RequestOutput.messages``, which the live viewer shows as turns).
+``Engine.chat``, ``achat``, ``stream_chat`` and ``astream_chat`` call ``render_chat`` and hand what it returns to
+their ``generate`` counterpart. The rendered text is tokenized without adding special tokens (the template
+writes them), generation stops at the template's end-of-turn token too, and each prompt keeps its conversation
+(``RequestOutput.messages``, which the live viewer shows as turns).
+
+A message is ``{"role": ..., "content": ...}`` or a ``(role, content)`` pair. Content may be a list of parts in
+the OpenAI format: a template that reads content as text gets the text parts joined by newlines; a part of
+another type (an image) is refused, since the models here read text only. A role must be one the template
+knows: one it names, or one of the usual ones (system, user, assistant, tool, developer) for a template that
+passes roles through.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Coroutine, Iterator
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from enginekit.frontend.prompts import normalize_params, vllm_names
+from enginekit.frontend.prompts import ChatPrompt, normalize_params
 from enginekit.model.loader import ModelSpec
 from enginekit.model.text.chat_template import ChatTemplate
-from enginekit.outputs import RequestOutput
 from enginekit.sampling_params import SamplingParams
 
-Params = SamplingParams | list[SamplingParams] | None
+USUAL_ROLES = ("system", "user", "assistant", "tool", "developer")
+# A template that loops over a message's content expects the parts (OpenAI's format); others expect a string.
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content)")
+_ROLE_LITERAL = re.compile(
+    r"role['\"]?\]?\s*(?:==|!=)\s*['\"](\w+)['\"]|['\"](\w+)['\"]\s*(?:==|!=)\s*\w+(?:\[['\"]|\.)role"
+)
 
 
-class ChatMixin:
-    """The chat methods of ``Engine``; see the module docstring."""
-
-    @vllm_names
-    def chat(
-        self,
-        messages: Any,
-        sampling_params: Params = None,
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        use_tqdm: bool | None = None,
-        viewer: Any = None,
-        request_id: str | list[str] | None = None,
-    ) -> list[RequestOutput]:
-        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) or a list of them, like vLLM's ``LLM.chat``.
-
-        The model's chat template renders each (or ``chat_template``, Jinja source); generation stops at the
-        template's end-of-turn token. Raises ``ValueError`` if the model has no template and none is given.
-        Other arguments as for ``generate``.
-        """
-        prompts, params, conversations = self._chat_inputs(
-            messages, sampling_params, chat_template, add_generation_prompt
+def render_chat(
+    spec: ModelSpec,
+    messages: Any,
+    params: Any,
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+) -> tuple[list[ChatPrompt], list[SamplingParams]]:
+    """The prompts of one conversation or a list of them, and their sampling params (one per conversation,
+    stopping at the template's end-of-turn token as well)."""
+    template = _template(spec, chat_template)
+    conversations = [_conversation(c) for c in (messages if _is_batch(messages) else [messages])]
+    roles = _known_roles(template)
+    prompts = []
+    for conversation in conversations:
+        _check_roles(conversation, roles, template)
+        text = template.render(
+            _as_template_reads(conversation, template), add_generation_prompt=add_generation_prompt
         )
-        return self._generate(prompts, params, use_tqdm, viewer, request_id, conversations)
-
-    @vllm_names
-    def achat(
-        self,
-        messages: Any,
-        sampling_params: Params = None,
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        use_tqdm: bool | None = None,
-        viewer: Any = None,
-        request_id: str | list[str] | None = None,
-    ) -> Coroutine[Any, Any, list[RequestOutput]]:
-        """``chat`` for asyncio, as ``agenerate`` is to ``generate``: submits now, returns a coroutine to await."""
-        prompts, params, conversations = self._chat_inputs(
-            messages, sampling_params, chat_template, add_generation_prompt
-        )
-        return self._agenerate(prompts, params, use_tqdm, viewer, request_id, conversations)
-
-    @vllm_names
-    def stream_chat(
-        self,
-        messages: Any,
-        sampling_params: SamplingParams | None = None,
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        request_id: str | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Stream the answer to one conversation, as ``stream`` does for a prompt."""
-        prompts, params, conversations = self._chat_inputs(
-            messages, sampling_params, chat_template, add_generation_prompt
-        )
-        return self._router.stream(*self._submit(prompts, params, "stream_chat", request_id, conversations))
-
-    @vllm_names
-    def astream_chat(
-        self,
-        messages: Any,
-        sampling_params: SamplingParams | None = None,
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Async ``stream_chat``, as ``astream`` is to ``stream``."""
-        prompts, params, conversations = self._chat_inputs(
-            messages, sampling_params, chat_template, add_generation_prompt
-        )
-        return self._router.stream_async(
-            *self._submit(prompts, params, "astream_chat", request_id, conversations)
-        )
-
-    def _chat_inputs(
-        self, messages: Any, params: Any, chat_template: str | None, add_generation_prompt: bool
-    ) -> tuple[list[dict[str, Any]], list[SamplingParams], list[list[dict[str, Any]]]]:
-        spec: ModelSpec = self._spec  # type: ignore[attr-defined]
-        template = _template(spec, chat_template)
-        conversations = messages if _is_batch(messages) else [messages]
-        prompts = []
-        for conversation in conversations:
-            text = template.render(conversation, add_generation_prompt=add_generation_prompt)
-            # NOTE: the template writes the special tokens itself (a BOS too, if the model wants one).
-            ids = spec.tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
-        params = _stop_at_end_of_turn(spec, normalize_params(params, len(prompts)))
-        return prompts, params, [[dict(message) for message in c] for c in conversations]
+        # NOTE: the template writes the special tokens itself (a BOS too, if the model wants one).
+        ids = spec.tokenizer.encode(text, add_special_tokens=False)
+        prompts.append(ChatPrompt(text, ids, conversation))
+    return prompts, _stop_at_end_of_turn(spec, normalize_params(params, len(prompts)))
 
 
 def _template(spec: ModelSpec, source: str | None) -> ChatTemplate:
@@ -127,6 +69,85 @@ def _template(spec: ModelSpec, source: str | None) -> ChatTemplate:
     return spec.chat_template
 
 
+def _is_batch(messages: Any) -> bool:
+    """A list of conversations (lists of messages), rather than one conversation."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        return False
+    first = messages[0]
+    return isinstance(first, (list, tuple)) and not _is_pair(first)
+
+
+def _is_pair(message: Any) -> bool:
+    return isinstance(message, tuple) and len(message) == 2 and all(isinstance(item, str) for item in message)
+
+
+def _conversation(conversation: Any) -> list[dict[str, Any]]:
+    """Plain dict copies of the messages; (role, content) pairs become dicts. The template checks the rest."""
+    if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation, (list, tuple)):
+        raise TypeError(
+            "messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a list of "
+            f"conversations, got {type(conversation).__name__}"
+        )
+    if not conversation:
+        raise ValueError(
+            "the conversation is empty: give at least one message, e.g. [{'role': 'user', 'content': 'Hi'}]"
+        )
+    messages = []
+    for index, message in enumerate(conversation):
+        if _is_pair(message):
+            message = {"role": message[0], "content": message[1]}
+        elif not isinstance(message, Mapping):
+            raise TypeError(
+                f"message {index} is a {type(message).__name__}; a message is a dict "
+                "{'role': ..., 'content': ...} or a (role, content) pair of strings"
+            )
+        messages.append(dict(message))
+    return messages
+
+
+def _known_roles(template: ChatTemplate) -> set[str]:
+    named = {a or b for a, b in _ROLE_LITERAL.findall(template.source)}
+    return named | set(USUAL_ROLES)
+
+
+def _check_roles(conversation: list[dict[str, Any]], roles: set[str], template: ChatTemplate) -> None:
+    for index, message in enumerate(conversation):
+        role = message.get("role")
+        if isinstance(role, str) and role and role not in roles:
+            raise ValueError(
+                f"message {index} has role {role!r}, which the chat template from {template.origin} does not "
+                f"know; use one of {', '.join(sorted(roles))}"
+            )
+
+
+def _as_template_reads(conversation: list[dict[str, Any]], template: ChatTemplate) -> list[dict[str, Any]]:
+    """Content lists flattened to their text for a template that reads content as a string; any part that is
+    not text refused."""
+    keeps_parts = bool(_LOOPS_OVER_CONTENT.search(template.source))
+    messages = []
+    for index, message in enumerate(conversation):
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [_text_of(index, part) for part in content]
+            if not keeps_parts:
+                message = {**message, "content": "\n".join(texts)}
+        messages.append(message)
+    return messages
+
+
+def _text_of(index: int, part: Any) -> str:
+    if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+        raise TypeError(f"message {index} content parts are dicts with a 'type', got {part!r}")
+    if part["type"] != "text":
+        raise ValueError(
+            f"message {index} has a content part of type {part['type']!r}; this engine's models read text only: "
+            "give {'type': 'text', 'text': ...} parts or a string"
+        )
+    if not isinstance(part.get("text"), str):
+        raise TypeError(f"message {index} has a text part without a 'text' string: {part!r}")
+    return part["text"]
+
+
 def _stop_at_end_of_turn(spec: ModelSpec, params: list[SamplingParams]) -> list[SamplingParams]:
     """Stop at the template's end-of-turn token too, where it is not already an end-of-sequence token."""
     extra = tuple(i for i in spec.end_of_turn_token_ids if i not in spec.config.eos_token_ids)
@@ -136,12 +157,3 @@ def _stop_at_end_of_turn(spec: ModelSpec, params: list[SamplingParams]) -> list[
         p if p.ignore_eos else msgspec.structs.replace(p, stop_token_ids=p.stop_token_ids + extra)
         for p in params
     ]
-
-
-def _is_batch(conversations: Any) -> bool:
-    """A list of conversations (lists of messages), rather than one conversation."""
-    return (
-        isinstance(conversations, (list, tuple))
-        and bool(conversations)
-        and isinstance(conversations[0], (list, tuple))
-    )

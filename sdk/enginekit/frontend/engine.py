@@ -5,17 +5,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
-from typing import Any
+import sys
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from enginekit.client import EngineCoreClient, check_client, make_client
 from enginekit.config import EngineConfig, EngineMode, resolve_mode
+from enginekit.core.resources import check_startup
 from enginekit.core.validation import RequestLimits
 from enginekit.errors import EngineShutdownError
-from enginekit.frontend.chat import ChatMixin
+from enginekit.frontend.call_options import (
+    ChatGenerateOptions,
+    ChatOptions,
+    ChatStreamOptions,
+    GenerateOptions,
+    StreamOptions,
+    takes,
+)
+from enginekit.frontend.chat import render_chat
 from enginekit.frontend.output_processor import RequestState, watched
-from enginekit.frontend.output_router import OutputRouter
-from enginekit.frontend.prompts import RequestBuilder, vllm_names
+from enginekit.frontend.output_router import OutputRouter, Watcher, submit
+from enginekit.frontend.prompts import ChatPrompt, RequestBuilder
 from enginekit.logs import show_logs
 from enginekit.model.loader import ModelSpec, load_model_spec
 from enginekit.model.text.tokenizer import Tokenizer
@@ -24,13 +34,17 @@ from enginekit.outputs import RequestOutput
 from enginekit.runtime import exit_hooks
 from enginekit.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = ["Engine"]
 
 logger = logging.getLogger("enginekit")
 Params = SamplingParams | list[SamplingParams] | None
+OneParams = SamplingParams | None
 
 
-class Engine(ChatMixin):
+class Engine:
     """Run an LLM engine in this process or a background process, with one API.
 
     Parameters
@@ -60,8 +74,9 @@ class Engine(ChatMixin):
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def _start(self) -> None:
-        if self._spec is None or self._spec.name != self.config.model:
-            self._spec = load_model_spec(self.config.model)  # the tokenizer is read once, not per restart
+        check_client(self.mode, self.config)
+        self._spec = self._spec_for(self.config)
+        check_startup(self.config, self._spec.config)
         show_logs(self.config.log_level)
         self._client = make_client(self.mode, self.config, self._spec)
         self._router = OutputRouter(self._client)
@@ -74,6 +89,11 @@ class Engine(ChatMixin):
         )
         exit_hooks.register(self)
         logger.info("engine started: mode=%s pid=%s", self.mode, self._client.engine_pid)
+
+    def _spec_for(self, config: EngineConfig) -> ModelSpec:
+        if self._spec is not None and self._spec.name == config.model:
+            return self._spec  # the tokenizer is read once, not per restart
+        return load_model_spec(config.model)
 
     @property
     def is_running(self) -> bool:
@@ -111,14 +131,37 @@ class Engine(ChatMixin):
         client.shutdown(timeout)
 
     def restart(self, *, mode: EngineMode | None = None, **options: Any) -> None:
-        """Shut down (also after the engine died) and start again, optionally in another mode or config; a bad
-        mode or option raises first and leaves the running engine alone."""
+        """Shut down (also after the engine died) and start again, optionally in another mode or config.
+
+        The mode, the options, the model, the device and whether ``max_model_len`` fits are checked before the
+        running engine stops. If the new engine still fails to start, the previous mode and config are kept
+        and the previous engine is started again (the error's notes say whether it did).
+        """
         new_mode = resolve_mode(mode) if mode is not None else self.mode
         new_config = self.config.replace(**options) if options else self.config
         check_client(new_mode, new_config)
+        check_startup(new_config, self._spec_for(new_config).config)
+        previous = self.config, self.mode
         self.shutdown()
         self.config, self.mode = new_config, new_mode
-        self._start()
+        try:
+            self._start()
+        except BaseException as error:
+            if (new_config, new_mode) != previous:
+                self.config, self.mode = previous
+                note = self._start_previous()
+                if sys.version_info >= (3, 11):
+                    error.add_note(note)
+                else:  # NOTE: no exception notes before 3.11
+                    logger.warning("restart failed: %s", note)
+            raise
+
+    def _start_previous(self) -> str:
+        try:
+            self._start()
+        except Exception as error:
+            return f"the previous engine could not be started again either: {error}"
+        return "the previous mode and config are kept, and the previous engine runs again"
 
     def __enter__(self) -> Engine:
         return self
@@ -137,32 +180,34 @@ class Engine(ChatMixin):
 
     # ---- requests -----------------------------------------------------------------------------------
     def _submit(
-        self,
-        prompts: Any,
-        params: Any,
-        single: str = "",
-        request_id: Any = None,
-        messages: Any = None,
-        final_only: bool | None = None,
+        self, prompts: Any, params: Any, single: str = "", request_id: Any = None, **how: Any
     ) -> list[RequestState]:
-        """Build and check every request, then send them all; nothing is sent if one is bad. ``final_only``:
-        the caller needs only the ends (``None``: the requests whose ``output_kind`` is ``FINAL_ONLY``)."""
-        prepared = self._requests.build(
-            prompts, params, single=single, request_id=request_id, messages=messages, final_only=final_only
+        """Build, check and send the requests of one call (``how``: ``final_only``, see ``RequestBuilder``)."""
+        built = self._requests.build(prompts, params, single=single, request_id=request_id, **how)
+        return submit(built, self._router, self._decode)
+
+    def _begin(
+        self, prompts: Any, params: Any, options: GenerateOptions, *, blocking: bool = False
+    ) -> tuple[list[RequestState], Watcher]:
+        """Submit a generate-like call's requests; they and what watches them (a viewer, a progress bar)."""
+        viewer = options.get("viewer")
+        attach_watcher = watcher_for(options.get("use_tqdm"), viewer, blocking=blocking)
+        states = self._submit(
+            prompts, params, "", options.get("request_id"), final_only=not watches_live(viewer)
         )
-        self._router.processor.check_new_ids([r.request_id for p in prepared for r in p.engine_requests])
-        client, decode, states = self.client, self._decode, []
-        try:
-            for p in prepared:
-                state = RequestState.of(p, decode)
-                states.append(state)
-                self._router.track(state)
-                for request in p.engine_requests:
-                    client.add_request(request)
-        except BaseException:
-            self._router.abort_unfinished(states)
-            raise
-        return states
+        return states, attach_watcher(self, *watched(states))
+
+    def _render(
+        self, messages: Any, params: Any, options: Mapping[str, Any]
+    ) -> tuple[list[ChatPrompt], Any, dict[str, Any]]:
+        """A chat call's conversations as prompts, and its options less the chat ones."""
+        assert self._spec is not None
+        chat_options = {
+            name: value for name, value in options.items() if name in ChatOptions.__optional_keys__
+        }
+        rest = {name: value for name, value in options.items() if name not in chat_options}
+        prompts, params = render_chat(self._spec, messages, params, **chat_options)
+        return prompts, params, rest
 
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests by id; their outputs finish with ``finish_reason="abort"``. Unknown ids are ignored."""
@@ -171,86 +216,98 @@ class Engine(ChatMixin):
             raise TypeError(f"request_id must be a string or a list of strings, got {request_id!r}")
         self.client.abort_requests(self._router.processor.engine_ids(ids))
 
-    @vllm_names
+    @takes(GenerateOptions)
     def generate(
-        self,
-        prompts: Any,
-        sampling_params: Params = None,
-        *,
-        use_tqdm: bool | None = None,
-        viewer: Any = None,
-        request_id: str | list[str] | None = None,
+        self, prompts: Any, sampling_params: Params = None, **options: Unpack[GenerateOptions]
     ) -> list[RequestOutput]:
         """Generate for one prompt or a batch; returns one finished ``RequestOutput`` per prompt, in order.
 
         ``prompts``: a string, token ids, or a dict with one of ``"prompt"``, ``"prompt_token_ids"``,
         ``"prompt_embeds"`` (a ``[num_tokens, hidden]`` tensor); or a list of these. ``sampling_params`` (alias
-        ``params``): one ``SamplingParams`` for all, or one per prompt. ``use_tqdm`` (alias ``progress``): a
-        progress bar (``None``: for 16 prompts or more). ``viewer``: ``True`` or a ``Viewer`` to watch live.
-        ``request_id``: your id (a list for a batch). Interrupted, it aborts its requests.
+        ``params``): one ``SamplingParams`` for all, or one per prompt. Options (``GenerateOptions``):
+        ``use_tqdm`` (alias ``progress``): a progress bar (``None``: for 16 prompts or more); ``viewer``: ``True``
+        or a ``Viewer`` to watch live; ``request_id``: your id (a list for a batch). Interrupted, it aborts its
+        requests.
         """
-        return self._generate(prompts, sampling_params, use_tqdm, viewer, request_id)
+        return self._router.collect(*self._begin(prompts, sampling_params, options, blocking=True))
 
-    def _generate(
-        self, prompts: Any, params: Any, use_tqdm: Any, viewer: Any, request_id: Any, messages: Any = None
-    ) -> list[RequestOutput]:
-        attach_watcher = watcher_for(use_tqdm, viewer, blocking=True)
-        states = self._submit(prompts, params, "", request_id, messages, final_only=not watches_live(viewer))
-        return self._router.collect(states, attach_watcher(self, *watched(states)))
-
-    @vllm_names
+    @takes(StreamOptions)
     def stream(
-        self, prompt: Any, sampling_params: SamplingParams | None = None, *, request_id: str | None = None
+        self, prompt: Any, sampling_params: OneParams = None, **options: Unpack[StreamOptions]
     ) -> Iterator[RequestOutput]:
         """Yield the request's ``RequestOutput`` each time new text arrives (the output so far; only what is new with
         ``output_kind=DELTA``; only the end with ``FINAL_ONLY``); the last is finished. Leaving early aborts it."""
-        return self._router.stream(*self._submit(prompt, sampling_params, "stream", request_id))
+        states = self._submit(prompt, sampling_params, "stream", options.get("request_id"))
+        return self._router.stream(*states)
 
-    @vllm_names
+    @takes(GenerateOptions)
     def agenerate(
-        self,
-        prompts: Any,
-        sampling_params: Params = None,
-        *,
-        use_tqdm: bool | None = None,
-        viewer: Any = None,
-        request_id: str | list[str] | None = None,
+        self, prompts: Any, sampling_params: Params = None, **options: Unpack[GenerateOptions]
     ) -> Coroutine[Any, Any, list[RequestOutput]]:
         """Async ``generate``: submits now (bad prompts raise here) and returns a coroutine to await (any mode).
 
         Cancelling the task that awaits it aborts the requests.
         """
-        return self._agenerate(prompts, sampling_params, use_tqdm, viewer, request_id)
+        return self._router.collect_async(*self._begin(prompts, sampling_params, options))
 
-    def _agenerate(
-        self, prompts: Any, params: Any, use_tqdm: Any, viewer: Any, request_id: Any, messages: Any = None
-    ) -> Coroutine[Any, Any, list[RequestOutput]]:
-        attach_watcher = watcher_for(use_tqdm, viewer)
-        states = self._submit(prompts, params, "", request_id, messages, final_only=not watches_live(viewer))
-        return self._router.collect_async(states, attach_watcher(self, *watched(states)))
-
-    @vllm_names
+    @takes(StreamOptions)
     def astream(
-        self, prompt: Any, sampling_params: SamplingParams | None = None, *, request_id: str | None = None
+        self, prompt: Any, sampling_params: OneParams = None, **options: Unpack[StreamOptions]
     ) -> AsyncIterator[RequestOutput]:
         """Async ``stream``: yields outputs as tokens arrive; cancelling aborts the request."""
-        return self._router.stream_async(*self._submit(prompt, sampling_params, "astream", request_id))
+        states = self._submit(prompt, sampling_params, "astream", options.get("request_id"))
+        return self._router.stream_async(*states)
 
-    @vllm_names
+    @takes(GenerateOptions)
     def generate_background(
-        self,
-        prompts: Any,
-        sampling_params: Params = None,
-        *,
-        use_tqdm: bool | None = None,
-        viewer: Any = None,
-        request_id: str | list[str] | None = None,
+        self, prompts: Any, sampling_params: Params = None, **options: Unpack[GenerateOptions]
     ) -> GenerationHandle:
         """Start generating on this thread's running asyncio loop (mode ``"async"``); returns a
         ``GenerationHandle`` at once: ``await handle`` for the outputs, ``handle.cancel()`` to abort."""
-        return start_background(
-            self, prompts, sampling_params, use_tqdm=use_tqdm, viewer=viewer, request_id=request_id
-        )
+        return start_background(self, prompts, sampling_params, **options)
+
+    @takes(ChatGenerateOptions)
+    def chat(
+        self, messages: Any, sampling_params: Params = None, **options: Unpack[ChatGenerateOptions]
+    ) -> list[RequestOutput]:
+        """Answer a conversation (``[{"role": ..., "content": ...}, ...]``) or a list of them, like vLLM's ``LLM.chat``.
+
+        The model's chat template renders each (or ``chat_template``, Jinja source); generation stops at the
+        template's end-of-turn token. Raises ``ValueError`` if the model has no template and none is given.
+        Other options as for ``generate``.
+        """
+        prompts, params, rest = self._render(messages, sampling_params, options)
+        return self.generate(prompts, params, **rest)
+
+    @takes(ChatGenerateOptions)
+    def achat(
+        self, messages: Any, sampling_params: Params = None, **options: Unpack[ChatGenerateOptions]
+    ) -> Coroutine[Any, Any, list[RequestOutput]]:
+        """``chat`` for asyncio, as ``agenerate`` is to ``generate``: submits now, returns a coroutine to await."""
+        prompts, params, rest = self._render(messages, sampling_params, options)
+        return self.agenerate(prompts, params, **rest)
+
+    @takes(ChatStreamOptions)
+    def stream_chat(
+        self,
+        messages: Any,
+        sampling_params: OneParams = None,
+        **options: Unpack[ChatStreamOptions],
+    ) -> Iterator[RequestOutput]:
+        """Stream the answer to one conversation, as ``stream`` does for a prompt."""
+        prompts, params, rest = self._render(messages, sampling_params, options)
+        return self.stream(prompts, params, **rest)
+
+    @takes(ChatStreamOptions)
+    def astream_chat(
+        self,
+        messages: Any,
+        sampling_params: OneParams = None,
+        **options: Unpack[ChatStreamOptions],
+    ) -> AsyncIterator[RequestOutput]:
+        """Async ``stream_chat``, as ``astream`` is to ``stream``."""
+        prompts, params, rest = self._render(messages, sampling_params, options)
+        return self.astream(prompts, params, **rest)
 
     # ---- utilities ----------------------------------------------------------------------------------
     def call_utility(
@@ -282,12 +339,13 @@ class Engine(ChatMixin):
         return {**await self.client.get_stats_async(), "mode": self.mode, "engine_pid": self.engine_pid}
 
     def ping(self) -> bool:
-        """A cheap liveness check through the whole request path."""
-        return self.call_utility("ping") == "pong"
+        """A cheap liveness check through the whole request path (of every data-parallel rank)."""
+        return all(answer == "pong" for answer in self.client.call_utility_on_each_rank("ping", timeout=30.0))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (only possible while no request runs); returns whether it did."""
-        return self.call_utility("reset_prefix_cache")
+        """Forget the prefix cache (only possible while no request runs); returns whether it did (on every
+        data-parallel rank)."""
+        return all(self.client.call_utility_on_each_rank("reset_prefix_cache", timeout=30.0))
 
 
 def _check_method_name(method_name: Any) -> None:

@@ -15,14 +15,17 @@ import logging
 import threading
 import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from enginekit.client.base import EngineCoreClient
 from enginekit.errors import EngineError
-from enginekit.frontend.output_processor import OutputProcessor, RequestState
-from enginekit.interrupts import deferred_interrupts
+from enginekit.frontend.output_processor import Decode, OutputProcessor, RequestState
+from enginekit.interrupts import awaiting_with_signal_checks, deferred_interrupts
 from enginekit.outputs import RequestOutput
 from enginekit.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from enginekit.frontend.prompts import PreparedRequest
 
 logger = logging.getLogger("enginekit")
 
@@ -179,10 +182,11 @@ class OutputRouter:
         event = asyncio.Event()
         state.listener = functools.partial(_notify, loop, event)
         try:
-            while state.version == seen:
-                self._ensure_pump(loop)
-                await event.wait()
-                event.clear()
+            with awaiting_with_signal_checks():
+                while state.version == seen:
+                    self._ensure_pump(loop)
+                    await event.wait()
+                    event.clear()
         finally:
             state.listener = None
         if state.error is not None:
@@ -207,7 +211,11 @@ async def _pump(router_ref: weakref.ref[OutputRouter], client: EngineCoreClient)
                 return  # nothing left to route; the next waiter starts a new pump
             took = router.take()
             del router
-            if not took:
+            if took:
+                # NOTE: in-process, every take runs a step: yield between steps, or a stream on this loop
+                # sees nothing until the pump runs out of work, and cannot stop it by leaving.
+                await asyncio.sleep(0)
+            else:
                 await client.wait_for_output_async()
     except Exception as error:
         router = router_ref()
@@ -226,6 +234,24 @@ def _notify(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
         event.set()
     elif not loop.is_closed():
         loop.call_soon_threadsafe(event.set)
+
+
+def submit(prepared: list[PreparedRequest], router: OutputRouter, decode: Decode) -> list[RequestState]:
+    """Track and send the requests of one call, all checked already; if sending one fails, none is left
+    running."""
+    router.processor.check_new_ids([r.request_id for p in prepared for r in p.engine_requests])
+    states: list[RequestState] = []
+    try:
+        for p in prepared:
+            state = RequestState.of(p, decode)
+            states.append(state)
+            router.track(state)
+            for request in p.engine_requests:
+                router.client.add_request(request)
+    except BaseException:
+        router.abort_unfinished(states)
+        raise
+    return states
 
 
 def _retrieve_exception(task: asyncio.Task[Any]) -> None:

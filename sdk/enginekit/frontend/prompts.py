@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import torch
@@ -19,13 +17,23 @@ from enginekit.model.text.tokenizer import Tokenizer
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import EngineCoreRequest
 
-PromptInput = str | list[int] | dict[str, Any]
-T = TypeVar("T")
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation rendered by a chat template (``frontend/chat.py``): its text, its token ids, and the
+    messages themselves, which its output keeps."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    messages: list[dict[str, Any]]
+
+
+PromptInput = str | list[int] | dict[str, Any] | ChatPrompt
 
 
 def normalize_prompts(prompts: Any) -> list[PromptInput]:
     """A single prompt (text, token ids, dict) or a list of them -> a list of prompts."""
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict, ChatPrompt)):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         if not prompts:
@@ -63,6 +71,11 @@ def prepare_request(
 ) -> tuple[EngineCoreRequest, str | None]:
     """The engine request for one prompt, checked exactly as the engine checks it; and the prompt text."""
     text, token_ids, embeds = _tokens(prompt, tokenizer, limits.hidden_size)
+    keep = params.truncate_prompt_tokens
+    if keep is not None:  # the last ``keep`` tokens; -1: as many as leave room for one output token
+        keep = limits.max_model_len - 1 if keep == -1 else keep
+        token_ids = token_ids[-keep:]
+        embeds = embeds[-keep:] if embeds is not None else None
     request = EngineCoreRequest(request_id, token_ids, params, arrival_time, embeds)
     validate_request(request, limits)
     return request, text
@@ -71,6 +84,8 @@ def prepare_request(
 def _tokens(prompt: PromptInput, tokenizer: Tokenizer, hidden_size: int) -> tuple[str | None, list[int], Any]:
     if isinstance(prompt, str):
         return _text(prompt, tokenizer)
+    if isinstance(prompt, ChatPrompt):
+        return prompt.prompt, prompt.prompt_token_ids, None
     if isinstance(prompt, dict):
         return _from_dict(prompt, tokenizer, hidden_size)
     if isinstance(prompt, (list, tuple)):
@@ -147,7 +162,6 @@ class RequestBuilder:
         *,
         single: str = "",
         request_id: Any = None,
-        messages: list | None = None,
         final_only: bool | None = None,
     ) -> list[PreparedRequest]:
         """One checked request per prompt (``single`` names a method that takes exactly one). ``final_only``:
@@ -158,11 +172,11 @@ class RequestBuilder:
         all_params = normalize_params(params, len(items))
         ids = self._request_ids(request_id, len(items))
         tokenizer, now, prepared = self.spec.tokenizer, time.time(), []
-        for index, (item, item_params, rid) in enumerate(zip(items, all_params, ids)):
+        for item, item_params, rid in zip(items, all_params, ids):
             request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
             only_end = item_params.output_kind is RequestOutputKind.FINAL_ONLY
             request.final_only = only_end if final_only is None else final_only
-            conversation = messages[index] if messages is not None else None
+            conversation = item.messages if isinstance(item, ChatPrompt) else None
             samples = _samples(request) if item_params.n > 1 else [request]
             prepared.append(
                 PreparedRequest(rid, text, request.prompt_token_ids, item_params, samples, conversation)
@@ -202,22 +216,3 @@ def _samples(request: EngineCoreRequest) -> list[EngineCoreRequest]:
             )
         )
     return requests
-
-
-def vllm_names(method: Callable[..., T]) -> Callable[..., T]:
-    """Accept today's names as aliases of vLLM's: ``params`` for ``sampling_params``, ``progress`` for
-    ``use_tqdm``. Giving both spellings of one argument is a ``TypeError``."""
-
-    @functools.wraps(method)
-    def accepting_aliases(self: Any, *args: Any, **kwargs: Any) -> T:
-        for alias, name in _ALIASES.items():
-            if alias in kwargs:
-                if name in kwargs or (name == "sampling_params" and len(args) > 1):
-                    raise TypeError(f"{method.__name__}() got both {name!r} and its alias {alias!r}")
-                kwargs[name] = kwargs.pop(alias)
-        return method(self, *args, **kwargs)
-
-    return accepting_aliases
-
-
-_ALIASES = {"params": "sampling_params", "progress": "use_tqdm"}

@@ -6,6 +6,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from enginekit.frontend.engine import Engine
     from enginekit.outputs import RequestOutput
     from enginekit.sampling_params import SamplingParams
 
@@ -15,7 +16,9 @@ class RequestRow:
 
     __slots__ = ("engine_ref", "finished_at", "output", "params", "rendered_key", "started_at")
 
-    def __init__(self, output: RequestOutput, engine: Any, now: float, params: SamplingParams | None) -> None:
+    def __init__(
+        self, output: RequestOutput, engine: Engine, now: float, params: SamplingParams | None
+    ) -> None:
         self.output = output
         self.params = params
         self.engine_ref = weakref.ref(engine)

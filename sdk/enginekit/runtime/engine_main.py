@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from types import FrameType
+from typing import BinaryIO
 
 import torch
 
@@ -39,7 +40,7 @@ def run_engine_core(args: EngineProcArgs, on_started: Callable[[EngineCoreProc],
     engine: EngineCoreProc | None = None
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def early_signal(signum: int, frame: Any) -> None:
+    def early_signal(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)  # during startup: just stop loading
 
     for sig in previous:
@@ -51,6 +52,11 @@ def run_engine_core(args: EngineProcArgs, on_started: Callable[[EngineCoreProc],
         if on_started is not None:
             on_started(engine)
         engine.run_busy_loop()
+        if engine.shutdown_signal is not None:
+            # Not the front end's shutdown: the calls waiting on this engine fail, naming the signal.
+            signum = signal.Signals[engine.shutdown_signal]
+            engine.send_engine_dead(f"it received {engine.shutdown_signal}", engine.shutdown_signal)
+            return 128 + signum
         engine.close_io()
         return 0
     except SystemExit:
@@ -70,7 +76,7 @@ def run_engine_core(args: EngineProcArgs, on_started: Callable[[EngineCoreProc],
             terminate_context(engine._zmq)
 
 
-def _watch_parent(stdin: Any) -> None:
+def _watch_parent(stdin: BinaryIO) -> None:
     """The parent holds our stdin open; EOF means it died: shut down, and exit hard if that hangs."""
     try:
         while stdin.read(4096):

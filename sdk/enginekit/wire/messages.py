@@ -195,10 +195,12 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", **_MESSAGE):
 
 
 class EngineDead(msgspec.Struct, tag="dead", **_MESSAGE):
-    """The engine process is dying of an error; sent once, last."""
+    """The engine process is dying of an error, or stopping for a signal it was sent (``signal_name``, e.g.
+    ``"SIGTERM"``) rather than for the front end's shutdown; sent once, last."""
 
     reason: str = ""
     engine_index: int = 0
+    signal_name: str | None = None
 
 
 EngineOutput = EngineCoreOutputs | EngineDead

@@ -1,15 +1,17 @@
 """A GGUF model (llama.cpp's format): its config from the metadata, its weights in Hugging Face layout.
 
-Tensor data is dequantized with ``gguf.quants.dequantize``, one tensor at a time, so the peak memory is the
-output plus one float32 tensor. The header itself is parsed by :mod:`enginekit.model.formats.gguf_header`.
+Each tensor is either dequantized with ``gguf.quants.dequantize``, one at a time, so the peak memory is the output
+plus one float32 tensor, or kept as the file stores it (``StoredTensor``: a uint8 view of the file mapped
+read-only, no copy). The header itself is parsed by :mod:`enginekit.model.formats.gguf_header`.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,6 +22,17 @@ from enginekit.model.config import ModelConfig
 from enginekit.model.formats.gguf_header import GGUFHeader, GGUFTensorInfo, gguf_error, read_gguf_header
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+class StoredTensor(NamedTuple):
+    """A GGUF tensor kept as the file stores it: its rows of blocks, viewed in the read-only map of the file."""
+
+    name: str  # its GGUF name
+    blocks: torch.Tensor  # uint8 [rows, row_bytes], a view of the file's bytes (read-only: never write to it)
+    quant_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # [rows, in_features] as the values, torch order
+    offset: int  # of its first byte in the file
+    rotary_heads: int  # its rows carry llama.cpp's rotary permutation over this many heads (0: none)
 
 
 def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
@@ -74,9 +87,13 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
 
 
 def read_gguf_weights(
-    source: Path | GGUFHeader, config: ModelConfig, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Dequantize a GGUF model's weights into Hugging Face checkpoint names and shapes.
+    source: Path | GGUFHeader,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    keep: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor | StoredTensor]:
+    """Dequantize a GGUF model's weights into Hugging Face checkpoint names and shapes (some kept as stored).
 
     Parameters
     ----------
@@ -86,10 +103,13 @@ def read_gguf_weights(
         Its config, from :func:`read_gguf_config`; it says which tensors to expect and their shapes.
     dtype
         The dtype of the returned tensors.
+    keep
+        GGUF names of the tensors to keep as stored: each comes back as a ``StoredTensor`` (a view of the file
+        mapped read-only, its rows still in llama.cpp's rotary order where ``rotary_heads`` says so).
 
     Returns
     -------
-    dict[str, torch.Tensor]
+    dict[str, torch.Tensor | StoredTensor]
         ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ... ``lm_head.weight``
         (absent when tied), with llama.cpp's rotary permutation of q and k undone for ``llama``.
 
@@ -103,9 +123,18 @@ def read_gguf_weights(
     plan = _weight_plan(config)
     _check_tensors(header, plan)
     data = np.memmap(header.path, dtype=np.uint8, mode="r")
-    weights = {}
+    file_bytes = _file_bytes(data) if keep else None
+    weights: dict[str, torch.Tensor | StoredTensor] = {}
     for gguf_name, hf_name, _, rotary_heads in plan:
-        tensor = _dequantize(header, data, header.tensors[gguf_name])
+        info = header.tensors[gguf_name]
+        if gguf_name in keep:
+            assert file_bytes is not None
+            heads = rotary_heads if config.architecture == "llama" else 0
+            weights[hf_name] = StoredTensor(
+                gguf_name, _stored_rows(file_bytes, info), info.quant_type, info.shape, info.offset, heads
+            )
+            continue
+        tensor = _dequantize(header, data, info)
         if rotary_heads and config.architecture == "llama":
             tensor = _undo_rotary_permutation(tensor, rotary_heads)
         weights[hf_name] = tensor.to(dtype)
@@ -225,6 +254,28 @@ def _check_tensors(header: GGUFHeader, plan: _Plan) -> None:
                 f"tensor {gguf_name} is stored as {info.quant_type.name}, which cannot be dequantized; "
                 f"supported types: {supported}",
             )
+
+
+def weight_types(source: Path | GGUFHeader, config: ModelConfig) -> dict[str, GGUFTensorInfo]:
+    """The tensors a model of this config reads from the file, by GGUF name, checked (present, of the right shape
+    and a type ``gguf`` can read) as :func:`read_gguf_weights` checks them."""
+    header = source if isinstance(source, GGUFHeader) else read_gguf_header(source)
+    plan = _weight_plan(config)
+    _check_tensors(header, plan)
+    return {gguf_name: header.tensors[gguf_name] for gguf_name, *_ in plan}
+
+
+def _file_bytes(data: np.memmap) -> torch.Tensor:
+    """The whole read-only map as one uint8 tensor (one storage: views of neighbouring tensors can be joined)."""
+    with warnings.catch_warnings():  # torch warns that the array is read-only: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
+
+def _stored_rows(file_bytes: torch.Tensor, info: GGUFTensorInfo) -> torch.Tensor:
+    """The tensor's bytes as uint8 ``[rows, row_bytes]``: a view of the read-only map, nothing copied."""
+    rows = prod(info.shape[:-1])
+    return file_bytes[info.offset : info.offset + info.num_bytes].view(rows, info.num_bytes // rows)
 
 
 def _dequantize(header: GGUFHeader, data: np.ndarray, info: GGUFTensorInfo) -> torch.Tensor:

@@ -8,13 +8,26 @@ from pathlib import Path
 import torch
 
 from enginekit.errors import EngineStartupError
+from enginekit.model.architectures import ARCHITECTURES, ROPE_TYPES, by_hf_class
 from enginekit.model.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
+SUPPORTED_ARCHITECTURES = {c: a.name for a in ARCHITECTURES for c in a.hf_classes}
+# the keys each rope type needs, besides rope_theta
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
 }
+_ROPE_OPTIONAL = (
+    "factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+)
 
 
 def read_hf_config(folder: Path) -> ModelConfig:
@@ -28,26 +41,22 @@ def read_hf_config(folder: Path) -> ModelConfig:
     raw = _read_json(config_path)
     required = _Required(raw, config_path)
     architectures = raw.get("architectures") or []
-    arch = next(
-        (SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES),
-        None,
-    )
-    if arch is None:
+    spec = by_hf_class(architectures)
+    if spec is None:
         raise EngineStartupError(
             f"unsupported architecture {architectures or raw.get('model_type')!r} in {config_path}; "
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
             phase="model load",
         )
-    rope_theta, rope_type = _rope(raw)
-    if rope_type not in (None, "default"):
-        raise EngineStartupError(
-            f"unsupported rope scaling {rope_type!r} in {config_path}; only default rotary embeddings",
-            phase="model load",
-        )
+    arch = spec.name
+    rope_theta, rope_type, rope_parameters = _rope(raw, config_path)
     num_heads = required.int("num_attention_heads")
     max_positions = raw.get("max_position_embeddings", 2048)
     sliding_window = raw.get("sliding_window")
-    if sliding_window and (arch == "mistral" or raw.get("use_sliding_window")):
+    uses_window = spec.sliding_window == "always" or (
+        spec.sliding_window == "flag" and raw.get("use_sliding_window")
+    )
+    if sliding_window and uses_window:
         # NOTE: no sliding-window attention kernel: cap the context where full attention is exact.
         max_positions = min(max_positions, sliding_window)
     hidden_size = required.int("hidden_size")
@@ -64,7 +73,10 @@ def read_hf_config(folder: Path) -> ModelConfig:
         rope_theta=rope_theta,
         max_position_embeddings=max_positions,
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        attention_bias=spec.attention_bias or bool(raw.get("attention_bias", False)),
+        qk_norm=spec.qk_norm,
+        rope_type=rope_type,
+        rope_parameters=rope_parameters,
         eos_token_ids=_eos_ids(folder, raw),
         bos_token_id=raw.get("bos_token_id"),
     )
@@ -122,12 +134,32 @@ def _read_json(path: Path) -> dict:
     return raw
 
 
-def _rope(raw: dict) -> tuple[float, str | None]:
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
+def _rope(raw: dict, path: Path) -> tuple[float, str, dict[str, float]]:
+    """rope_theta, the rope type and its numbers, from ``rope_parameters`` (transformers 5) or ``rope_scaling``."""
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    return float(theta), rope_type
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise EngineStartupError(
+            f"unsupported rope type {rope_type!r} in {path}; supported: {', '.join(ROPE_TYPES)}",
+            phase="model load",
+        )
+    if raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise EngineStartupError(f"unsupported partial rotary embedding in {path}", phase="model load")
+    if "original_max_position_embeddings" not in params and "original_max_position_embeddings" in raw:
+        params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    missing = [key for key in _ROPE_KEYS[rope_type] if not isinstance(params.get(key), (int, float))]
+    if missing:
+        raise EngineStartupError(
+            f"{path}: rope type {rope_type!r} needs {', '.join(missing)} in rope_parameters",
+            phase="model load",
+        )
+    numbers = {
+        key: float(params[key])
+        for key in (*_ROPE_KEYS[rope_type], *_ROPE_OPTIONAL)
+        if isinstance(params.get(key), (int, float)) and params.get(key) is not None
+    }
+    return float(theta), rope_type, numbers
 
 
 def _eos_ids(folder: Path, raw: dict) -> tuple[int, ...]:

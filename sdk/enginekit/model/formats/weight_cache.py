@@ -26,10 +26,17 @@ from disk. A load checks instead, in about 10 ms warm (about 0.1-0.17 s cold):
   and by a later load if not this one.
 
 A damaged entry is logged at warning level, removed and rebuilt; it is never used.
+
+Bounds: every load that maps an entry marks it used (the entry folder's mtime). After a new entry is written,
+entries unused for ``ENGINEKIT_CACHE_MAX_AGE_DAYS`` (default 30) are removed, then the least recently used ones
+until the cache holds at most ``ENGINEKIT_CACHE_MAX_BYTES`` (default 4 GiB; suffixes K, M, G; ``0`` for no
+bound), never the entry just written. Removing an entry another process maps is safe: its mapping stays valid.
+``list_entries``, ``prune_cache`` and ``clear_cache`` (and ``enginekit cache list|prune|clear``) do it by hand.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -39,8 +46,10 @@ import random
 import re
 import shutil
 import tempfile
+import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +69,9 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }  # fmt: skip
+MAX_BYTES_ENV, MAX_AGE_ENV = "ENGINEKIT_CACHE_MAX_BYTES", "ENGINEKIT_CACHE_MAX_AGE_DAYS"
+DEFAULT_MAX_BYTES, DEFAULT_MAX_AGE_DAYS = 4 << 30, 30.0
+_LEFTOVER_AGE_S = 24 * 3600  # a builder's temporary folder this old belongs to a process that is gone
 _MAX_HEADER_BYTES = 100 << 20
 _MANIFEST_KEYS = {"file_bytes", "stamp", "header_crc32", "tensors", "chunk_bytes", "chunk_crc32"}
 
@@ -68,6 +80,106 @@ logger = logging.getLogger("enginekit.weight_cache")
 
 class _DamagedEntry(Exception):
     """An entry that must not be used; the message says what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One weight cache entry: its folder, its size on disk, when a load last used it, what it was built for."""
+
+    path: Path
+    num_bytes: int
+    last_used: float  # seconds since the epoch
+    key_parts: dict[str, str]
+
+
+def list_entries() -> list[CacheEntry]:
+    """Every entry in the cache, most recently used first."""
+    root = cache_dir()
+    if not root.is_dir():
+        return []
+    entries = []
+    for folder in root.iterdir():
+        try:
+            if folder.name.startswith(".") or not (folder / MANIFEST_FILE).is_file():
+                continue
+            size = sum(item.stat().st_size for item in folder.iterdir())
+            last_used = folder.stat().st_mtime
+            key_parts = json.loads((folder / MANIFEST_FILE).read_text()).get("key_parts", {})
+        except (OSError, ValueError, AttributeError):
+            continue  # removed meanwhile, or not ours: never a reason to fail
+        entries.append(CacheEntry(folder, size, last_used, key_parts if isinstance(key_parts, dict) else {}))
+    return sorted(entries, key=lambda entry: entry.last_used, reverse=True)
+
+
+def cache_limits() -> tuple[int, float]:
+    """The cache's bounds: most bytes (``0``: none) and most days unused (``0``: none), from the environment."""
+    return (
+        _parse_bytes(os.environ.get(MAX_BYTES_ENV, ""), DEFAULT_MAX_BYTES),
+        _parse_days(os.environ.get(MAX_AGE_ENV, ""), DEFAULT_MAX_AGE_DAYS),
+    )
+
+
+def prune_cache(
+    *, max_bytes: int | None = None, max_age_days: float | None = None, keep: Collection[Path] = ()
+) -> list[CacheEntry]:
+    """Remove entries unused for more than ``max_age_days``, then the least recently used ones until the rest
+    hold at most ``max_bytes`` (``None``: the environment's bounds, see ``cache_limits``; ``0``: no bound).
+    Entries in ``keep`` stay. Returns the removed entries."""
+    default_bytes, default_days = cache_limits()
+    max_bytes = default_bytes if max_bytes is None else max_bytes
+    max_age_days = default_days if max_age_days is None else max_age_days
+    _remove_leftovers()
+    now, total, removed = time.time(), 0, []
+    for entry in list_entries():  # most recently used first: the last ones go first
+        too_old = max_age_days > 0 and now - entry.last_used > max_age_days * 86400
+        too_big = max_bytes > 0 and total + entry.num_bytes > max_bytes
+        if entry.path not in keep and (too_old or too_big):
+            _discard(entry.path)
+            removed.append(entry)
+        else:
+            total += entry.num_bytes
+    for entry in removed:
+        logger.info("removed weight cache entry %s (%d bytes, last used %s)", entry.path, entry.num_bytes,
+                    time.ctime(entry.last_used))  # fmt: skip
+    return removed
+
+
+def _remove_leftovers() -> None:
+    """Temporary folders of builders that are gone, and trash a removal left behind."""
+    root, now = cache_dir(), time.time()
+    for folder in root.iterdir() if root.is_dir() else ():
+        try:
+            stale = folder.name.startswith(".tmp-") and now - folder.stat().st_mtime > _LEFTOVER_AGE_S
+        except OSError:
+            continue
+        if stale or folder.name.startswith(".trash-"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _parse_bytes(text: str, default: int) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if not text:
+        return default
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1], 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{MAX_BYTES_ENV} must be a size in bytes (e.g. 4000000000 or 4G), got {text!r}")
+    return int(value)
+
+
+def _parse_days(text: str, default: float) -> float:
+    if not text.strip():
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{MAX_AGE_ENV} must be a number of days (0: no bound), got {text!r}")
+    return value
 
 
 def clear_cache() -> int:
@@ -119,17 +231,25 @@ def load_or_build(
         logger.warning("cannot write weight cache entry %s (%s); using the tensors in memory", entry, error)
         return tensors
     mapped = _map_or_discard(entry)
+    try:
+        prune_cache(keep={entry})
+    except (OSError, ValueError) as error:  # a bad bound in the environment must not stop the engine
+        logger.warning("cannot prune the weight cache: %s", error)
     return tensors if mapped is None else mapped
 
 
 def _map_or_discard(entry: Path) -> dict[str, torch.Tensor] | None:
     try:
-        return _map_entry(entry)
+        tensors = _map_entry(entry)
     except (_DamagedEntry, OSError, KeyError, TypeError, ValueError) as problem:
         # Anything unexpected in an entry (a missing key, a wrong type) means it was not written by us intact.
         logger.warning("weight cache entry %s is damaged (%s); removing it", entry, problem)
         _discard(entry)
         return None
+    with contextlib.suppress(OSError):  # a read-only cache works, it only forgets what was used last
+        now = time.time()  # NOTE: not the file system's clock, which may tick every few milliseconds only
+        os.utime(entry, (now, now))  # used now: the least recently used entries are evicted first
+    return tensors
 
 
 def _entry_name(source: Path, key_parts: Mapping[str, str]) -> str:
@@ -207,7 +327,10 @@ def _map_entry(entry: Path) -> dict[str, torch.Tensor]:
     # NOTE: a private mapping: the model never writes its weights, and a write would only copy that page. The
     # file must not change while mapped (truncating it would SIGBUS a reader); this cache never changes a
     # published file, it only renames and unlinks whole entries, which leaves existing mappings intact.
-    storage = torch.UntypedStorage.from_file(str(weights), shared=False, nbytes=stat.st_size)
+    # torch's stub declares from_file on the storage base class, with the base's return type.
+    storage: torch.UntypedStorage = torch.UntypedStorage.from_file(  # pyright: ignore[reportAssignmentType]
+        str(weights), shared=False, nbytes=stat.st_size
+    )
     data = torch.empty(0, dtype=torch.uint8).set_(storage)[len(header_bytes) :].numpy()
     num_chunks = len(manifest["chunk_crc32"])
     if [stat.st_mtime_ns, stat.st_ino] == manifest["stamp"]:
@@ -269,7 +392,7 @@ def _check_chunks(data: Any, manifest: dict[str, Any], chunks: Any) -> None:
 def _tensor_view(
     storage: torch.UntypedStorage, data_start: int, name: str, spec: dict[str, Any]
 ) -> torch.Tensor:
-    dtype, shape = _DTYPES.get(spec.get("dtype")), spec.get("shape")
+    dtype, shape = _DTYPES.get(spec.get("dtype", "")), spec.get("shape")
     begin, end = spec.get("data_offsets", (0, -1))
     if dtype is None or not isinstance(shape, list):
         raise _DamagedEntry(f"tensor {name} has an unknown dtype or shape")
@@ -277,7 +400,8 @@ def _tensor_view(
     start = data_start + begin
     if end - begin != num_bytes or end + data_start > storage.nbytes() or start % dtype.itemsize:
         raise _DamagedEntry(f"tensor {name} has bad or misaligned data offsets")
-    return torch.empty(0, dtype=dtype).set_(storage, start // dtype.itemsize, shape)
+    # torch's stub wants a stride whenever a size is given; torch itself makes it contiguous.
+    return torch.empty(0, dtype=dtype).set_(storage, start // dtype.itemsize, shape)  # pyright: ignore[reportCallIssue]
 
 
 def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
