@@ -167,7 +167,8 @@ def _llama_model(folder: Path) -> ModelSpec:
 
 
 def _smollm2_model(folder: Path) -> ModelSpec:
-    """The default real model: SmolLM2-135M-Instruct's Q4_1 GGUF; transformers loads the same file, dequantized."""
+    """The default real model: SmolLM2-135M-Instruct's Q4_1 GGUF, which the engine keeps as stored by default
+    (``quantization="auto"``); transformers loads the same file dequantized to float32."""
     from enginekit.model.formats.gguf import read_gguf_config
     from enginekit.model.formats.source import DEFAULT_MODEL, default_model_file
 
@@ -175,7 +176,7 @@ def _smollm2_model(folder: Path) -> ModelSpec:
     config = read_gguf_config(path)
     return ModelSpec(
         key="smollm2",
-        label="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized; hidden 576, 30 layers, 9 heads, 3 KV heads, vocab 49152)",
+        label="SmolLM2-135M-Instruct (Q4_1 GGUF; hidden 576, 30 layers, 9 heads, 3 KV heads, vocab 49152)",
         engine_model=DEFAULT_MODEL,
         hf_path=str(path),
         config=config,

@@ -75,8 +75,8 @@ def render_page(result: dict[str, Any], json_link: str, plots: dict[str, str]) -
             "The headline targets' measured values over the runs in `benchmarks/results/` (hollow markers: "
             "quick runs, at smaller sizes).\n"
         )
-    for number_, (name, entry) in enumerate(result["sections"].items(), 1):
-        parts.append(_section(number_, name, entry, plots))
+    for name, entry in result["sections"].items():
+        parts.append(_section(name, entry, plots))
     return "\n".join(parts)
 
 
@@ -133,8 +133,9 @@ def _targets_table(targets: list[dict[str, Any]]) -> str:
     )
 
 
-def _section(index: int, name: str, entry: dict[str, Any], plots: dict[str, str]) -> str:
-    parts = [f"## {index}. {entry['question']}\n"]
+def _section(name: str, entry: dict[str, Any], plots: dict[str, str]) -> str:
+    # No number in the heading: its anchor stays the same whichever sections ran (the docs link to them).
+    parts = [f"## {entry['question']}\n"]
     meta = f"`--only {name}`"
     if "runtime_s" in entry:
         meta += (

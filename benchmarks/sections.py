@@ -113,11 +113,10 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section(
         "quant",
-        "How fast do quantized GGUF weights run against llama.cpp?",
-        "benchmarks.bench_quant",
-        "run_quant_bench",
-        "render_quant_bench",
-        optional=True,
+        "Quantized weights against llama.cpp",
+        "benchmarks.bench_quantized",
+        "run_quantized_bench",
+        "render_quantized_bench",
     ),
     Section(
         "structured",
@@ -125,7 +124,6 @@ SECTIONS: tuple[Section, ...] = (
         "benchmarks.bench_structured",
         "run_structured_outputs_bench",
         "render_structured_outputs_bench",
-        optional=True,
     ),
     Section(
         "arch",

@@ -37,7 +37,7 @@ def test_quick_limits_run_writes_json_and_page(tmp_path: Path) -> None:
         assert limits["peak"]["float32"]["all"]["median"] > 0
     text = page.read_text()
     assert "**Quick run**" in text
-    assert "## 1. What can this machine do at most?" in text
+    assert "## What can this machine do at most?" in text
     assert f"{limits['zmq_round_trip_us']['p50']:.1f}" in text  # the page's numbers are the JSON's
     assert path.name in text
 
