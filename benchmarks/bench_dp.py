@@ -30,7 +30,7 @@ def sizes(quick: bool) -> dict[str, Any]:
         return dict(builtin=((64,), (16, 16), 2), smollm2=((32,), (16, 8), 1))
     # NOTE: 128 tokens: a built-in round of 64 requests then lasts about a second, long enough that a
     # scheduling hiccup of the VM does not decide a round's ratio.
-    return dict(builtin=((64, 128), (32, 128), 8), smollm2=((64,), (32, 16), 3))
+    return dict(builtin=((64, 128), (32, 128), 4), smollm2=((64,), (32, 16), 2))
 
 
 def run_dp_bench(quick: bool) -> dict[str, Any]:

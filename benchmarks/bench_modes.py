@@ -40,7 +40,7 @@ _TIMEOUT_S = 600.0
 def sizes(quick: bool) -> dict[str, Any]:
     if quick:
         return dict(tiny=((8, 32), (16, 16), 2), real=((8,), (16, 8), 1))
-    return dict(tiny=((8, 32), (128, 64), 6), real=((8,), (64, 32), 4))
+    return dict(tiny=((8, 32), (128, 64), 4), real=((8,), (64, 32), 3))
 
 
 def run_modes_bench(quick: bool) -> dict[str, Any]:

@@ -38,7 +38,7 @@ _MB = 1e6
 def sizes(quick: bool) -> dict[str, Any]:
     if quick:
         return dict(prompt=16, decode=16, concurrent=16, concurrent_decode=16, prefill=128, rounds=1, steps=8)
-    return dict(prompt=32, decode=128, concurrent=16, concurrent_decode=64, prefill=512, rounds=4, steps=30)
+    return dict(prompt=32, decode=128, concurrent=16, concurrent_decode=32, prefill=512, rounds=3, steps=30)
 
 
 def run_quantized_bench(quick: bool) -> dict[str, Any]:

@@ -46,7 +46,7 @@ def sizes(quick: bool) -> dict[str, Any]:
     # NOTE: no 32: spinning workers beside a busy process run at a tenth of the speed, minutes per round.
     if quick:
         return dict(concurrency=(8,), lengths=(16, 8), repeats=1)
-    return dict(concurrency=(1, 8), lengths=(64, 16), repeats=3)
+    return dict(concurrency=(1, 8), lengths=(32, 16), repeats=2)
 
 
 def run_threads_bench(quick: bool) -> dict[str, Any]:

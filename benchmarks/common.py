@@ -56,7 +56,12 @@ class Context:
 
     def model(self, key: str) -> ModelSpec:
         if key not in self._models:
-            build = {"builtin": _builtin_model, "llama": _llama_model, "smollm2": _smollm2_model}[key]
+            build = {
+                "builtin": _builtin_model,
+                "llama": _llama_model,
+                "qwen3": _qwen3_model,
+                "smollm2": _smollm2_model,
+            }[key]
             self._models[key] = build(self.workdir / key)
         return self._models[key]
 
@@ -163,6 +168,25 @@ def _llama_model(folder: Path) -> ModelSpec:
         hf_path=str(folder),
         config=config,
         token_range=(2, config.vocab_size),  # 0 and 1 are <s> and </s>
+    )
+
+
+def _qwen3_model(folder: Path) -> ModelSpec:
+    """A second architecture: a tiny random Qwen3 (q/k norms) of the tiny Llama's sizes."""
+    from enginekit.model.formats.hf import read_hf_config
+
+    checkpoints = _import_file("hf_checkpoints", REPO_ROOT / "tests" / "hf_checkpoints.py")
+    checkpoints.build_checkpoint(
+        folder, "qwen3", max_position_embeddings=LLAMA_MAX_POSITIONS, seed=0, **LLAMA_SIZES
+    )
+    config = read_hf_config(folder)
+    return ModelSpec(
+        key="qwen3",
+        label="tiny random Qwen3 (hidden 256, 4 layers, 8 heads, 4 KV heads, q/k norms, vocab 4096)",
+        engine_model=str(folder),
+        hf_path=str(folder),
+        config=config,
+        token_range=(2, config.vocab_size),
     )
 
 

@@ -131,7 +131,6 @@ SECTIONS: tuple[Section, ...] = (
         "benchmarks.bench_arch",
         "run_arch_bench",
         "render_arch_bench",
-        optional=True,
     ),
 )
 
