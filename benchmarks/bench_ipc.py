@@ -20,7 +20,7 @@ def run_ipc_bench(quick: bool) -> dict[str, Any]:
     ctx = session()
     spec = ctx.model("builtin")
     pings, blocks = (200, 3) if quick else (500, 6)
-    num_requests = 1000 if quick else 10000
+    num_requests = 500 if quick else 10000
     repeats = 2
     variants = {mode: {"mode": mode, "num_threads": ctx.threads} for mode in ("mp", "async", "inproc")}
     with engines_up(spec, variants, equal_workload(1, PROMPT_LEN, 1)) as engines:

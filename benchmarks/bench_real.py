@@ -34,6 +34,7 @@ def sizes(quick: bool) -> dict[str, Any]:
             prompt_range=(8, 32),
             output_range=(4, 16),
             repeats=1,
+            llama_cpp_rounds=1,
             probe=(8, 1),
             compile=False,
         )
@@ -44,6 +45,7 @@ def sizes(quick: bool) -> dict[str, Any]:
         prompt_range=(16, 128),
         output_range=(8, 64),
         repeats=2,
+        llama_cpp_rounds=3,
         probe=(8, 2),
         compile=True,
     )
@@ -227,7 +229,7 @@ def compare_llama_cpp(spec: ModelSpec, size: dict[str, Any], threads: int) -> di
             runners = {"engine": lambda r=engine_run: r().tokens_per_s, "batched": llama(True)}
             if concurrency > 1:
                 runners["one_at_a_time"] = llama(False)
-            samples = interleave(runners, repeats=size["repeats"] + 1, warmup=1)
+            samples = interleave(runners, repeats=size["llama_cpp_rounds"], warmup=1)
             if concurrency == 1:
                 samples["one_at_a_time"] = samples["batched"]  # one sequence: the same thing
             rows.append(
@@ -328,7 +330,7 @@ def _llama_cpp_text(figures: dict[str, Any]) -> str:
         f"lengths, {figures['threads']} threads. *batched*: every sequence in one `llama_batch` per step through "
         "the low-level API (one context, a unified KV cache), as a llama.cpp server with parallel slots runs; "
         "*one at a time*: the sequences one after another, as `Llama.generate` runs them. Interleaved with the "
-        "engine, one round more than the rows above.\n\n"
+        f"engine, {figures['sizes']['llama_cpp_rounds']} rounds after a warm-up.\n\n"
         + markdown_table(
             [
                 "concurrent",

@@ -4,7 +4,7 @@ Usage::
 
     .venv/bin/python benchmarks/run.py                          # the full run (make bench): <= 35 min on 2 cores
     .venv/bin/python benchmarks/run.py --quick                  # the same sections at smaller sizes: <= 8 min
-    .venv/bin/python benchmarks/run.py --quick --only limits    # some sections
+    .venv/bin/python benchmarks/run.py --quick --only limits    # some sections (their page: beside the JSON)
     .venv/bin/python benchmarks/run.py --list
 
 Each run writes its figures as JSON to ``benchmarks/results/`` (commit, machine, figures), then renders
@@ -36,6 +36,7 @@ if __package__ in (None, ""):
 from benchmarks.sections import BY_NAME, SECTIONS  # noqa: E402
 
 SCHEMA = 1
+PAGE = REPO_ROOT / "docs" / "benchmarks.md"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the same sections at smaller sizes (<= 8 min)")
     parser.add_argument("--only", default="", help=f"comma-separated sections: {', '.join(BY_NAME)}")
     parser.add_argument(
-        "--output", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md", help="the page to write"
+        "--output",
+        type=Path,
+        help="the page to write (default: docs/benchmarks.md for a full run; beside the run's JSON for a quick "
+        "or partial one, which leaves the page alone)",
     )
     parser.add_argument(
         "--results-dir",
@@ -121,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     result["duration_s"] = round(time.perf_counter() - started, 1)
     _write_json(path, result)
     log(f"wrote {path}")
-    write_report(path, args.output)
-    log(f"wrote {args.output}")
+    page = args.output
+    if page is None:
+        page = PAGE if not (args.quick or args.only) else path.with_suffix(".md")
+    write_report(path, page)
+    log(f"wrote {page}")
     return 1 if failed else 0
 
 
