@@ -37,7 +37,7 @@ _MB = 1e6
 
 def sizes(quick: bool) -> dict[str, Any]:
     if quick:
-        return dict(prompt=16, decode=16, concurrent=16, concurrent_decode=16, prefill=128, rounds=1, steps=8)
+        return dict(prompt=16, decode=16, concurrent=8, concurrent_decode=16, prefill=128, rounds=1, steps=8)
     return dict(prompt=32, decode=128, concurrent=16, concurrent_decode=32, prefill=512, rounds=3, steps=30)
 
 

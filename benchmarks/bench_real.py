@@ -28,14 +28,14 @@ from .stats import markdown_table
 def sizes(quick: bool) -> dict[str, Any]:
     if quick:
         return dict(
-            concurrency=(1, 8),
-            llama_cpp=(1, 8),
+            concurrency=(1, 4),
+            llama_cpp=(1, 4),
             equal=(16, 8),
             prompt_range=(8, 32),
             output_range=(4, 16),
             repeats=1,
             llama_cpp_rounds=1,
-            probe=(8, 1),
+            probe=(4, 1),
             compile=False,
         )
     return dict(
@@ -45,7 +45,7 @@ def sizes(quick: bool) -> dict[str, Any]:
         prompt_range=(16, 128),
         output_range=(8, 64),
         repeats=2,
-        llama_cpp_rounds=3,
+        llama_cpp_rounds=2,
         probe=(8, 2),
         compile=True,
     )

@@ -43,7 +43,7 @@ PEOPLE = [
 
 def sizes(quick: bool) -> dict[str, Any]:
     if quick:
-        return dict(concurrent=32, max_tokens=16, rounds=1, cold=1, cached=5)
+        return dict(concurrent=16, max_tokens=16, rounds=1, cold=1, cached=5)
     return dict(concurrent=32, max_tokens=64, rounds=3, cold=4, cached=40)
 
 
