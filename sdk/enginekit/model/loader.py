@@ -401,10 +401,11 @@ def _use_stored(
             layer.use_stored(weight)
         else:
             assert isinstance(layer, Linear) and isinstance(weight, QuantizedWeight)
+            weight.exact_input = name == "lm_head.weight"  # see QuantizedWeight
             layer.use_stored(weight)
     embedding = stored.get("embed_tokens.weight")
     if config.tie_word_embeddings and isinstance(embedding, StoredWeight):
-        module.lm_head.use_stored(QuantizedWeight([embedding]))
+        module.lm_head.use_stored(QuantizedWeight([embedding], exact_input=True))
 
 
 def _describe_stored(stored: dict[str, StoredWeight | QuantizedWeight]) -> str:

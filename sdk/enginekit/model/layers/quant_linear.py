@@ -25,9 +25,12 @@ class StoredWeight(NamedTuple):
     out_features: int
     in_features: int
 
-    def matmul(self, x: torch.Tensor, gemm: QuantGemm) -> torch.Tensor:
-        """``x @ weight.T`` for float32 ``x`` ``[M, in_features]``: float32 ``[M, out_features]``."""
-        return gemm(x, self.blocks, self.quant_type, self.out_features, self.in_features)
+    def matmul(self, x: torch.Tensor, gemm: QuantGemm, exact_input: bool = False) -> torch.Tensor:
+        """``x @ weight.T`` for float32 ``x`` ``[M, in_features]``: float32 ``[M, out_features]``;
+        ``exact_input``: ``x`` is never quantized to int8."""
+        return gemm(
+            x, self.blocks, self.quant_type, self.out_features, self.in_features, exact_input=exact_input
+        )
 
     def rows(self, ids: torch.Tensor, gemm: QuantGemm) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized to float32 ``[len(ids), in_features]`` (an embedding lookup:
@@ -42,20 +45,29 @@ class StoredWeight(NamedTuple):
 
 class QuantizedWeight:
     """A projection's weight as stored, in one or more ``parts`` whose outputs follow each other (a fused q/k/v or
-    gate/up whose pieces are of different types stays several products); its product is theirs side by side."""
+    gate/up whose pieces are of different types stays several products); its product is theirs side by side.
 
-    def __init__(self, parts: Sequence[StoredWeight], gemm: QuantGemm | None = None) -> None:
+    ``exact_input`` keeps the input in float32 at every row count, for the LM head: a decode step's input
+    quantized to int8 (as the other projections take it, and as llama.cpp does) moves its logits by about 1%,
+    enough to flip a greedy choice of a small model (SmolLM2-135M answers "What is the capital of France?" with
+    "L'Étoile, la Cité, ..." that way, in llama.cpp too), while it shifts the hidden states of the others
+    within what the following norms absorb."""
+
+    def __init__(
+        self, parts: Sequence[StoredWeight], gemm: QuantGemm | None = None, *, exact_input: bool = False
+    ) -> None:
         if not parts or len({part.in_features for part in parts}) != 1:
             raise ValueError("a quantized weight needs one or more parts of the same input width")
         self.parts = tuple(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(part.out_features for part in parts)
         self.gemm = gemm or quant_gemm()
+        self.exact_input = exact_input
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        outs = [part.matmul(x, self.gemm) for part in self.parts]
+        outs = [part.matmul(x, self.gemm, self.exact_input) for part in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if bias is not None:
             out += bias
