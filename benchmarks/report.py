@@ -72,8 +72,8 @@ def render_page(result: dict[str, Any], json_link: str, plots: dict[str, str]) -
     if "trend" in plots:
         parts.append(
             f"![headline ratios over commits]({plots['trend']})\n\n"
-            "The headline targets' measured values over the runs in `benchmarks/results/` (hollow markers: "
-            "quick runs, at smaller sizes).\n"
+            "The headline targets' measured values over the full runs in `benchmarks/results/` (over the quick "
+            "ones, hollow markers, until there is a full run).\n"
         )
     for name, entry in result["sections"].items():
         parts.append(_section(name, entry, plots))
@@ -246,6 +246,8 @@ def _draw_curve(plt: Any, curve_: dict[str, Any], path: Path) -> None:
 def _draw_trend(plt: Any, history: list[dict[str, Any]], path: Path) -> bool:
     series: dict[str, list[tuple[int, float, bool]]] = {}
     labels = []
+    if any(not run.get("quick") for run in history):  # full runs only, once there are some
+        history = [run for run in history if not run.get("quick")]
     for index, run in enumerate(history):
         labels.append(run.get("commit", "?") + ("\nquick" if run.get("quick") else ""))
         for entry in run.get("sections", {}).values():
@@ -254,7 +256,7 @@ def _draw_trend(plt: Any, history: list[dict[str, Any]], path: Path) -> bool:
                     series.setdefault(t["name"], []).append((index, t["measured"], bool(run.get("quick"))))
     if not series:
         return False
-    figure, axes = plt.subplots(figsize=(6.4, 3.8), dpi=100)
+    figure, axes = plt.subplots(figsize=(7.2, 3.2 + 0.18 * len(series)), dpi=100)
     for name, points in series.items():
         (line,) = axes.plot([i for i, _, _ in points], [v for _, v, _ in points], label=name)
         for i, value, quick in points:
@@ -266,9 +268,9 @@ def _draw_trend(plt: Any, history: list[dict[str, Any]], path: Path) -> bool:
     axes.set_ylabel("measured (x)")
     axes.set_title("headline ratios over runs", fontsize=9)
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=6)
+    axes.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=1, frameon=False)
     figure.tight_layout()
-    figure.savefig(path)
+    figure.savefig(path, bbox_inches="tight")
     plt.close(figure)
     return True
 
