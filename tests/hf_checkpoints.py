@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-Arch = Literal["llama", "qwen2", "mistral"]
+Arch = Literal["llama", "qwen2", "mistral", "qwen3", "phi3"]
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -41,7 +41,13 @@ EMBED_STD = 1.0
 LOGIT_STD = 16.0
 BIAS_STD = 0.5
 TIED_OUT_PROJ_GAIN = 3.0
-DEFAULT_ROPE_THETA = {"llama": 500000.0, "qwen2": 1000000.0, "mistral": 1000000.0}
+DEFAULT_ROPE_THETA = {
+    "llama": 500000.0,
+    "qwen2": 1000000.0,
+    "mistral": 1000000.0,
+    "qwen3": 1000000.0,
+    "phi3": 10000.0,
+}
 SHARD_SIZE = "100KB"
 
 CORPUS = """\
@@ -125,8 +131,10 @@ def _make_config(
     init_std: float,
     bos_id: int,
     eos_id: int,
+    rope_parameters: dict | None = None,
+    head_dim: int | None = None,
 ):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -140,7 +148,7 @@ def _make_config(
         initializer_range=init_std,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        rope_parameters={"rope_type": "default", **(rope_parameters or {}), "rope_theta": float(rope_theta)},
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         dtype="float32",
@@ -151,13 +159,34 @@ def _make_config(
         return Qwen2Config(**common, use_sliding_window=False)
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=None)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=head_dim or hidden_size // num_heads, use_sliding_window=False)
+    if arch == "phi3":
+        from transformers import Phi3Config
+
+        original = (rope_parameters or {}).get("original_max_position_embeddings", max_position_embeddings)
+        return Phi3Config(
+            **common, sliding_window=None, original_max_position_embeddings=original, pad_token_id=eos_id
+        )
     raise ValueError(f"unknown arch {arch!r}; expected 'llama', 'qwen2' or 'mistral'")
 
 
 def _model_class(arch: Arch):
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+    from transformers import (
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        Phi3ForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+    )
 
-    classes = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}
+    classes = {
+        "llama": LlamaForCausalLM,
+        "qwen2": Qwen2ForCausalLM,
+        "mistral": MistralForCausalLM,
+        "qwen3": Qwen3ForCausalLM,
+        "phi3": Phi3ForCausalLM,
+    }
     return classes[arch]
 
 
@@ -210,13 +239,17 @@ def build_checkpoint(
     sharded: bool = False,
     seed: int = 0,
     init_std: float = DEFAULT_INIT_STD,
+    rope_parameters: dict | None = None,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a tiny random ``arch`` checkpoint in Hugging Face layout into ``path``; return it.
 
     ``vocab_size`` defaults to the tokenizer's size and must not be smaller than it.
     ``rope_theta`` defaults to a non-default value per arch (llama 5e5, qwen2 1e6, mistral 1e6).
     ``sharded=True`` splits the weights into several ``model-0000X-of-0000Y.safetensors`` files
-    with a ``model.safetensors.index.json``.
+    with a ``model.safetensors.index.json``. ``rope_parameters`` adds a rope type and its numbers
+    (``{"rope_type": "llama3", "factor": 8.0, ...}``); ``head_dim`` sets qwen3's head size apart from
+    hidden/heads.
     """
     _set_offline()
     from transformers import GenerationConfig
@@ -249,6 +282,8 @@ def build_checkpoint(
         init_std=init_std,
         bos_id=bos_id,
         eos_id=eos_id,
+        rope_parameters=rope_parameters,
+        head_dim=head_dim,
     )
     torch.manual_seed(seed)
     model = _model_class(arch)(config).to(torch.float32).eval()

@@ -8,7 +8,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "sdk" / "enginekit"
 
 # Which parts may import which, besides the shared modules at the package root (the public types config, errors,
-# sampling_params, outputs, logs; ``interrupts``, Ctrl-C at safe points; ``cache``, where files are kept), which
+# sampling_params, structured_outputs, outputs, logs; ``interrupts``, Ctrl-C at safe points; ``cache``, where files are kept), which
 # import nothing but each other. Every module belongs to a part named here: a new folder or root module fails
 # ``test_every_module_belongs_to_a_part`` until it is placed. The entry points (``demo``, ``testing``, the
 # ``cli`` command) use the public API; the front end is on top of the engine; notebook/ sits beside it, used by
@@ -30,10 +30,19 @@ ALLOWED = {
     "model.kernels": set(),
     "wire": set(),
 }
-SHARED = {"config", "errors", "sampling_params", "outputs", "logs", "interrupts", "cache"}
+SHARED = {
+    "config",
+    "errors",
+    "sampling_params",
+    "structured_outputs",
+    "outputs",
+    "logs",
+    "interrupts",
+    "cache",
+}
 ENTRY = {"demo", "testing", "cli"}
-# model/'s root modules that formats/ and layers/ may use: the plain config of an architecture.
-MODEL_BASICS = {"enginekit.model.config"}
+# model/'s root modules that formats/ and layers/ may use: the plain config of a model and the specs of architectures.
+MODEL_BASICS = {"enginekit.model.config", "enginekit.model.architectures"}
 
 
 def module_name(path: Path) -> str:

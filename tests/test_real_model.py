@@ -70,7 +70,9 @@ def reference():
 
 @pytest.fixture(scope="module", params=MODES)
 def engine(request):
-    with Engine(mode=request.param, max_model_len=1024) as engine:
+    # quantization="none": the file dequantized to float32, as transformers loads it (the weights as stored are
+    # compared with this in test_quantized.py).
+    with Engine(mode=request.param, max_model_len=1024, quantization="none") as engine:
         yield engine
 
 
@@ -114,3 +116,12 @@ def test_streaming_and_async_chat(engine):
         return outs[0].text, chunks[-1].text
 
     assert asyncio.run(both()) == (expected, expected)
+
+
+def test_chat_answers_with_the_weights_as_stored():
+    # The LM head takes its input unquantized (QuantizedWeight.exact_input): with an int8 input, as the other
+    # projections take it at decode, this model (and llama.cpp on the same file) answers "L'Étoile, la Cité, ...".
+    with Engine(mode="inproc", quantization="gguf") as engine:
+        assert engine.client.core.runner.model.lm_head.stored.exact_input
+        outputs = engine.chat(CONVERSATIONS[:1], SamplingParams(max_tokens=64, temperature=0))
+    assert outputs[0].text == "The capital of France is Paris."

@@ -17,6 +17,7 @@ from enginekit.frontend.engine import Engine
 from enginekit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from enginekit.runtime.launcher import shutdown_launcher
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
+from enginekit.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "CompletionOutput",
@@ -32,6 +33,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "UtilityCallError",
     "shutdown_launcher",
 ]

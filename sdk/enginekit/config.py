@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import msgspec
 
@@ -22,12 +23,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     Parameters
     ----------
     model
-        A local Hugging Face folder (``config.json``, ``*.safetensors``, ``tokenizer.json``), or ``None`` for
-        the built-in tiny model (seeded random weights, byte-level tokenizer; no files needed).
+        A local Hugging Face folder (``config.json``, ``*.safetensors``, ``tokenizer.json``), a ``.gguf`` file, a
+        Hugging Face repo id (``"Qwen/Qwen3-0.6B"``: the local Hugging Face cache, downloaded into it first when
+        online; ``HF_HUB_OFFLINE=1`` uses the cache alone), ``"builtin"`` (the tiny test model: seeded random
+        weights, byte-level tokenizer) or ``None`` for the default model (SmolLM2-135M-Instruct).
+    revision
+        The branch, tag or commit of a Hugging Face repo id ``model``; ``None``: ``main``.
     device
         ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``None`` (CUDA when available, else CPU).
     dtype
         ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``None`` (float32 on CPU, bfloat16 on CUDA).
+    quantization
+        How a GGUF file's quantized weights are held (other models ignore it). ``"auto"``: as the file stores
+        them, mapped read-only and shared by every engine process of that file, wherever a kernel computes with
+        them (CPU, float32, the native kernels; Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16), and
+        dequantized at load to ``dtype`` otherwise (the log says which tensors and why; always on CUDA).
+        ``"gguf"``: as stored, or an ``EngineStartupError`` naming the tensor and type that cannot be.
+        ``"none"``: every weight dequantized at load (the float32 reference; through the weight cache).
     max_model_len
         Longest prompt plus output in tokens; ``None`` takes the checkpoint's limit (capped by the KV cache).
     block_size
@@ -97,6 +109,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_keys
         The file that holds the CURVE keys and ports remote ranks need (mode 0600; copy it to their hosts).
         The front end writes it at startup, keeping the keys of an existing file so that copies stay valid.
+    structured_outputs_backend
+        The library that compiles ``StructuredOutputsParams`` and computes their token masks: ``"llguidance"``
+        (the default; installed with enginekit) or ``"xgrammar"`` (``pip install 'enginekit[xgrammar]'``). Both
+        take the same constraints; see the API reference for how they differ.
     cuda_graphs
         Replay decode steps from captured CUDA graphs (one per padded batch size and context length, captured
         on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
@@ -105,8 +121,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """
 
     model: str | None = None
+    revision: str | None = None
     device: str | None = None
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    quantization: Literal["auto", "gguf", "none"] = "auto"
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -132,6 +150,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_size_local: int | None = None
     data_parallel_keys: str | None = None
     cuda_graphs: bool = False
+    structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
 
     def __post_init__(self) -> None:
         _require(
@@ -165,6 +184,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         self._check_data_parallel()
+        if self.structured_outputs_backend != "llguidance" and importlib.util.find_spec("xgrammar") is None:
+            raise ImportError(
+                "structured_outputs_backend='xgrammar' needs the xgrammar package, which is not installed: "
+                "pip install 'enginekit[xgrammar]', or leave the default backend, 'llguidance'"
+            )
 
     def _check_data_parallel(self) -> None:
         size, rank, balancing = (
@@ -239,7 +263,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise TypeError(f"unknown engine option {name!r}{hint}")
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(
-                "model must be a local Hugging Face folder, a .gguf file, a model name "
+                "model must be a local Hugging Face folder, a .gguf file, a Hugging Face repo id, a model name "
                 f"({', '.join(map(repr, MODEL_NAMES))}) or None for the default, got {model!r} "
                 f"({type(model).__name__})"
             )
@@ -264,7 +288,7 @@ def resolve_mode(mode: str | None) -> EngineMode:
     if chosen not in valid:
         source = "mode" if mode is not None else MODE_ENV_VAR
         raise ValueError(f"{source} must be one of {', '.join(map(repr, valid))}, got {chosen!r}")
-    return chosen  # type: ignore[return-value]
+    return cast(EngineMode, chosen)  # one of its values: checked above
 
 
 def _option_error(cls: type, error: msgspec.ValidationError) -> Exception:

@@ -19,6 +19,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 _active: list[bool] | None = None  # the outermost section's notes, while its handler is in place
@@ -41,7 +42,7 @@ def deferred_interrupts(on_interrupt: Callable[[], None] | None = None) -> Itera
         yield interrupted
         return
 
-    def on_sigint(signum: int, frame: Any) -> None:
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
         if interrupted:
             raise KeyboardInterrupt
         interrupted.append(True)

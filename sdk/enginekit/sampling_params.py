@@ -11,9 +11,12 @@ from typing import Any
 
 import msgspec
 
+from enginekit.structured_outputs import StructuredOutputsParams
+
 __all__ = ["RequestOutputKind", "SamplingParams"]
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -92,6 +95,22 @@ class SamplingParams(
     output_kind
         What ``stream`` yields: ``RequestOutputKind.CUMULATIVE`` (the output so far), ``DELTA`` (only what is
         new since the last yield) or ``FINAL_ONLY`` (just the finished output).
+    structured_outputs
+        A ``StructuredOutputsParams``: the output follows a JSON schema, a regex, a choice or a grammar.
+    logit_bias
+        Token id -> a bias added to its logit before sampling (and before greedy's argmax), each clamped to
+        [-100, 100]: -100 practically bans a token, 100 practically forces it.
+    allowed_token_ids
+        Only these token ids may be sampled.
+    bad_words
+        Words that must not be generated: each is tokenized as it starts the text and after a space, and the
+        last token of each form is banned whenever the output so far ends with the tokens before it.
+    skip_special_tokens
+        Leave special tokens (such as ``<|im_end|>``) out of the text (``token_ids`` always has them).
+    spaces_between_special_tokens
+        With ``skip_special_tokens=False``: put a space between a special token and the text around it.
+    truncate_prompt_tokens
+        Keep only the last this many prompt tokens (``-1``: as many as ``max_model_len`` allows).
     """
 
     max_tokens: int | None = 16
@@ -112,6 +131,13 @@ class SamplingParams(
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("top_k", "min_tokens", "n"):
@@ -139,6 +165,7 @@ class SamplingParams(
         self._set("stop", _strings("stop", self.stop))
         self._set("stop_token_ids", _integers("stop_token_ids", self.stop_token_ids))
         self._check_ranges()
+        self._check_token_controls()
 
     def _set(self, name: str, value: Any) -> None:
         if value is not getattr(self, name):
@@ -183,6 +210,38 @@ class SamplingParams(
                 f"SamplingParams.prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
             )
 
+    def _check_token_controls(self) -> None:
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise _type_error("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+        if self.logit_bias is not None:
+            self._set("logit_bias", _logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            ids = _integers("allowed_token_ids", self.allowed_token_ids)
+            if not ids:
+                raise ValueError("SamplingParams.allowed_token_ids is empty: give at least one token id")
+            if min(ids) < 0:
+                raise ValueError(
+                    f"SamplingParams.allowed_token_ids must hold non-negative integers, got {min(ids)}"
+                )
+            self._set("allowed_token_ids", ids)
+        self._set("bad_words", _strings("bad_words", self.bad_words))
+        if any(not word.strip() for word in self.bad_words):
+            raise ValueError(f"SamplingParams.bad_words must hold words, got {self.bad_words!r}")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _type_error(name, getattr(self, name), "True or False")
+        if self.truncate_prompt_tokens is not None:
+            self._set(
+                "truncate_prompt_tokens", _integer("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            )
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(
+                    "SamplingParams.truncate_prompt_tokens must be at least 1, or -1 (up to max_model_len), "
+                    f"got {self.truncate_prompt_tokens}"
+                )
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -222,6 +281,24 @@ def _strings(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
         return value if type(value) is tuple else tuple(value)
     raise _type_error(name, value, "a string or a list of strings")
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """Token id -> bias, each bias clamped to [-100, 100]."""
+    if not isinstance(value, dict):
+        raise _type_error("logit_bias", value, "a dict of token id -> bias")
+    bias = {}
+    for token, amount in value.items():
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise _type_error("logit_bias", value, "a dict of token id (an integer) -> bias")
+        token = int(token)
+        if token < 0:
+            raise ValueError(f"SamplingParams.logit_bias keys must be non-negative token ids, got {token}")
+        amount = _real("logit_bias", amount)
+        if amount != amount:
+            raise ValueError(f"SamplingParams.logit_bias of token {token} is not a number")
+        bias[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, amount))
+    return value if bias == value and all(type(k) is int for k in value) else bias
 
 
 def _integers(name: str, value: Any) -> tuple[int, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.inproc import InprocClient
 from enginekit.client.mp import AsyncMPClient, SyncMPClient
@@ -19,7 +21,7 @@ __all__ = [
     "make_client",
 ]
 
-CLIENTS: dict[str, type[EngineCoreClient]] = {
+CLIENTS: dict[str, Callable[[EngineConfig, ModelSpec], EngineCoreClient]] = {
     "inproc": InprocClient,
     "mp": SyncMPClient,
     "async": AsyncMPClient,

@@ -39,10 +39,8 @@ class LoadBalancer:
     def _least_loaded(self) -> int:
         least = min(self.loads.values())
         count = len(self.ranks)
-        for offset in range(count):
-            rank = self.ranks[(self._next + offset) % count]
-            if self.loads[rank] == least:
-                break
+        order = (self.ranks[(self._next + offset) % count] for offset in range(count))
+        rank = next(rank for rank in order if self.loads[rank] == least)
         self._next = (self.ranks.index(rank) + 1) % count
         return rank
 

@@ -83,7 +83,7 @@ def merge_stats(stats: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
     """One engine's stats as they are; several ranks' summed (ratios recomputed), with ``ranks`` beside."""
     if isinstance(stats, dict):
         return stats
-    total = {
+    total: dict[str, Any] = {
         key: sum(rank[key] for rank in stats) for key in stats[0] if isinstance(stats[0][key], (int, float))
     }
     total["kv_cache_usage"] = 1.0 - total["num_free_kv_blocks"] / total["num_kv_blocks"]

@@ -24,7 +24,7 @@ import zmq
 from enginekit.client.balancer import LoadBalancer
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.pending import PendingCalls
-from enginekit.client.receiver import LoopReceiver, ThreadReceiver
+from enginekit.client.receiver import LoopReceiver, ThreadReceiver, WatchedProcess
 from enginekit.client.remote import RankWatcher, RemoteRank
 from enginekit.client.sockets import EngineSockets
 from enginekit.client.startup import EngineRank, check_placement, spawn_engines, wait_for_ready
@@ -280,7 +280,7 @@ class MPClient(EngineCoreClient):
         return message if message.outputs else None
 
     # ---- death --------------------------------------------------------------------------------------
-    def _on_process_exit(self, process: EngineProcess) -> None:
+    def _on_process_exit(self, process: WatchedProcess) -> None:
         engine = next(engine for engine in self.engines if engine.process is process)
         self._mark_dead(f"{self._who(engine)}the engine process died", engine)
 

@@ -26,16 +26,27 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import zmq
 
 from enginekit.interrupts import deferred_interrupts
-from enginekit.runtime.engine_process import EngineProcess
 from enginekit.wire.messages import EngineCoreOutputs
 
 HandleFrames = Callable[[list[Any]], "EngineCoreOutputs | None"]
+
+
+class WatchedProcess(Protocol):
+    """What a receiver watches of an engine: a local ``EngineProcess`` or a ``RemoteRank`` (whose ``pidfd``
+    is a pipe that turns readable when its connection drops)."""
+
+    @property
+    def pidfd(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+
 _READ_SLICE_S = 0.05
 
 
@@ -43,9 +54,9 @@ class ThreadReceiver:
     def __init__(
         self,
         socket: zmq.Socket,
-        processes: list[EngineProcess],
+        processes: Sequence[WatchedProcess],
         handle_frames: HandleFrames,
-        on_exit: Callable[[EngineProcess], None],
+        on_exit: Callable[[WatchedProcess], None],
     ) -> None:
         self._socket = socket
         self._processes = processes
@@ -145,9 +156,9 @@ class LoopReceiver:
     def __init__(
         self,
         socket: zmq.Socket,
-        processes: list[EngineProcess],
+        processes: Sequence[WatchedProcess],
         handle_frames: HandleFrames,
-        on_exit: Callable[[EngineProcess], None],
+        on_exit: Callable[[WatchedProcess], None],
     ) -> None:
         self._socket = socket
         self._processes = processes
@@ -191,25 +202,26 @@ class LoopReceiver:
         # and a task switch (a utility round trip took 2-3x as long). The fd is edge-triggered: each callback
         # drains the socket until it would block, and messages queued before the reader existed are read by
         # the first, scheduled now.
-        fd, receiver = self._socket.FD, weakref.ref(self)
+        fd = self._socket.FD
+        receiver: weakref.ref[LoopReceiver] = weakref.ref(self)
         loop.add_reader(fd, _on_readable, receiver, loop, fd)
         loop.call_soon(_on_readable, receiver, loop, fd)
         self._reading = True
         self._watched_fds = [fd]
         for process in self._processes:
             if process.pidfd is not None:
-                loop.add_reader(process.pidfd, self._on_pidfd, process)
+                loop.add_reader(process.pidfd, self._on_pidfd, process, process.pidfd)
                 self._watched_fds.append(process.pidfd)
         return self._arrived
 
-    def _on_pidfd(self, process: EngineProcess) -> None:
+    def _on_pidfd(self, process: WatchedProcess, pidfd: int) -> None:
         assert self._loop is not None
-        self._loop.remove_reader(process.pidfd)
+        self._loop.remove_reader(pidfd)  # the fd watched: a stopped RemoteRank has set its pidfd to None
         # Outputs sent just before the exit may still be in the socket: let the task drain them first. The
         # death is then described (its exit status may take a launcher round trip) off the loop.
         self._loop.call_later(0.05, self._exit_off_loop, process)
 
-    def _exit_off_loop(self, process: EngineProcess) -> None:
+    def _exit_off_loop(self, process: WatchedProcess) -> None:
         threading.Thread(
             target=self._on_exit, args=(process,), name="enginekit-engine-exit", daemon=True
         ).start()

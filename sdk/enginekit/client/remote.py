@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -32,6 +32,9 @@ from enginekit.wire.messages import (
     RankJoin,
     RankMessage,
 )
+
+if TYPE_CHECKING:
+    from zmq.utils.monitor import _MonitorMessage
 
 logger = logging.getLogger("enginekit.client")
 
@@ -142,7 +145,7 @@ class RankWatcher:
             if self._monitor in events:
                 self._on_event(recv_monitor_message(self._monitor))
 
-    def _on_event(self, event: dict[str, Any]) -> None:
+    def _on_event(self, event: _MonitorMessage) -> None:
         if event["event"] == zmq.EVENT_DISCONNECTED:
             for frames, join in self._hang_up([event["value"]]):
                 self._on_join(frames, join)

@@ -188,9 +188,9 @@ def _take_report(
     if engine is not None:
         with contextlib.suppress(msgspec.MsgspecError):
             report = decoder.decode(frames[1])
-    if isinstance(report, ReadyMessage):
+    if engine is not None and isinstance(report, ReadyMessage):
         engine.ready = report
-    elif isinstance(report, PhaseReport):
+    elif engine is not None and isinstance(report, PhaseReport):
         engine.process.phase = report.phase
     else:
         logger.warning("ignored an unexpected message during the handshake")

@@ -19,14 +19,18 @@ def build_batch(
     for request, num_new in ordered:
         start, params = request.num_computed_tokens, request.sampling_params
         chunk = SequenceChunk(
-            request.all_token_ids[start : start + num_new], start, block_ids[request.request_id]
+            request.all_token_ids[start : start + num_new],
+            start,
+            block_ids[request.request_id],
+            rope_long=request.rope_long,
         )
         if start < request.num_prompt_tokens:
             _prompt_chunk(chunk, request, start, num_new)
         if start + num_new == request.num_tokens:
             chunk.sampling_params, chunk.generator = params, request.generator
-            if params.has_penalties:
+            if params.has_penalties or request.bad_words:
                 chunk.history = (request.all_token_ids, request.num_prompt_tokens)
+            chunk.bad_words = request.bad_words
             sampling.append(request)
         chunks.append(chunk)
     return ScheduledBatch(chunks, kv_cache.pool.num_used_blocks), [r for r, _ in ordered], sampling

@@ -2,7 +2,9 @@
 
 Text is released only when it is final: never half a UTF-8 character (the decoder's replacement character
 at the end means "wait for more tokens"), and never characters that could still turn out to be the start of
-a stop string.
+a stop string. Special tokens are left out of the text unless ``skip_special_tokens=False``; then
+``spaces_between_special_tokens`` puts a space between each special token and the text around it (vLLM's
+definition for its slow tokenizers).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ PROMPT_CONTEXT_TOKENS = 5  # leading context so that the first token decodes wit
 
 class IncrementalDetokenizer:
     __slots__ = (
+        "_decode_options",
         "_emitted",
         "_ids",
         "_include_stop",
@@ -33,8 +36,11 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...],
         *,
         include_stop: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        self._decode_options = (skip_special_tokens, spaces_between_special_tokens)
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -49,8 +55,8 @@ class IncrementalDetokenizer:
         after it with ``include_stop``)."""
         self._ids.append(token_id)
         ids = self._ids
-        prefix_text = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset])
-        full_text = self._tokenizer.decode(ids[self._prefix_offset :])
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(ids[self._prefix_offset :])
         if len(full_text) > len(prefix_text) and (finishing or not full_text.endswith(REPLACEMENT)):
             start = len(self.text)
             self.text += full_text[len(prefix_text) :]
@@ -74,11 +80,29 @@ class IncrementalDetokenizer:
         its replacement character is no text (vLLM drops it too)."""
         pending = self._ids[self._read_offset :]
         if pending:
-            prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-            full_text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full_text = self._decode(self._ids[self._prefix_offset :])
             self.text += full_text[len(prefix_text) :].removesuffix(REPLACEMENT)
             self._prefix_offset = self._read_offset = len(self._ids)
         return self._release(len(self.text))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        skip, spaces = self._decode_options
+        if skip or not spaces:
+            return self._tokenizer.decode(token_ids, skip_special_tokens=skip)
+        specials = self._tokenizer.special_token_ids
+        pieces, run = [], []
+        for token in token_ids:
+            if token in specials:
+                pieces += [
+                    self._tokenizer.decode(run),
+                    self._tokenizer.decode([token], skip_special_tokens=False),
+                ]
+                run = []
+            else:
+                run.append(token)
+        pieces.append(self._tokenizer.decode(run))
+        return " ".join(piece for piece in pieces if piece)
 
     def _release(self, end: int) -> str:
         if end <= self._emitted:

@@ -29,9 +29,12 @@ from enginekit.core.request import Request
 from enginekit.core.resources import release_device_memory, resolve_device, size_kv_cache
 from enginekit.core.scheduler import Scheduler
 from enginekit.core.step_outputs import StepOutputs, status_changes
+from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.core.validation import RequestLimits, validate_request
+from enginekit.model.batch import TokenBitmask
 from enginekit.model.loader import ModelSpec, load_model, load_model_spec
 from enginekit.model.runner import ModelRunner
+from enginekit.model.text.vocabulary import bad_words_token_ids
 from enginekit.wire.messages import (
     AbortRequest,
     EngineCoreOutputs,
@@ -46,6 +49,8 @@ from enginekit.wire.messages import (
 )
 
 logger = logging.getLogger("enginekit.core")
+
+GRAMMAR_WAIT_S = 0.01  # how long an idle step waits for a grammar to compile before returning
 
 
 class ShutdownState(enum.Enum):
@@ -71,7 +76,7 @@ class EngineCore:
             # NOTE: free what was built before the failure now, not whenever the traceback dies: a notebook
             # keeps the last traceback, and its frames (the model in _build's locals) with it.
             traceback.clear_frames(error.__traceback__)
-            self.runner = None  # type: ignore[assignment]
+            self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # frees the model a failed start built
             torch.set_num_threads(self._previous_num_threads)
             release_device_memory(self.device)
             raise
@@ -87,6 +92,7 @@ class EngineCore:
             stream_interval=config.stream_interval,
         )
         self._utility_outputs: list[UtilityOutput] = []
+        self._compiling: list[Request] = []  # requests whose structured output has not compiled yet
         self._idle_waiters: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._handlers: dict[type, Callable[[Any], None]] = {
             EngineCoreRequest: self._add,
@@ -103,13 +109,15 @@ class EngineCore:
     def _build(self, config: EngineConfig, spec: ModelSpec | None) -> None:
         if config.debug_load_delay_s:
             time.sleep(config.debug_load_delay_s)
-        spec = spec or load_model_spec(config.model)
+        spec = spec or load_model_spec(config.model, config.revision)
         self.model_config = model_config = spec.config
         self.tokenizer = spec.tokenizer
         self.num_kv_blocks, self.max_model_len = size_kv_cache(config, model_config, self.dtype)
         self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
-        model = load_model(spec, device=self.device, dtype=self.dtype, seed=config.seed)
-        self.runner = ModelRunner(
+        model = load_model(
+            spec, device=self.device, dtype=self.dtype, seed=config.seed, quantization=config.quantization
+        )
+        self.runner: ModelRunner = ModelRunner(  # None only after a failed start
             model,
             model_config,
             num_blocks=self.num_kv_blocks,
@@ -133,6 +141,13 @@ class EngineCore:
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            long_rope_from=model_config.long_rope_from,
+        )
+        self.structured = StructuredOutputManager(
+            config.structured_outputs_backend,
+            self.tokenizer,
+            model_config.vocab_size,
+            list(model_config.eos_token_ids),
         )
 
     # ---- the dispatch point -------------------------------------------------------------------------
@@ -161,8 +176,16 @@ class EngineCore:
             request.prompt_token_ids,
             params.stop,
             include_stop=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
-        self.scheduler.add_request(Request(request, detokenizer=detokenizer))
+        added = Request(request, detokenizer=detokenizer)
+        if params.bad_words:
+            added.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
+        if params.structured_outputs is not None:
+            added.grammar = self.structured.request_grammar(params.structured_outputs)
+            self._compiling.append(added)
+        self.scheduler.add_request(added)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests by id; unknown or finished ids are ignored (abort is idempotent)."""
@@ -231,7 +254,11 @@ class EngineCore:
                 self.shutdown_state = ShutdownState.DONE  # what still runs fails with the reported death
         ran_forward = False
         if self.shutdown_state is not ShutdownState.DONE and self.scheduler.has_unfinished_requests():
+            if self._compiling:
+                self._resolve_grammars()
             ran_forward = self._run_scheduled()
+            if not ran_forward and self._compiling:
+                self.structured.wait([r.grammar for r in self._compiling if r.grammar], GRAMMAR_WAIT_S)
         if not self.scheduler.has_unfinished_requests():
             if self._idle_waiters:
                 self._wake_idle_waiters()
@@ -250,18 +277,41 @@ class EngineCore:
             self.outputs.report_status(changes)
             return False
         batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache)
+        grammars = [
+            (row, request.grammar) for row, request in enumerate(sampling) if request.grammar is not None
+        ]
+        if grammars:
+            matchers = [grammar.ready_matcher for _, grammar in grammars]
+            batch.token_bitmask = TokenBitmask(
+                [row for row, _ in grammars], self.structured.bitmask(matchers)
+            )
         sampled = self.runner.execute(batch)
         self.num_steps += 1
         for request, num_new in scheduled.scheduled:
             request.num_computed_tokens += num_new
             self.kv_cache.cache_full_blocks(request)
         for index, parts in (sampled.prompt_logprobs or {}).items():
-            requests[index].prompt_logprobs.append(parts)
+            unsent = requests[index].prompt_logprobs
+            assert unsent is not None  # build_batch asks for them only while unsent
+            unsent.append(parts)
         for row, request in enumerate(sampling):
             self.outputs.token(request, sampled, row, changes.pop(request.request_id, None))
         self.outputs.report_status(changes)
         self.outputs.end_step()
         return True
+
+    def _resolve_grammars(self) -> None:
+        """Hand each request whose grammar compiled its matcher; refuse those whose grammar does not compile."""
+        compiling = []
+        for request in self._compiling:
+            if request.is_finished:
+                continue
+            assert request.grammar is not None
+            if not self.structured.resolve(request.grammar):
+                compiling.append(request)
+            elif request.grammar.error is not None:
+                self.outputs.fail(request, request.grammar.error)
+        self._compiling = compiling
 
     def _wake_idle_waiters(self) -> None:
         waiters, self._idle_waiters = self._idle_waiters, []
@@ -291,6 +341,7 @@ class EngineCore:
             "num_generated_tokens": self.outputs.num_generated_tokens,
             "uptime_s": time.monotonic() - self.start_time,
             "data_parallel_rank": self.engine_index,
+            **self.structured.stats(),
         }
 
     def utility_wait_idle(self) -> concurrent.futures.Future[dict[str, Any]]:
@@ -318,6 +369,8 @@ class EngineCore:
         for future in self._idle_waiters:
             future.cancel()
         self._idle_waiters.clear()
+        self._compiling.clear()
+        self.structured.shutdown()
         if self.runner is not None:
             self.runner.release()
         # In-process, the thread count is the user's process-wide torch setting: give it back.

@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import msgspec
@@ -173,7 +175,7 @@ class EngineCoreProc(EngineCore):
     def is_running(self) -> bool:
         return self.shutdown_state is ShutdownState.RUNNING
 
-    def signal_shutdown(self, signum: int, frame: Any) -> None:
+    def signal_shutdown(self, signum: int, frame: FrameType | None) -> None:
         # NOTE: runs on the main thread between bytecodes; SimpleQueue.put is safe to call re-entrantly.
         if self.shutdown_signal is None and self.is_running:
             self.shutdown_signal = signal.Signals(signum).name
@@ -224,7 +226,7 @@ class EngineCoreProc(EngineCore):
         }
 
     # ---- IO threads ---------------------------------------------------------------------------------
-    def _run_io(self, loop: Any) -> None:
+    def _run_io(self, loop: Callable[[], None]) -> None:
         try:
             loop()
         except Exception as error:
@@ -313,6 +315,7 @@ class EngineCoreProc(EngineCore):
                 reuse.append(buffer)
             else:
                 tracker = socket.send_multipart(frames, copy=False, track=True)
+                assert tracker is not None  # pyzmq returns one whenever track=True and copy=False
                 # Buffers (and the tensors behind tensor frames) stay referenced until zmq has sent them.
                 in_flight.append((tracker, frames, buffer))
             if self._debug_kill_io == "output":

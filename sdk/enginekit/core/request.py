@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from enginekit.core.structured.manager import RequestGrammar
 from enginekit.sampling_params import SamplingParams
 from enginekit.wire.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 
@@ -21,12 +22,14 @@ class Request:
     __slots__ = (
         "all_token_ids",
         "arrival_time",
+        "bad_words",
         "block_hashes",
         "detokenizer",
         "final_only",
         "finish_reason",
         "first_scheduled_time",
         "generator",
+        "grammar",
         "held_output",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -37,6 +40,7 @@ class Request:
         "prompt_embeds",
         "prompt_logprobs",
         "request_id",
+        "rope_long",
         "sampling_params",
         "status",
         "stop_reason",
@@ -53,13 +57,17 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
+        # longrope: the sequence has grown past the rotary embedding's original length, so every token of it is
+        # rotated with the long factors (the scheduler sets it, and recomputes what was rotated with the short)
+        self.rope_long = False
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.detokenizer = detokenizer
         self.parent_request_id = message.parent_request_id
         self.first_scheduled_time = 0.0
-        self.prompt_logprobs: list[tuple[torch.Tensor, ...]] = []  # parts, one per prefill chunk, until sent
+        # Parts, one per prefill chunk, until sent; None once sent.
+        self.prompt_logprobs: list[tuple[torch.Tensor, ...]] | None = []
         # Tokens produced but not sent yet (a final_only request's until it ends; a stream's between sends when
         # the engine's stream_interval is above 1), and their logprob rows.
         self.final_only = message.final_only
@@ -67,6 +75,8 @@ class Request:
         self.output_logprobs: list[tuple[torch.Tensor, ...]] = []
         seed = self.sampling_params.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.grammar: RequestGrammar | None = None  # its structured output's matcher (compiled off the loop)
+        self.bad_words: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +91,10 @@ class Request:
         # Embedding prompts have no token ids to hash: their KV blocks are never shared. Prompt logprobs need
         # every prompt position computed, so such a request does not take cached blocks either.
         return self.prompt_embeds is None and self.sampling_params.prompt_logprobs is None
+
+    @property
+    def is_waiting_for_grammar(self) -> bool:
+        return self.grammar is not None and not self.grammar.is_ready
 
     @property
     def is_prefilling(self) -> bool:

@@ -31,6 +31,10 @@ from enginekit.wire.messages import RequestStatus as WireStatus
 logger = logging.getLogger("enginekit.core")
 
 SHUTTING_DOWN = "engine shutting down"
+NO_ALLOWED_TOKEN = (
+    "was sampled although the structured output does not allow it: allowed_token_ids, bad_words or logit_bias "
+    "left no token the structured output allows"
+)
 
 
 class StepOutputs:
@@ -88,6 +92,9 @@ class StepOutputs:
         token_id = sampled.token_ids[row]
         request.all_token_ids.append(token_id)
         self.num_generated_tokens += 1
+        if request.grammar is not None and not request.grammar.ready_matcher.accept(token_id):
+            self.fail(request, ValueError(f"token {token_id} {NO_ALLOWED_TOKEN}"))
+            return
         finish_reason, stop_reason = self._check_stop(request, token_id)
         if request.final_only or (self.stream_interval > 1 and request.num_output_tokens > 1):
             self._gather(request, token_id, sampled, row)
@@ -109,7 +116,7 @@ class StepOutputs:
         if status is not None:
             _stamp(output, request, status)
         if request.prompt_logprobs is not None and params.prompt_logprobs is not None:
-            _attach_prompt_logprobs(output, request)
+            _attach_prompt_logprobs(output, request, params.prompt_logprobs)
         if finish_reason is None:
             output.new_text = request.detokenizer.flush()
             self.pending.append(output)
@@ -141,7 +148,7 @@ class StepOutputs:
         if params.logprobs is not None:
             request.output_logprobs.append(_logprob_rows(sampled, row, params.logprobs + 1))
         if request.prompt_logprobs is not None and params.prompt_logprobs is not None:
-            _attach_prompt_logprobs(output, request)
+            _attach_prompt_logprobs(output, request, params.prompt_logprobs)
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, str | int | None]:
         """Whether ``token_id``, just appended, ends its request: a stop string, EOS, a stop token or a limit."""
@@ -154,6 +161,8 @@ class StepOutputs:
             return FinishReason.STOP, None
         if num_output >= params.min_tokens and token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
+        if request.grammar is not None and request.grammar.ready_matcher.is_terminated():
+            return FinishReason.STOP, None  # the structured output is complete: nothing more can follow
         if (
             params.max_tokens is not None and num_output >= params.max_tokens
         ) or request.num_tokens >= self.max_model_len:
@@ -181,6 +190,13 @@ class StepOutputs:
         output.finish_reason = reason
         output.stop_reason = stop_reason
         self.pending.append(output)
+
+    def fail(self, request: Request, error: BaseException) -> None:
+        """End a request the engine cannot go on with (its grammar did not compile): its caller gets ``error``."""
+        logger.warning("request %s failed: %s", request.request_id, error)
+        self.finish(request, FinishReason.ABORT)
+        kind = "TypeError" if isinstance(error, TypeError) else "ValueError"
+        self.pending[-1].error = RequestError(kind, str(error))
 
     # ---- status changes -----------------------------------------------------------------------------
     def report_status(self, changes: dict[str, WireStatus]) -> None:
@@ -234,13 +250,13 @@ def _complete(request: Request) -> EngineCoreOutput:
     return output
 
 
-def _attach_prompt_logprobs(output: EngineCoreOutput, request: Request) -> None:
+def _attach_prompt_logprobs(output: EngineCoreOutput, request: Request, num_logprobs: int) -> None:
     """The prompt is done: send its logprobs once, with the first token (none for a one-token prompt)."""
     parts = request.prompt_logprobs or []
     if parts:
         values, ids, ranks = (torch.cat(column) for column in zip(*parts))
     else:
-        width = request.sampling_params.prompt_logprobs + 1
+        width = num_logprobs + 1
         values, ids, ranks = torch.empty(0, width), torch.empty(0, width, dtype=torch.long), None
     output.prompt_logprob_values, output.prompt_logprob_token_ids = values, ids
     output.prompt_logprob_ranks = ranks

@@ -41,6 +41,16 @@ def validate_request(request: EngineCoreRequest, limits: RequestLimits) -> None:
     embeds = request.prompt_embeds
     if embeds is not None:
         check_prompt_embeds(embeds, limits.hidden_size, num_tokens=len(token_ids))
+    _check_token_ids(request.sampling_params, limits.vocab_size)
+
+
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids of ``allowed_token_ids`` and ``logit_bias`` are in the vocabulary."""
+    for name, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+        if ids and max(ids) >= vocab_size:
+            raise ValueError(
+                f"SamplingParams.{name} holds token id {max(ids)}, outside the vocabulary (size {vocab_size})"
+            )
 
 
 def check_prompt_embeds(embeds: Any, hidden_size: int, *, num_tokens: int | None = None) -> None:

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 
@@ -27,9 +28,9 @@ def count_fds() -> int:
         return -1
     try:
         process = psutil.Process()
-        if hasattr(process, "num_fds"):
-            return int(process.num_fds())
-        return int(process.num_handles())
+        if sys.platform == "win32":
+            return int(process.num_handles())
+        return int(process.num_fds())
     except Exception:
         return -1
 
@@ -105,7 +106,7 @@ def rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def describe_handler(handler: Any) -> str:
+def describe_handler(handler: Callable[[int, FrameType | None], Any] | int | None) -> str:
     if handler is None:
         return "None"
     if handler is signal.default_int_handler:

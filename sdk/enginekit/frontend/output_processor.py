@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from enginekit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from enginekit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestStatusName
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import EngineCoreOutput, EngineCoreOutputs, RequestStatus
 
 if TYPE_CHECKING:
     from enginekit.frontend.prompts import PreparedRequest
 
-_STATUS_NAMES = {
+_STATUS_NAMES: dict[RequestStatus, RequestStatusName] = {
     RequestStatus.WAITING: "waiting",
     RequestStatus.RUNNING: "running",
     RequestStatus.PREEMPTED: "preempted",
@@ -136,8 +136,9 @@ class RequestState:
         self.version += 1
 
     def _logprobs(
-        self, values: torch.Tensor, ids: torch.Tensor, ranks: torch.Tensor | None
+        self, values: torch.Tensor, ids: torch.Tensor | None, ranks: torch.Tensor | None
     ) -> list[dict[int, Logprob]]:
+        assert ids is not None  # the engine sends the token ids with the values
         rank_rows = ranks.tolist() if ranks is not None else [[None] * len(row) for row in ids.tolist()]
         return [
             {token: Logprob(value, rank, self._decode(token)) for value, token, rank in zip(v, i, r)}

@@ -71,6 +71,11 @@ def prepare_request(
 ) -> tuple[EngineCoreRequest, str | None]:
     """The engine request for one prompt, checked exactly as the engine checks it; and the prompt text."""
     text, token_ids, embeds = _tokens(prompt, tokenizer, limits.hidden_size)
+    keep = params.truncate_prompt_tokens
+    if keep is not None:  # the last ``keep`` tokens; -1: as many as leave room for one output token
+        keep = limits.max_model_len - 1 if keep == -1 else keep
+        token_ids = token_ids[-keep:]
+        embeds = embeds[-keep:] if embeds is not None else None
     if params.max_tokens is None:  # vLLM's meaning: as many as the context has room for
         params = msgspec.structs.replace(params, max_tokens=max(1, limits.max_model_len - len(token_ids)))
     request = EngineCoreRequest(request_id, token_ids, params, arrival_time, embeds)

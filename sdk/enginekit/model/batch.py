@@ -28,12 +28,16 @@ class SequenceChunk:
     sampling_params, generator
         Set when the chunk ends the sequence's known tokens, so a next token must be sampled.
     history
-        The sequence's token ids and how many are the prompt's, when its penalties need them.
+        The sequence's token ids and how many are the prompt's, when its penalties or bad words need them.
+    bad_words
+        Token sequences the sample must not complete (``SamplingParams.bad_words``, tokenized).
     prompt_embeds
         Embeddings that replace the token embeddings of the chunk's first rows (embedding prompts).
     prompt_logprobs, prompt_targets
         For a prompt chunk whose prompt logprobs are wanted: how many top tokens, and the prompt token each row
         predicts (the next one; the last prompt token predicts nothing of the prompt).
+    rope_long
+        ``longrope``: the sequence is rotated with the long factors (``Request.rope_long``).
     """
 
     token_ids: list[int]
@@ -42,9 +46,11 @@ class SequenceChunk:
     sampling_params: SamplingParams | None = None
     generator: torch.Generator | None = None
     history: tuple[list[int], int] | None = None
+    bad_words: list[list[int]] | None = None
     prompt_embeds: torch.Tensor | None = None
     prompt_logprobs: int | None = None
     prompt_targets: list[int] | None = None
+    rope_long: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -60,12 +66,23 @@ class SequenceChunk:
 
 
 @dataclass
+class TokenBitmask:
+    """The tokens a structured output allows, for some of a step's samples: ``bits[i]`` (``int32`` words, bit
+    ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed) is the mask of sampling row ``rows[i]``."""
+
+    rows: list[int]
+    bits: torch.Tensor
+
+
+@dataclass
 class ScheduledBatch:
     """Every sequence chunk of one step (single-token decodes first), and how many cache blocks may be in use.
 
     ``num_used_blocks``: blocks ``[0, num_used_blocks)`` may hold data (the pool hands out fresh blocks in id
-    order), so the runner zeroes any of them it has not zeroed yet before the forward pass.
+    order), so the runner zeroes any of them it has not zeroed yet before the forward pass. ``token_bitmask``:
+    the structured outputs' masks of the chunks that sample (rows in sampling order).
     """
 
     chunks: list[SequenceChunk] = field(default_factory=list)
     num_used_blocks: int = 0
+    token_bitmask: TokenBitmask | None = None

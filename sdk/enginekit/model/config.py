@@ -1,4 +1,4 @@
-"""ModelConfig: the architecture numbers of a Llama-family checkpoint, whatever format it came in."""
+"""ModelConfig: the architecture numbers and options of a checkpoint, whatever format it came in."""
 
 from __future__ import annotations
 
@@ -19,5 +19,22 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False  # per-head RMS norms of q and k (``self_attn.q_norm``, ``self_attn.k_norm``)
+    rope_type: str = "default"  # one of ``architectures.ROPE_TYPES``
+    # the rope type's numbers as transformers names them (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings, beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim)
+    rope_parameters: dict[str, float] = {}
+    # per-frequency divisors of the inverse frequencies (a GGUF's ``rope_freqs.weight``), head_dim / 2 of them
+    rope_freq_factors: tuple[float, ...] = ()
+    # longrope's per-frequency factors, head_dim / 2 each: the short ones within original_max_position_embeddings
+    rope_short_factors: tuple[float, ...] = ()
+    rope_long_factors: tuple[float, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """``longrope``: the sequence length past which the long factors apply (its original context), else None."""
+        if self.rope_type != "longrope":
+            return None
+        return int(self.rope_parameters["original_max_position_embeddings"])

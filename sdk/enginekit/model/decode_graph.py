@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 
 from enginekit.model.batch import SequenceChunk
+from enginekit.model.decoder import Decoder
 from enginekit.model.layers.paged_attention import AttentionMetadata
-from enginekit.model.llama import LlamaForCausalLM
 
 
 def batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -69,7 +69,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: Decoder,
         kv_caches: list[torch.Tensor],
         *,
         block_size: int,
@@ -117,7 +117,7 @@ class DecodeGraphs:
         pad = batch - count
         rows = (
             [chunk.token_ids[0] for chunk in chunks],
-            [chunk.start for chunk in chunks],
+            [self.model.rotary.rows(chunk.start, chunk.start + 1, chunk.rope_long)[0] for chunk in chunks],
             [table[chunk.start // size] * size + chunk.start % size for chunk, table in zip(chunks, tables)],
             context_lens,
         )

@@ -13,8 +13,8 @@ import torch
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
 from enginekit.model.decode_graph import DecodeGraphs
+from enginekit.model.decoder import Decoder
 from enginekit.model.layers.paged_attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
-from enginekit.model.llama import LlamaForCausalLM
 from enginekit.model.sampler import Sampler, SamplerOutput, top_logprobs
 
 
@@ -35,7 +35,7 @@ class ModelInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: Decoder,
         config: ModelConfig,
         *,
         num_blocks: int,
@@ -48,7 +48,7 @@ class ModelRunner:
         max_num_seqs: int = 1,
         max_blocks_per_seq: int = 1,
     ) -> None:
-        self.model = model
+        self.model: Decoder = model  # None only once released
         self.block_size = block_size
         self.device = device
         # With decode graphs, one more block past the pool's: the scratch slot of padding rows (never handed out).
@@ -91,7 +91,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
             self._zero_new_blocks(batch.num_used_blocks)
             with torch.inference_mode():
-                return self._sample(chunks, self.decode_graphs(chunks), {})
+                return self._sample(batch, self.decode_graphs(chunks), {})
         inputs = self._prepare_inputs(chunks)
         meta = self._attention_metadata(chunks, inputs.slot_mapping)
         self._zero_new_blocks(batch.num_used_blocks)
@@ -99,27 +99,31 @@ class ModelRunner:
             logits = self.model(
                 inputs.token_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices, inputs.embeds
             )
-            return self._sample(chunks, logits, inputs.prompt_rows)
+            return self._sample(batch, logits, inputs.prompt_rows)
 
     def _sample(
-        self, chunks: list[SequenceChunk], logits: torch.Tensor, prompt_rows: dict[int, slice]
+        self, batch: ScheduledBatch, logits: torch.Tensor, prompt_rows: dict[int, slice]
     ) -> SamplerOutput:
         """Sample the chunks that end their known tokens; score the prompt rows whose logprobs were asked for."""
+        chunks = batch.chunks
         sampling = [chunk for chunk in chunks if chunk.samples]
         histories = [chunk.history for chunk in sampling] if any(c.history for c in sampling) else None
+        bad_words = [chunk.bad_words for chunk in sampling] if any(c.bad_words for c in sampling) else None
         output = self.sampler(
             logits[: len(sampling)],
-            [c.sampling_params for c in sampling],
+            [c.sampling_params for c in sampling if c.sampling_params is not None],  # all of them
             [c.generator for c in sampling],
             histories,
+            bad_words=bad_words,
+            bitmask=batch.token_bitmask,
         )
         if prompt_rows:
-            output.prompt_logprobs = {
-                index: top_logprobs(
-                    logits[rows], torch.tensor(chunks[index].prompt_targets), chunks[index].prompt_logprobs
-                )
-                for index, rows in prompt_rows.items()
-            }
+            output.prompt_logprobs = {}
+            for index, rows in prompt_rows.items():
+                chunk = chunks[index]
+                assert chunk.prompt_logprobs is not None  # prompt_rows holds the chunks that want them
+                targets = torch.tensor(chunk.prompt_targets)
+                output.prompt_logprobs[index] = top_logprobs(logits[rows], targets, chunk.prompt_logprobs)
         return output
 
     def _prepare_inputs(self, chunks: list[SequenceChunk]) -> ModelInputs:
@@ -130,11 +134,12 @@ class ModelRunner:
         embeds: list[tuple[int, torch.Tensor]] = []
         prompt_rows: list[tuple[int, int, int]] = []  # chunk index, first row, number of rows
         size = self.block_size
+        rotary = self.model.rotary
         for index, chunk in enumerate(chunks):
             row, start, end = len(token_ids), chunk.start, chunk.start + chunk.num_tokens
             table = chunk.block_table
             token_ids.extend(chunk.token_ids)
-            positions.extend(range(start, end))
+            positions.extend(rotary.rows(start, end, chunk.rope_long))
             slots.extend(table[p // size] * size + p % size for p in range(start, end))
             if chunk.prompt_embeds is not None:
                 embeds.append((row, chunk.prompt_embeds.to(self.device)))
@@ -243,4 +248,4 @@ class ModelRunner:
             self.decode_graphs = None
         self.kv_caches = []
         self._gather_buffer = self._gather_buffer.new_empty((2, 0, 0))
-        self.model = None  # type: ignore[assignment]
+        self.model = None  # pyright: ignore[reportAttributeAccessIssue]  # released: never used again

@@ -1,9 +1,10 @@
 """Sampler: penalties, then greedy or temperature / min-p / top-k / top-p sampling with per-request seeded
 generators; optional top-k logprobs with ranks.
 
-The order follows vLLM: penalties apply to the logits first (so greedy decoding sees them too), then
-temperature, min-p, top-k and top-p shape the distribution a sample is drawn from. Logprobs are those of the
-model's own distribution, before penalties and temperature.
+The order follows vLLM: a structured output's bitmask first, then the token controls (``allowed_token_ids``,
+``bad_words``, ``logit_bias``, ``model/token_controls.py``) and the penalties (so greedy decoding sees them
+too), then temperature, min-p, top-k and top-p shape the distribution a sample is drawn from. Logprobs are those
+of the model's own distribution after the bitmask, before the token controls, penalties and temperature.
 """
 
 from __future__ import annotations
@@ -12,9 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from enginekit.model.batch import TokenBitmask
+from enginekit.model.token_controls import (
+    TokenHistory,
+    apply_token_bitmask,
+    apply_token_controls,
+    needs_token_controls,
+)
 from enginekit.sampling_params import SamplingParams
-
-TokenHistory = tuple[list[int], int]  # all token ids of a sequence, and how many of them are the prompt
 
 
 @dataclass
@@ -38,9 +44,17 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         histories: list[TokenHistory | None] | None = None,
+        *,
+        bad_words: list[list[list[int]] | None] | None = None,
+        bitmask: TokenBitmask | None = None,
     ) -> SamplerOutput:
         logits = logits.cpu()
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask)
         raw = logits
+        words: list[list[list[int]] | None] = bad_words if bad_words is not None else [None for _ in params]
+        if any(needs_token_controls(p, w) for p, w in zip(params, words)):
+            logits = apply_token_controls(logits, params, histories, words)
         if histories is not None and any(history is not None for history in histories):
             logits = apply_penalties(logits, params, histories)
         token_ids = logits.argmax(dim=-1).tolist()

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from enginekit.interrupts import awaiting_with_signal_checks
 from enginekit.notebook.loop import run_sync
 from enginekit.notebook.viewer import Viewer, check_viewer_argument
 from enginekit.notebook.watch import watcher_for
 from enginekit.outputs import RequestOutput
+
+if TYPE_CHECKING:  # notebook/ uses the engine it is handed through its public API
+    from enginekit.frontend.engine import Engine
 
 __all__ = ["GenerationHandle", "start_background"]
 
@@ -42,7 +45,7 @@ class GenerationHandle:
         self,
         coro: Coroutine[Any, Any, list[RequestOutput]],
         *,
-        engine: Any,
+        engine: Engine,
         recorder: _Recorder,
         viewer: Viewer | None,
     ) -> None:
@@ -136,14 +139,14 @@ class _Recorder:
         self.outputs: list[RequestOutput] = []
         self.watch: Any = None
 
-    def attach(self, engine: Any, outputs: list[RequestOutput], params: list[Any] | None = None) -> Any:
+    def attach(self, engine: Engine, outputs: list[RequestOutput], params: list[Any] | None = None) -> Any:
         self.outputs = outputs
         self.watch = watcher_for(self._progress, self._viewer)(engine, outputs, params)
         return self.watch
 
 
 def start_background(
-    engine: Any,
+    engine: Engine,
     prompts: Any,
     params: Any = None,
     *,
@@ -173,7 +176,7 @@ def start_background(
     return GenerationHandle(coro, engine=engine, recorder=recorder, viewer=shown)
 
 
-def _clean_up(engine: Any, recorder: _Recorder) -> None:
+def _clean_up(engine: Engine, recorder: _Recorder) -> None:
     unfinished = [output.request_id for output in recorder.outputs if not output.finished]
     if unfinished and engine.is_running:
         try:

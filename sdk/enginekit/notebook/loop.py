@@ -76,7 +76,7 @@ def make_reentrant(loop: asyncio.AbstractEventLoop) -> None:
             # later asyncio.run in a script or test would leave a loop open). Only the loop needs patching
             # here: put the stdlib's back, and let a user's own nest_asyncio.apply() patch it again.
             asyncio.run = run
-            del asyncio._nest_patched  # type: ignore[attr-defined]
+            del asyncio._nest_patched  # pyright: ignore[reportAttributeAccessIssue]  # nest-asyncio's marker
         _patched_loops.add(id(loop))
     if not getattr(loop, "_enginekit_defers_entered_contexts", False):
         _defer_entered_contexts(loop)

@@ -6,6 +6,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from enginekit.frontend.engine import Engine
     from enginekit.outputs import RequestOutput
     from enginekit.sampling_params import SamplingParams
 
@@ -15,7 +16,9 @@ class RequestRow:
 
     __slots__ = ("engine_ref", "finished_at", "output", "params", "rendered_key", "started_at")
 
-    def __init__(self, output: RequestOutput, engine: Any, now: float, params: SamplingParams | None) -> None:
+    def __init__(
+        self, output: RequestOutput, engine: Engine, now: float, params: SamplingParams | None
+    ) -> None:
         self.output = output
         self.params = params
         self.engine_ref = weakref.ref(engine)
@@ -47,7 +50,9 @@ class RequestRow:
     @property
     def max_tokens(self) -> int | None:
         """The most tokens the request may generate (all samples together), when its settings are known."""
-        return self.params.max_tokens * self.params.n if self.params is not None else None
+        if self.params is None or self.params.max_tokens is None:
+            return None
+        return self.params.max_tokens * self.params.n
 
     @property
     def finish_reason(self) -> str | None:

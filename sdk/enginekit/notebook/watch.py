@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from enginekit.notebook.viewer import Viewer, check_viewer_argument
 from enginekit.outputs import RequestOutput
 from enginekit.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # notebook/ uses the engine it is handed through its public API
+    from enginekit.frontend.engine import Engine
 
 
 class NoWatcher:
@@ -36,7 +39,9 @@ def watcher_for(progress: bool | None, viewer: Any, *, blocking: bool = False) -
     """
     check_viewer_argument(viewer)
 
-    def attach(engine: Any, outputs: list[RequestOutput], params: list[SamplingParams] | None = None) -> Any:
+    def attach(
+        engine: Engine, outputs: list[RequestOutput], params: list[SamplingParams] | None = None
+    ) -> Any:
         if watches_live(viewer):
             watch = (Viewer() if viewer is True else viewer).attach(engine, outputs, params)
             watch.blocking = blocking

@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from types import FrameType
+from typing import BinaryIO
 
 import torch
 
@@ -39,7 +40,7 @@ def run_engine_core(args: EngineProcArgs, on_started: Callable[[EngineCoreProc],
     engine: EngineCoreProc | None = None
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def early_signal(signum: int, frame: Any) -> None:
+    def early_signal(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)  # during startup: just stop loading
 
     for sig in previous:
@@ -75,7 +76,7 @@ def run_engine_core(args: EngineProcArgs, on_started: Callable[[EngineCoreProc],
             terminate_context(engine._zmq)
 
 
-def _watch_parent(stdin: Any) -> None:
+def _watch_parent(stdin: BinaryIO) -> None:
     """The parent holds our stdin open; EOF means it died: shut down, and exit hard if that hangs."""
     try:
         while stdin.read(4096):

@@ -9,14 +9,21 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from typing import Any
+from typing import Protocol
 
-_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+
+class _Engine(Protocol):
+    """What the hook needs of an engine (the front end's ``Engine``, which this layer does not import)."""
+
+    def shutdown(self, timeout: float | None = None) -> None: ...
+
+
+_engines: weakref.WeakSet[_Engine] = weakref.WeakSet()
 _lock = threading.Lock()
 _registered = False
 
 
-def register(engine: Any) -> None:
+def register(engine: _Engine) -> None:
     global _registered
     with _lock:
         if not _registered:
@@ -25,7 +32,7 @@ def register(engine: Any) -> None:
         _engines.add(engine)
 
 
-def unregister(engine: Any) -> None:
+def unregister(engine: _Engine) -> None:
     _engines.discard(engine)
 
 

@@ -126,7 +126,9 @@ class LauncherServer:
             pass  # the front end is gone; the stdin EOF ends the loop
 
 
-def _become_engine(request: SpawnRequest, stdin_fd: int, output_fd: int, inherited: list[Any]) -> None:
+def _become_engine(
+    request: SpawnRequest, stdin_fd: int, output_fd: int, inherited: list[socket.socket | int]
+) -> None:
     """In the forked child: detach, take the front end's pipes and environment, run the engine process."""
     try:
         os.setsid()

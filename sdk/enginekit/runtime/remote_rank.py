@@ -32,13 +32,14 @@ import socket as socket_module
 import sys
 import threading
 import time
-from typing import Any
+from types import FrameType
 
 import msgspec
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from enginekit.core.engine_core_proc import EngineCoreProc
 from enginekit.runtime.engine_main import LOG_FORMAT, default_num_threads, run_engine_core
 from enginekit.runtime.launcher import engine_environ
 from enginekit.wire.keys import curve_client, read_keys, set_heartbeats
@@ -90,7 +91,7 @@ class RemoteRankServer:
         self.keys_path, self.rank, self.host = keys_path, rank, host
         self.num_threads, self.device, self.model, self.once = num_threads, device, model, once
         self.stopped = False  # a signal asked this process to stop for good
-        self._engine: Any = None
+        self._engine: EngineCoreProc | None = None
         self._front_end_lost = threading.Event()
         self._tail = TailHandler()
 
@@ -122,7 +123,7 @@ class RemoteRankServer:
                 break
         return code
 
-    def _stop(self, signum: int, frame: Any) -> None:
+    def _stop(self, signum: int, frame: FrameType | None) -> None:
         # NOTE: while the engine loads, its own startup handler stops the load instead (see ``_run``).
         self.stopped = True
         if self._engine is not None:
@@ -208,7 +209,7 @@ class RemoteRankServer:
         logger.warning("rank %d: engine ended (%s, exit code %s)", self.rank, ended, code)
         return code
 
-    def _started(self, engine: Any) -> None:
+    def _started(self, engine: EngineCoreProc) -> None:
         """The engine exists and its signal handlers are in place: route ours to it."""
         self._engine = engine
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -248,7 +249,7 @@ class RemoteRankServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])  # None under -OO
     parser.add_argument("--keys", required=True, help="the keys file the front end wrote (copied here)")
     parser.add_argument("--rank", required=True, type=int, help="this engine's data-parallel rank")
     parser.add_argument(

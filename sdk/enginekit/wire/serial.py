@@ -11,7 +11,7 @@ import os
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 import msgspec
 import torch
@@ -33,6 +33,7 @@ _DTYPES = {
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 MAX_TENSOR_DIMS = 8
 _LENGTH_BYTES = 8
+T = TypeVar("T")
 _frombuffer_lock = threading.Lock()
 
 
@@ -149,7 +150,7 @@ def write_frame(fd: int, message: Any) -> None:
         data = data[os.write(fd, data) :]
 
 
-def read_frame(stream: Any, message_type: type) -> Any:
+def read_frame(stream: BinaryIO, message_type: type[T]) -> T:
     """Read one ``write_frame`` message from a binary stream; ``EOFError`` if it ends early."""
     header = stream.read(_LENGTH_BYTES)
     if len(header) != _LENGTH_BYTES:

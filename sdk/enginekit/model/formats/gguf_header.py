@@ -158,7 +158,9 @@ def _parse_header(path: Path, cursor: _Cursor) -> GGUFHeader:
         end = data_start + offset + num_bytes
         if end > cursor.size:
             raise gguf_error(
-                path, f"truncated: tensor {name} ends at byte {end} but the file has {cursor.size} bytes"
+                path,
+                f"truncated: tensor {name} ({quant_type.name}) ends at byte {end} but the file has "
+                f"{cursor.size} bytes",
             )
         if name in tensors:
             raise ValueError(f"tensor {name} appears twice")
@@ -183,5 +185,9 @@ def _tensor_entry(path: Path, cursor: _Cursor) -> tuple[str, tuple[int, ...], GG
         ) from None
     block_size, type_size = GGML_QUANT_SIZES[quant_type]
     if dims[0] % block_size:
-        raise ValueError(f"tensor {name} has rows of {dims[0]} values, not whole {quant_type.name} blocks")
+        raise gguf_error(
+            path,
+            f"tensor {name} ({quant_type.name}) has rows of {dims[0]} values, not a whole number of "
+            f"{quant_type.name} blocks of {block_size}",
+        )
     return name, tuple(reversed(dims)), quant_type, offset, prod(dims) // block_size * type_size

@@ -159,10 +159,10 @@ def _byte_level_bpe(
         return "".join(spelling[byte] for byte in token.encode("utf-8"))
 
     vocab = {spelled(index, token): index for index, token in enumerate(tokens)}
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    pairs = [(left, right) for left, right in (merge.split(" ", 1) for merge in merges)]
     tokenizer = Tokenizer(models.BPE(vocab, pairs, ignore_merges=spec.ignore_merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=spec.split is None)
-    steps = (
+    steps: list[pre_tokenizers.PreTokenizer] = (
         [byte_level]
         if spec.split is None
         else [pre_tokenizers.Split(Regex(spec.split), "isolated"), byte_level]
@@ -243,12 +243,12 @@ def _post_processor(info: GGUFTokenizerInfo) -> processors.TemplateProcessing:
     # A template names its special tokens in "text:type" pieces, so a token text with a colon gets a stand-in.
     bos = (
         [(info.bos_token if ":" not in info.bos_token else "[BOS]", info.bos_token_id)]
-        if info.add_bos_token
+        if info.add_bos_token and info.bos_token is not None  # add_bos_token implies a bos token
         else []
     )
     eos = (
         [(info.eos_token if ":" not in info.eos_token else "[EOS]", info.eos_token_id)]
-        if info.add_eos_token
+        if info.add_eos_token and info.eos_token is not None
         else []
     )
     single = [name for name, _ in bos] + ["$A"] + [name for name, _ in eos]

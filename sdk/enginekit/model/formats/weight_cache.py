@@ -327,7 +327,10 @@ def _map_entry(entry: Path) -> dict[str, torch.Tensor]:
     # NOTE: a private mapping: the model never writes its weights, and a write would only copy that page. The
     # file must not change while mapped (truncating it would SIGBUS a reader); this cache never changes a
     # published file, it only renames and unlinks whole entries, which leaves existing mappings intact.
-    storage = torch.UntypedStorage.from_file(str(weights), shared=False, nbytes=stat.st_size)
+    # torch's stub declares from_file on the storage base class, with the base's return type.
+    storage: torch.UntypedStorage = torch.UntypedStorage.from_file(  # pyright: ignore[reportAssignmentType]
+        str(weights), shared=False, nbytes=stat.st_size
+    )
     data = torch.empty(0, dtype=torch.uint8).set_(storage)[len(header_bytes) :].numpy()
     num_chunks = len(manifest["chunk_crc32"])
     if [stat.st_mtime_ns, stat.st_ino] == manifest["stamp"]:
@@ -389,7 +392,7 @@ def _check_chunks(data: Any, manifest: dict[str, Any], chunks: Any) -> None:
 def _tensor_view(
     storage: torch.UntypedStorage, data_start: int, name: str, spec: dict[str, Any]
 ) -> torch.Tensor:
-    dtype, shape = _DTYPES.get(spec.get("dtype")), spec.get("shape")
+    dtype, shape = _DTYPES.get(spec.get("dtype", "")), spec.get("shape")
     begin, end = spec.get("data_offsets", (0, -1))
     if dtype is None or not isinstance(shape, list):
         raise _DamagedEntry(f"tensor {name} has an unknown dtype or shape")
@@ -397,7 +400,8 @@ def _tensor_view(
     start = data_start + begin
     if end - begin != num_bytes or end + data_start > storage.nbytes() or start % dtype.itemsize:
         raise _DamagedEntry(f"tensor {name} has bad or misaligned data offsets")
-    return torch.empty(0, dtype=dtype).set_(storage, start // dtype.itemsize, shape)
+    # torch's stub wants a stride whenever a size is given; torch itself makes it contiguous.
+    return torch.empty(0, dtype=dtype).set_(storage, start // dtype.itemsize, shape)  # pyright: ignore[reportCallIssue]
 
 
 def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:

@@ -8,9 +8,9 @@
  * with skinny_gemm.c into one library by enginekit/model/native.py, on torch's OpenMP thread pool.
  */
 #include <math.h>
-#include <immintrin.h>
 
-#define AVX2 __attribute__((target("avx2,fma")))
+#include "common.h"
+
 #define MAX_GROUP 64           /* query heads per KV head */
 #define MAX_GROUP_FLOATS 4096  /* query heads per KV head x head_dim, kept on the stack per task */
 #define MAX_SPAN 256           /* tokens scored at once (a power of two: all or part of a block), kept on the stack */
@@ -20,13 +20,6 @@ int enginekit_layer_ops_limits(long *max_group, long *max_group_floats) {
   *max_group = MAX_GROUP;
   *max_group_floats = MAX_GROUP_FLOATS;
   return 0;
-}
-
-AVX2 static inline float hsum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
 }
 
 /* e^x for x <= 0 (scores minus their running maximum), eight at a time: x = n ln2 + r with |r| <= ln2/2, e^r by
@@ -111,10 +104,13 @@ AVX2 static inline void rotate_head(const float *x, const float *cos, const floa
 
 /* One step's new tokens, each row of qkv = [q heads | k heads | v heads] (rows `stride` apart): writes the rotated
  * q and k heads to qk_out [tokens, heads + kv_heads, d], and the rotated k and the v heads to the caches
- * [slots, kv_heads, d] at each token's slot. cos and sin are [tokens, d]. */
-AVX2 void enginekit_rope_write_cache(const float *qkv, long stride, const float *cos, const float *sin,
-                                     const long *slots, float *qk_out, float *k_cache, float *v_cache, long tokens,
-                                     long heads, long kv_heads, long d, int threads) {
+ * [num_slots, kv_heads, d] at each token's slot. cos and sin are [tokens, d]. Returns 0, or -1 (nothing written)
+ * if a slot is outside the caches. */
+AVX2 int enginekit_rope_write_cache(const float *qkv, long stride, const float *cos, const float *sin,
+                                    const long *slots, float *qk_out, float *k_cache, float *v_cache, long tokens,
+                                    long heads, long kv_heads, long d, long num_slots, int threads) {
+  for (long t = 0; t < tokens; t++)
+    if (slots[t] < 0 || slots[t] >= num_slots) return -1;
   long rotated = heads + kv_heads;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * rotated * d >= 65536)
   for (long t = 0; t < tokens; t++) {
@@ -129,6 +125,7 @@ AVX2 void enginekit_rope_write_cache(const float *qkv, long stride, const float 
       v_slot[j] = v[j];
     }
   }
+  return 0;
 }
 
 /* scores[t] = scale * q . k_t for `count` keys `stride` floats apart, eight keys at a time: eight dot products in
@@ -199,14 +196,24 @@ AVX2 static inline void accumulate_values(float *acc, float correction, const fl
  * offset; tables: block ids, `table_stride` apart, row `table_rows[r]` of them for query r (NULL: row r); lens:
  * the context length of each query, 0 to skip it (its output is left as it was); out: [rows, heads, d]. Each
  * task is one (query, KV head) pair with its group of query heads, so every key and value is read once per task;
- * the softmax runs online, a block (or MAX_SPAN tokens of one) at a time. block_size is a power of two. */
-AVX2 void enginekit_paged_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
-                                    const long *tables, long table_stride, const long *table_rows, const long *lens,
-                                    float *out, long batch, long heads, long kv_heads, long d, long block_size,
-                                    float scale, int threads) {
-  long group = heads / kv_heads, work = 0;
+ * the softmax runs online, a block (or MAX_SPAN tokens of one) at a time. block_size is a power of two, the caches
+ * hold num_slots slots, tables has table_count rows of table_width block ids. Returns 0, or (nothing written) -1 for
+ * a table row out of range, -2 for a context length below 0 or past its table row, -3 for a block id the context
+ * reads outside the caches. */
+AVX2 int enginekit_paged_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
+                                   const long *tables, long table_stride, const long *table_rows, const long *lens,
+                                   float *out, long batch, long heads, long kv_heads, long d, long block_size,
+                                   long num_slots, long table_count, long table_width, float scale, int threads) {
+  long group = heads / kv_heads, work = 0, num_blocks = num_slots / block_size;
   long span = block_size < MAX_SPAN ? block_size : MAX_SPAN; /* tokens scored at once: all or part of a block */
-  for (long b = 0; b < batch; b++) work += lens[b];
+  for (long b = 0; b < batch; b++) {
+    long row = table_rows ? table_rows[b] : b;
+    if (row < 0 || row >= table_count) return -1;
+    if (lens[b] < 0 || lens[b] > table_width * block_size) return -2;
+    for (long i = 0; i < (lens[b] + block_size - 1) / block_size; i++)
+      if (tables[row * table_stride + i] < 0 || tables[row * table_stride + i] >= num_blocks) return -3;
+    work += lens[b];
+  }
   work *= heads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (work >= PARALLEL_MIN_WORK)
   for (long task = 0; task < batch * kv_heads; task++) {
@@ -246,4 +253,5 @@ AVX2 void enginekit_paged_attention(const float *q, long q_stride, const float *
     for (long g = 0; g < group; g++)
       for (long j = 0; j < d; j++) o[g * d + j] = acc[g * d + j] / running_sum[g];
   }
+  return 0;
 }

@@ -12,21 +12,29 @@
  * (MAX_GROUP panels a thread) even for an LM head.
  * Built with skinny_gemm.c and layer_ops.c into one library by enginekit/model/native.py.
  */
-#include <immintrin.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 
 #define MR 6        /* rows of x per micro-kernel */
 #define NR 16       /* output columns per panel (two vectors) */
 #define MAX_GROUP 4 /* panels per task, packed by the thread that uses them */
 #define PARALLEL_MIN_WORK (1L << 21) /* multiply-adds below which a call runs on the calling thread */
-#define AVX2 __attribute__((target("avx2,fma")))
 
-/* Floats of scratch a call on `threads` threads needs: each thread's packed panels, and their alignment. */
-long enginekit_packed_gemm_scratch(long k, int threads) { return threads * MAX_GROUP * NR * k + 8; }
+/* Floats of one thread's scratch: its panels, then a row for the packer (a whole number of vectors, so that the
+ * next thread's panels stay aligned). */
+static long thread_scratch(long k) { return MAX_GROUP * NR * k + (k + 7) / 8 * 8; }
+
+/* Floats of scratch a call on `threads` threads needs: each thread's packed panels and a row for the packer, and
+ * their alignment. */
+long enginekit_packed_gemm_scratch(long k, int threads) { return threads * thread_scratch(k) + 8; }
 
 /* Columns [p * NR, p * NR + NR) of W^T as panel p: wp[kk * NR + j] = W[p * NR + j, kk], zero past n. */
-AVX2 static void pack_panel(const float *w, long n, long k, long p, float *wp) {
+AVX2 static void pack_panel(const void *weights, long n, long k, long p, float *wp, float *work) {
+  const float *w = weights;
+  (void)work;
   long n0 = p * NR, cols = n - n0 < NR ? n - n0 : NR;
   if (cols == NR) { /* the common case, with a constant trip count the compiler vectorises */
     for (long kk = 0; kk < k; kk++)
@@ -76,20 +84,20 @@ AVX2 static void micro_kernel(const float *x, long ldx, int rows, const float *w
   }
 }
 
-/* y = x W^T (+ bias): x [m, k] with rows `ldx` floats apart, W [n, k] and y [m, n] contiguous; `scratch` holds
- * enginekit_packed_gemm_scratch(k, threads) floats. Each task packs a group of panels into its thread's part of
- * the scratch (so they are in that core's caches), then runs every micro-panel of x against them. */
-AVX2 void enginekit_packed_gemm(const float *x, long ldx, const float *w, const float *bias, float *y, long m,
-                                long n, long k, float *scratch, int threads) {
+/* y = x W^T (+ bias): x [m, k] with rows `ldx` floats apart, W packed by `pack`, y [m, n] contiguous; `scratch`
+ * holds enginekit_packed_gemm_scratch(k, threads) floats. Each task packs a group of panels into its thread's part
+ * of the scratch (so they are in that core's caches), then runs every micro-panel of x against them. */
+AVX2 void enginekit_panel_gemm(const float *x, long ldx, enginekit_pack_fn pack, const void *weights,
+                               const float *bias, float *y, long m, long n, long k, float *scratch, int threads) {
   float *base = (float *)(((unsigned long)scratch + 31) & ~31UL); /* aligned panels */
   long panels = (n + NR - 1) / NR, group = panels / (8L * threads); /* at least eight tasks a thread if it can */
   group = group < 1 ? 1 : group > MAX_GROUP ? MAX_GROUP : group;
   long tasks = (panels + group - 1) / group;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (m * n * k >= PARALLEL_MIN_WORK)
   for (long task = 0; task < tasks; task++) {
-    float *wp = base + omp_get_thread_num() * MAX_GROUP * NR * k;
+    float *wp = base + omp_get_thread_num() * thread_scratch(k), *work = wp + MAX_GROUP * NR * k;
     long first = task * group, count = panels - first < group ? panels - first : group;
-    for (long p = 0; p < count; p++) pack_panel(w, n, k, first + p, wp + p * k * NR);
+    for (long p = 0; p < count; p++) pack(weights, n, k, first + p, wp + p * k * NR, work);
     for (long r = 0; r < m; r += MR)
       for (long p = 0; p < count; p++) {
         long column = (first + p) * NR;
@@ -97,4 +105,15 @@ AVX2 void enginekit_packed_gemm(const float *x, long ldx, const float *w, const 
                      bias ? bias + column : NULL, y + r * n + column, n, n - column < NR ? (int)(n - column) : NR);
       }
   }
+}
+
+/* y = x W^T (+ bias) for a float32 W [n, k], contiguous. The scratch (a few megabytes at most) is allocated per
+ * call: after the first, the allocator hands back the same memory. Returns 0, or -1 if it cannot be allocated. */
+AVX2 int enginekit_packed_gemm(const float *x, long ldx, const float *w, const float *bias, float *y, long m, long n,
+                               long k, int threads) {
+  float *scratch = malloc(enginekit_packed_gemm_scratch(k, threads) * sizeof(float));
+  if (!scratch) return -1;
+  enginekit_panel_gemm(x, ldx, pack_panel, w, bias, y, m, n, k, scratch, threads);
+  free(scratch);
+  return 0;
 }

@@ -13,7 +13,7 @@
  * enginekit/model/native.py with the C compiler found at run time and linked against the OpenMP runtime torch
  * already loaded, so it runs on torch's thread pool.
  */
-#include <immintrin.h>
+#include "common.h"
 
 #define ENGINEKIT_MAX_ROWS 128
 #define ENGINEKIT_SKINNY_ROWS 8 /* up to this many rows, each weight row once against all of them */
@@ -25,20 +25,12 @@
  * bytes are the time), past it the multiply-adds. */
 #define PARALLEL_MIN_WEIGHTS (1L << 18)
 #define PARALLEL_MIN_TILED (1L << 21)
-#define AVX2 __attribute__((target("avx2,fma")))
 
 int enginekit_skinny_max_rows(void) { return ENGINEKIT_MAX_ROWS; }
 
 int enginekit_skinny_supported(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-AVX2 static inline float hsum(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
 }
 
 /* One input row: dot products of `count` (<= BLOCK) consecutive weight rows with x, into y. */
@@ -60,7 +52,7 @@ AVX2 static inline void block_dot(const float *w, const float *x, float *y, int 
   for (int i = 0; i < count; i++) {
     float tail = 0.0f;
     for (long j = vec_end; j < k; j++) tail += w[i * k + j] * x[j];
-    y[i] = hsum(acc[i]) + tail;
+    y[i] = hsum8(acc[i]) + tail;
   }
 }
 
@@ -77,7 +69,7 @@ AVX2 static inline void block_dot(const float *w, const float *x, float *y, int 
     for (int m = 0; m < M; m++) {                                                                            \
       float tail = 0.0f;                                                                                     \
       for (long j = vec_end; j < k; j++) tail += w[j] * x[m * k + j];                                        \
-      y[m * ldy] = hsum(acc[m]) + tail;                                                                      \
+      y[m * ldy] = hsum8(acc[m]) + tail;                                                                      \
     }                                                                                                        \
   }
 DEFINE_ROW_TIMES(2)
@@ -107,7 +99,7 @@ DEFINE_ROW_TIMES(8)
       for (int j = 0; j < NB; j++) {                                                                         \
         float tail = 0.0f;                                                                                   \
         for (long c = vec_end; c < k; c++) tail += w[j * k + c] * x[i * k + c];                              \
-        y[i * ldy + j] = hsum(acc[i][j]) + tail;                                                             \
+        y[i * ldy + j] = hsum8(acc[i][j]) + tail;                                                             \
       }                                                                                                      \
   }
 DEFINE_TILE(1, 1) DEFINE_TILE(1, 2) DEFINE_TILE(1, 3)

@@ -1,18 +1,21 @@
-"""The attention block: fused q/k/v projection, rotary embedding, paged attention, output projection."""
+"""The attention block: fused q/k/v projection, optional per-head q/k norms, rotary embedding, paged attention,
+output projection."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from enginekit.model.config import ModelConfig
 from enginekit.model.kernels.native import LayerOps
 from enginekit.model.layers.linear import Linear
+from enginekit.model.layers.norm import RMSNorm
 from enginekit.model.layers.paged_attention import AttentionMetadata, paged_attention
 from enginekit.model.layers.rotary import rotate
 
 
 class Attention(nn.Module):
-    ops: LayerOps | None = None  # see LlamaForCausalLM.use_layer_ops
+    ops: LayerOps | None = None  # see Decoder.use_layer_ops
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -24,9 +27,27 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, hidden, rotary, kv_cache, meta: AttentionMetadata):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if (
+            self.q_norm is not None and self.k_norm is not None
+        ):  # normed in place in qkv, so the native rotary call below reads them
+            tokens = qkv.shape[0]
+            q = qkv[:, : self.q_size].reshape(tokens * self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(
+                tokens * self.num_kv_heads, self.head_dim
+            )
+            qkv[:, : self.q_size] = self.q_norm(q).view(tokens, self.q_size)
+            qkv[:, self.q_size : self.q_size + self.kv_size] = self.k_norm(k).view(tokens, self.kv_size)
         if self.ops is not None:  # rotates q and k, and writes k and v to the cache, in one call
             qk = self.ops.rope_write_cache(
                 qkv, *rotary, meta.slot_mapping, kv_cache, self.num_heads, self.num_kv_heads

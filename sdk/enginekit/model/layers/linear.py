@@ -1,4 +1,6 @@
-"""Linear layers and the CPU kernel that runs them (``linear_kernel``): the native GEMMs, oneDNN or ``F.linear``."""
+"""Linear layers and the CPU kernel that runs them (``linear_kernel``): the native GEMMs, oneDNN or ``F.linear``;
+a layer whose weight is kept as a GGUF file stores it runs that weight's own product instead
+(``quant_linear.QuantizedWeight``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from enginekit.model.kernels.native import MAX_ROWS, native_packed_gemm, native_skinny_gemm
+from enginekit.model.layers.quant_linear import QuantizedWeight
 
 logger = logging.getLogger("enginekit.model")
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -17,15 +20,28 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 
 class Linear(nn.Linear):
     """A linear layer that skips random initialisation (its weights always come from a loader) and runs the
-    model's chosen kernel (see ``linear_kernel``)."""
+    model's chosen kernel (see ``linear_kernel``), or its weight as stored (see ``use_stored``)."""
 
     kernel: LinearKernel = F.linear
+    stored: QuantizedWeight | None = None
 
     def reset_parameters(self) -> None:
         pass
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.weight, self.bias)
+    def use_stored(self, weight: QuantizedWeight) -> None:
+        """Compute with ``weight`` as stored; the float ``weight`` parameter is dropped."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"a stored weight of [{weight.out_features}, {weight.in_features}] for a linear layer of "
+                f"[{self.out_features}, {self.in_features}]"
+            )
+        self.weight = None  # pyright: ignore[reportAttributeAccessIssue]  # the stored weight replaces it
+        self.stored = weight
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # named as nn.Linear names it
+        if self.stored is not None:
+            return self.stored(input, self.bias)
+        return self.kernel(input, self.weight, self.bias)
 
 
 # Measured with torch 2.13 on 2 cores, 1-128 rows: in the whole 135M model oneDNN made the projections 1.35-1.5x

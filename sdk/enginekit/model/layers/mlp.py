@@ -12,7 +12,7 @@ from enginekit.model.layers.linear import Linear
 
 
 class MLP(nn.Module):
-    ops: LayerOps | None = None  # see LlamaForCausalLM.use_layer_ops
+    ops: LayerOps | None = None  # see Decoder.use_layer_ops
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -10,7 +10,7 @@ from enginekit.model.kernels.native import LayerOps
 
 
 class RMSNorm(nn.Module):
-    ops: LayerOps | None = None  # see LlamaForCausalLM.use_layer_ops
+    ops: LayerOps | None = None  # see Decoder.use_layer_ops
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()

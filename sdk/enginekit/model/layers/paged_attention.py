@@ -89,6 +89,7 @@ def paged_attention(
     native layer operations) is given: then they are already there (``LayerOps.rope_write_cache``), and the
     decodes and short prefill chunks attend in place, in one call (``LayerOps.paged_attention``)."""
     if ops is not None:  # the decodes and the short prefill chunks, in one call
+        assert meta.query_tables is not None and meta.query_lens is not None  # built whenever ops is
         out = ops.paged_attention(
             q, kv_cache, meta.query_tables, meta.query_lens, meta.block_size, scale, meta.query_table_rows
         )
@@ -106,6 +107,7 @@ def paged_attention(
     gqa = q.shape[1] != num_kv_heads
     if ops is None and meta.num_decode:
         num_decode, length = meta.num_decode, meta.decode_len
+        assert meta.decode_block_tables is not None  # built whenever there are decodes
         table = meta.decode_block_tables.flatten()
         keys, values = (
             _gather(blocks, table, meta.gather_buffer, kv)
@@ -119,6 +121,7 @@ def paged_attention(
         if out is None:  # a pure decode step: its output is the whole result
             return attended.squeeze(2)
         out[:num_decode] = attended.squeeze(2)
+    assert out is not None  # None only in a step of decodes alone, returned above
     # Prefill inputs get a batch dimension of one: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
     # fall back to the math path (2-4x slower at 64-token chunks, measured with torch 2.13 on 2 cores).
     for chunk in chunks:
@@ -135,6 +138,7 @@ def paged_attention(
             )
         else:
             length = chunk.context_start + chunk.num_tokens
+            assert chunk.block_table is not None  # set whenever context_start > 0
             keys, values = (
                 _gather(blocks, chunk.block_table, meta.gather_buffer, kv)
                 .view(-1, num_kv_heads, head_dim)[:length]

@@ -2,21 +2,46 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
+
+from enginekit.model.config import ModelConfig
 
 
 class RotaryEmbedding(nn.Module):
     """cos and sin tables for every position, computed once the way the reference implementation does; the sin
-    table's first half is stored negated (see ``rotate``)."""
+    table's first half is stored negated (see ``rotate``).
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    ``longrope`` has two tables one after the other, the short factors' then the long factors'; ``rows`` says
+    which row each token reads."""
+
+    cos: torch.Tensor  # buffers, [max_positions (twice for longrope), D]
+    signed_sin: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        head_dim = config.head_dim
+        self.max_positions = config.max_position_embeddings
+        self.long_from = config.long_rope_from  # longrope: the original length (see ``rows``)
         with torch.device("cpu"):  # NOTE: real tables even when the model is built on the meta device
-            cos, sin = _rotary_tables(head_dim, max_positions, theta)
+            inv_freq, attention_factor = inverse_frequencies(config)
+            cos, sin = _rotary_tables(inv_freq, self.max_positions, attention_factor)
+            if self.long_from is not None:
+                long_cos, long_sin = _rotary_tables(
+                    inverse_frequencies(config, long=True)[0], self.max_positions, attention_factor
+                )
+                cos, sin = torch.cat((cos, long_cos)), torch.cat((sin, long_sin))
             signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("signed_sin", signed_sin, persistent=False)
+
+    def rows(self, start: int, end: int, long: bool) -> range:
+        """The table rows of positions ``[start, end)``: the positions, or with ``longrope`` for a ``long``
+        sequence (one past ``long_from`` tokens; see ``core/scheduler.py``) the long factors' rows."""
+        offset = self.max_positions if long and self.long_from is not None else 0
+        return range(start + offset, end + offset)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin of these positions, ``[T, 1, D]``; looked up once per step, used by every layer."""
@@ -31,9 +56,87 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-def _rotary_tables(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def inverse_frequencies(config: ModelConfig, *, long: bool = False) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies of ``config.rope_type`` and the factor on cos and sin, computed in the
+    order and dtypes transformers uses (``modeling_rope_utils``), so the tables are bitwise the same.
+
+    ``dynamic`` (NTK) changes the base only for sequences past ``max_position_embeddings``, which no sequence
+    here reaches (``max_model_len`` is at most that): its frequencies are the default ones, as in transformers
+    within that length. ``longrope``: the short factors' frequencies, or with ``long`` the long factors'."""
+    dim, base, params = config.head_dim, config.rope_theta, config.rope_parameters
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base**exponents)
+    attention_factor = 1.0
+    if config.rope_type == "longrope":
+        factors = config.rope_long_factors if long else config.rope_short_factors
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
+        factor = params["factor"]
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            original = params["original_max_position_embeddings"]
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    elif config.rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif config.rope_type == "llama3":
+        inv_freq = _llama3(inv_freq, params)
+    elif config.rope_type == "yarn":
+        inv_freq, attention_factor = _yarn(dim, base, params, config.max_position_embeddings)
+    elif config.rope_type not in ("default", "dynamic"):
+        raise ValueError(f"unknown rope type {config.rope_type!r}")
+    if config.rope_freq_factors:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq, attention_factor
+
+
+def _llama3(inv_freq: torch.Tensor, params: dict[str, float]) -> torch.Tensor:
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(dim: int, base: float, params: dict[str, float], max_positions: int) -> tuple[torch.Tensor, float]:
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_positions / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rotary_tables(
+    inv_freq: torch.Tensor, max_positions: int, attention_factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos() * attention_factor, emb.sin() * attention_factor

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, over a paged KV cache, built from ``layers/``."""
+"""The decoder of every architecture (``model/architectures.py``) in plain torch, over a paged KV cache, built from
+``layers/``; the config's options (biases, q/k norms, rope type) choose its pieces."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class DecoderLayer(nn.Module):
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
 
 
-class LlamaForCausalLM(nn.Module):
+class Decoder(nn.Module):
     """Decoder over a flat batch of new tokens; returns logits only for the rows asked for."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -54,7 +55,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = RotaryEmbedding(config)
         self.layer_ops: LayerOps | None = None  # see use_layer_ops
 
     def use_linear_kernel(self, kernel: LinearKernel) -> int:

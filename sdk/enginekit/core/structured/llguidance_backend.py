@@ -1,0 +1,103 @@
+"""The llguidance backend (the default): a small native library with no Python dependencies.
+
+llguidance tokenizes the text a grammar forces (a JSON key, a fixed word) and allows only that tokenization, so
+it needs the tokenizer itself, not just its tokens' bytes: a ``tokenizers`` tokenizer (a Hugging Face folder's,
+a GGUF file's) is handed over whole, as its JSON, which llguidance reads natively (it knows, for instance, that a
+SentencePiece tokenizer spells a word inside a text without the space it adds at the start). The built-in
+byte tokenizer, whose one token per byte is its own tokenization, goes over as our vocabulary's bytes. A
+compiled grammar is a matcher in its start state; each request gets a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import torch
+
+from enginekit.model.text.tokenizer import HFTokenizer, Tokenizer
+from enginekit.model.text.vocabulary import Vocabulary, build_vocabulary
+from enginekit.structured_outputs import MAX_JSON_WHITESPACE, GrammarKind
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+SPECIAL_MARK = b"\xff"  # llguidance's prefix for a special token's name
+
+
+class _Tokens:
+    """What ``llguidance.TokenizerWrapper`` reads: every token's bytes, the special ones, and an encoder."""
+
+    def __init__(self, vocabulary: Vocabulary, eos_token_ids: list[int], encode: Callable[[str], list[int]]):
+        self.eos_token_id = eos_token_ids[0]
+        self.bos_token_id = None
+        self.special_token_ids = sorted(vocabulary.special_ids)
+        self.tokens = [
+            SPECIAL_MARK + b"<[%d]>" % index if index in vocabulary.special_ids else piece
+            for index, piece in enumerate(vocabulary.token_bytes)
+        ]
+        self._encode = encode
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("the wrapper takes text")  # tells TokenizerWrapper to pass strings
+        return self._encode(text)
+
+
+class LLGuidanceMatcher:
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: llguidance.LLMatcher) -> None:
+        self.inner = inner
+
+    def accept(self, token_id: int) -> bool:
+        return self.inner.consume_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_stopped()
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        if isinstance(tokenizer, HFTokenizer):
+            described: str | llguidance.TokenizerWrapper = tokenizer.backend.to_str()
+        else:
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            vocabulary = build_vocabulary(tokenizer, vocab_size)
+            described = llguidance.TokenizerWrapper(_Tokens(vocabulary, eos_token_ids, encode))
+        self._tokenizer = llguidance.LLTokenizer(described, n_vocab=vocab_size, eos_token=eos_token_ids)
+        self._executor = llguidance.LLExecutor()
+
+    def compile(self, kind: GrammarKind, text: str, any_whitespace: bool) -> llguidance.LLMatcher:
+        try:
+            if kind in ("json", "json_object"):
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    text, defaults=json_options(any_whitespace)
+                )
+            else:
+                grammar = llguidance.grammar_from("grammar" if kind == "grammar" else kind, text)
+        except ValueError as error:
+            raise ValueError(f"the {kind} constraint does not compile: {error}") from None
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"the {kind} constraint does not compile: {matcher.get_error().strip()}")
+        return matcher
+
+    def matcher(self, compiled: Any) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(compiled.deep_copy())
+
+    def fill_bitmask(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor) -> None:
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
+        pairs = [(matcher.inner, row) for row, matcher in enumerate(matchers)]
+        rows, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
+
+
+def json_options(any_whitespace: bool) -> JsonCompileOptions:
+    """llguidance's options for a JSON schema: compact separators, and bounded whitespace between tokens."""
+    if not any_whitespace:
+        return {"whitespace_flexible": False}
+    return {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"}

@@ -1,0 +1,62 @@
+"""Architectures as data: what sets each supported decoder apart from the plain Llama one.
+
+One decoder (``model/decoder.py``) runs every architecture here; an ``Architecture`` names the options it turns on.
+Adding an architecture whose pieces already exist is one entry in ``ARCHITECTURES``; a new piece (a norm, an
+activation, an attention option) is a field here, a flag in ``ModelConfig`` and its code in ``layers/``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Architecture(msgspec.Struct, frozen=True, kw_only=True):
+    name: str  # our name, and ``ModelConfig.architecture``
+    hf_classes: tuple[str, ...]  # Hugging Face ``architectures`` entries
+    gguf_names: tuple[str, ...] = ()  # GGUF ``general.architecture`` values
+    attention_bias: bool = False  # q/k/v projections carry biases (always, whatever the config says)
+    qk_norm: bool = False  # an RMS norm over each head of q and of k, before the rotary embedding
+    sliding_window: str = "none"  # "none"; "always": ``sliding_window`` applies when set; "flag": only with
+    # ``use_sliding_window``
+    gguf_rotary_permuted: bool = False  # llama.cpp's converter interleaves the rotary halves of q/k rows
+    # the checkpoint stores q/k/v as one ``self_attn.qkv_proj`` and gate/up as one ``mlp.gate_up_proj`` (in the
+    # decoder's own order: q, k, v rows; gate rows, then up rows); in GGUF ``attn_qkv`` and ``ffn_up``
+    fused_checkpoint: bool = False
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture(
+        name="llama", hf_classes=("LlamaForCausalLM",), gguf_names=("llama",), gguf_rotary_permuted=True
+    ),
+    Architecture(name="mistral", hf_classes=("MistralForCausalLM",), sliding_window="always"),
+    Architecture(
+        name="qwen2",
+        hf_classes=("Qwen2ForCausalLM",),
+        gguf_names=("qwen2",),
+        attention_bias=True,
+        sliding_window="flag",
+    ),
+    Architecture(name="qwen3", hf_classes=("Qwen3ForCausalLM",), gguf_names=("qwen3",), qk_norm=True),
+    Architecture(
+        name="phi3",
+        hf_classes=("Phi3ForCausalLM",),
+        gguf_names=("phi3",),
+        sliding_window="always",
+        fused_checkpoint=True,
+    ),
+)
+
+# The rope types whose tables we compute (``layers/rotary.py``), as transformers names them.
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+def by_hf_class(classes: list[str]) -> Architecture | None:
+    return next((a for c in classes for a in ARCHITECTURES if c in a.hf_classes), None)
+
+
+def by_gguf_name(name: str) -> Architecture | None:
+    return next((a for a in ARCHITECTURES if name in a.gguf_names), None)
+
+
+def by_name(name: str) -> Architecture:
+    return next(a for a in ARCHITECTURES if a.name == name)

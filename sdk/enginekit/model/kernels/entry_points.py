@@ -1,0 +1,193 @@
+"""Every entry point of the native library, declared once: its C arguments in order and what each tensor among
+them must be (see ``boundary.py`` for the notation). ``native.py`` binds them; the ctypes signatures and the
+argument checks both come from here."""
+
+from __future__ import annotations
+
+import ctypes
+
+from enginekit.model.kernels.boundary import I64, U8, Entry, Output, Part, Scalar, Size, Stride, Tensor
+
+THREADS = Scalar("threads", ctypes.c_int)
+KV_CACHE = Tensor("kv_cache", (2, "num_slots", "kv_heads", "D"))
+# layer_ops.c keeps a task's query heads on the stack: MAX_GROUP and MAX_GROUP_FLOATS there
+ATTENTION_SHAPES = (
+    ("heads % kv_heads == 0", "{heads} query heads are not a multiple of {kv_heads} KV heads"),
+    (
+        "heads // kv_heads <= 64 and heads // kv_heads * D <= 4096",
+        "{heads} query heads per {kv_heads} KV heads of size {D} are past the native attention's limits",
+    ),
+)
+
+SKINNY_GEMM = Entry(
+    "enginekit_skinny_gemm",
+    (
+        Tensor("weight", ("N", "K")),
+        Tensor("x", ("M", "K")),
+        Tensor("bias", ("N",), optional=True),
+        Output("out", ("M", "N")),
+        Size("M"),
+        Size("N"),
+        Size("K"),
+        THREADS,
+    ),
+    ctypes.c_int,
+    {-1: "takes 1 to 128 rows"},
+)
+PACKED_GEMM = Entry(
+    "enginekit_packed_gemm",
+    (
+        Tensor("x", ("M", "K"), layout="rows"),
+        Stride("x"),
+        Tensor("weight", ("N", "K")),
+        Tensor("bias", ("N",), optional=True),
+        Output("out", ("M", "N")),
+        Size("M"),
+        Size("N"),
+        Size("K"),
+        THREADS,
+    ),
+    ctypes.c_int,
+    {-1: "is out of memory"},
+    requires=(("M >= 1 and N >= 1 and K >= 1", "takes at least one row, output and input ({M}, {N}, {K})"),),
+)
+RMS_NORM = Entry(
+    "enginekit_rms_norm",
+    (
+        Tensor("x", ("rows", "size"), layout="rows"),
+        Stride("x"),
+        Tensor("weight", ("size",)),
+        Output("out", ("rows", "size")),
+        Size("rows"),
+        Size("size"),
+        Scalar("eps", ctypes.c_float),
+        THREADS,
+    ),
+)
+SILU_MUL = Entry(
+    "enginekit_silu_mul",
+    (
+        Tensor("gate_up", ("rows", "2 * inter"), layout="rows"),
+        Stride("gate_up"),
+        Output("out", ("rows", "inter")),
+        Size("rows"),
+        Size("inter"),
+        THREADS,
+    ),
+)
+ROPE_WRITE_CACHE = Entry(
+    "enginekit_rope_write_cache",
+    (
+        Tensor("qkv", ("T", "(heads + 2 * kv_heads) * D"), layout="rows"),
+        Stride("qkv"),
+        Tensor("cos", ("T", 1, "D")),
+        Tensor("signed_sin", ("T", 1, "D")),
+        Tensor("slots", ("T",), I64),
+        Output("qk", ("T", "heads + kv_heads", "D")),
+        KV_CACHE,
+        Part("kv_cache", 1),
+        Size("T"),
+        Size("heads"),
+        Size("kv_heads"),
+        Size("D"),
+        Size("num_slots"),
+        THREADS,
+    ),
+    ctypes.c_int,
+    {-1: "a slot is outside the KV cache"},
+    requires=(*ATTENTION_SHAPES, ("D % 2 == 0", "the head size {D} is odd")),
+)
+PAGED_ATTENTION = Entry(
+    "enginekit_paged_attention",
+    (
+        Tensor("q", ("N", "heads", "D"), layout="rows"),
+        Stride("q"),
+        KV_CACHE,
+        Part("kv_cache", 1),
+        Tensor("block_tables", ("table_count", "table_width"), I64, layout="rows"),
+        Stride("block_tables"),
+        Tensor("table_rows", ("N",), I64, optional=True),
+        Tensor("context_lens", ("N",), I64),
+        Output("out", ("N", "heads", "D")),
+        Size("N"),
+        Size("heads"),
+        Size("kv_heads"),
+        Size("D"),
+        Size("block_size"),
+        Size("num_slots"),
+        Size("table_count"),
+        Size("table_width"),
+        Scalar("scale", ctypes.c_float),
+        THREADS,
+    ),
+    ctypes.c_int,
+    {
+        -1: "a table row is outside the block tables",
+        -2: "a context length is negative or longer than its block table",
+        -3: "a block id is outside the KV cache",
+    },
+    requires=(
+        *ATTENTION_SHAPES,
+        (
+            "block_size > 0 and block_size & (block_size - 1) == 0",
+            "the block size {block_size} is not a power of two",
+        ),
+        ("num_slots % block_size == 0", "the cache's {num_slots} slots are not whole blocks of {block_size}"),
+    ),
+)
+QUANT_GEMM = Entry(
+    "enginekit_quant_gemm",
+    (
+        Tensor("x", ("M", "K")),
+        Tensor("blocks", ("N", "row_bytes"), U8),
+        Scalar("qtype"),
+        Output("out", ("M", "N")),
+        Size("M"),
+        Size("N"),
+        Size("K"),
+        THREADS,
+        Scalar("isa"),
+        Scalar("path"),
+    ),
+    ctypes.c_int,
+    {
+        -1: "has no kernel for this type",
+        -2: "got a shape that is not whole blocks",
+        -3: "is out of memory",
+        -4: "this CPU lacks that instruction set",
+        -5: "has no such path for this type or instruction set",
+    },
+    requires=(
+        ("K % block_size == 0", "{K} input features are not a whole number of blocks of {block_size}"),
+        (
+            "row_bytes == K // block_size * type_size",
+            "the rows hold {row_bytes} bytes, not the {K} features' "
+            "{K} // {block_size} blocks x {type_size} bytes",
+        ),
+    ),
+)
+DEQUANTIZE = Entry(
+    "enginekit_dequantize",
+    (
+        Tensor("blocks", ("N", "row_bytes"), U8),
+        Scalar("qtype"),
+        Output("out", ("N", "K")),
+        Size("N"),
+        Size("K"),
+        THREADS,
+    ),
+    ctypes.c_int,
+    {-1: "has no kernel for this type", -2: "got a shape that is not whole blocks"},
+    requires=QUANT_GEMM.requires,
+)
+
+ENTRY_POINTS = (
+    SKINNY_GEMM,
+    PACKED_GEMM,
+    RMS_NORM,
+    SILU_MUL,
+    ROPE_WRITE_CACHE,
+    PAGED_ATTENTION,
+    QUANT_GEMM,
+    DEQUANTIZE,
+)

@@ -1,0 +1,506 @@
+/* Products of float32 rows with a weight kept as the GGUF file stores it: y[m, n] = x[m, k] W[n, k]^T, W given as
+ * its n rows of blocks, byte for byte as in the file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16).
+ *
+ * A decode step of a few rows is bound by the bytes it streams, so the weight is read once, in its stored form:
+ * - the int8 path (block types, up to a few rows): each input row is quantized once per call to int8 blocks of 32
+ *   with one float scale each, as ggml does for its dot products; each weight row is unpacked block by block into
+ *   int8 values with their scales (per 32 values; per 16 for Q6_K) and minimum, in the L1 cache, and multiplied into
+ *   every input row with integer dot products (AVX-512 VNNI's vpdpbusd where the CPU has it, else AVX2's
+ *   vpmaddubsw), each block's sum scaled once in float. Quantizing the input costs a relative error of about
+ *   1/254 of a block's largest value per value (see docs/architecture.md);
+ * - the float path (F16 and BF16 at a few rows; every type without AVX2): each weight row dequantized into the L1
+ *   cache and multiplied into every input row with float multiply-adds, no quantization of the input;
+ * - the panel path (many rows): the weight dequantized panel by panel into packed_gemm.c's panels, and its 6x16
+ *   micro-kernel: a prefill step is bound by arithmetic, and the dequantization is paid once for all the rows.
+ * Dequantization is bit-exact with gguf-py's (the same float products, in the same order, never fused).
+ * Weight rows are split over OpenMP threads (torch's pool). Built with the other kernels into one library by
+ * enginekit/model/kernels/native.py.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
+enum { PATH_AUTO = 0, PATH_INT8 = 1, PATH_FLOAT = 2, PATH_PANELS = 3 };
+enum { OK = 0, BAD_TYPE = -1, BAD_SHAPE = -2, NO_MEMORY = -3, BAD_ISA = -4, BAD_PATH = -5 };
+
+#define QK 32                         /* values per unpacked block (and per quantized input block) */
+#define LANES 8                       /* scales per unpacked block: one per four values, as the dot products sum them */
+#define INT8_MAX_ROWS 16              /* the int8 path up to this many rows, the panel path past it */
+#define FLOAT_MAX_ROWS 8              /* F16/BF16: the float path up to this many rows */
+#define ROWS_PER_TASK 4               /* weight rows per parallel task */
+#define PARALLEL_MIN_BYTES (1L << 16) /* weight bytes below which a call runs on the calling thread */
+
+typedef struct {
+  long block, bytes; /* values per block, bytes per block */
+} format;
+
+static format format_of(int type) {
+  switch (type) {
+    case F16: case BF16: return (format){1, 2};
+    case Q4_0: return (format){32, 18};
+    case Q4_1: return (format){32, 20};
+    case Q5_0: return (format){32, 22};
+    case Q5_1: return (format){32, 24};
+    case Q8_0: return (format){32, 34};
+    case Q4_K: return (format){256, 144};
+    case Q5_K: return (format){256, 176};
+    case Q6_K: return (format){256, 210};
+    default: return (format){0, 0};
+  }
+}
+
+/* Values per block and bytes per block of a GGUF type; 0 if the library has no kernel for it. */
+int enginekit_quant_format(int type, long *block, long *bytes) {
+  format f = format_of(type);
+  *block = f.block;
+  *bytes = f.bytes;
+  return f.block ? OK : BAD_TYPE;
+}
+
+/* The best instruction set of this CPU for the block types: ISA_AVX512_VNNI, ISA_AVX2 or ISA_SCALAR. */
+int enginekit_quant_isa(void) {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return ISA_AVX512_VNNI;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return ISA_AVX2;
+  return ISA_SCALAR;
+}
+
+/* ---- Dequantization: gguf-py's float32 formulas, operation by operation (the library is built with
+ * -ffp-contract=off, so a * b + c stays two roundings). */
+
+static inline float half_to_float(const uint8_t *p) {
+  uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+  uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+  if (exponent == 0 && mantissa == 0) {
+    bits = sign;
+  } else if (exponent == 0) { /* subnormal: shift the mantissa up to its leading one */
+    exponent = 113;
+    while (!(mantissa & 0x400)) mantissa <<= 1, exponent--;
+    bits = sign | exponent << 23 | (mantissa & 0x3ff) << 13;
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | mantissa << 13;
+  } else {
+    bits = sign | (exponent + 112) << 23 | mantissa << 13;
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint32_t le32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* The six-bit scales and minimums of a Q4_K / Q5_K block's eight sub-blocks, from their twelve bytes. */
+static inline void k_scales(const uint8_t *s, uint8_t *scale, uint8_t *min) {
+  for (int j = 0; j < 4; j++) {
+    scale[j] = s[j] & 0x3f;
+    min[j] = s[4 + j] & 0x3f;
+    scale[4 + j] = (s[8 + j] & 0x0f) | ((s[j] >> 2) & 0x30);
+    min[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
+  }
+}
+
+/* The five-bit value i (0-31) of a Q5_0 / Q5_1 block: its nibble and its bit of qh. */
+static inline int q5_value(const uint8_t *qs, uint32_t qh, int i) {
+  int nibble = i < 16 ? qs[i] & 0x0f : qs[i - 16] >> 4;
+  return nibble | (int)((qh >> i) & 1) << 4;
+}
+
+/* The six-bit value i (0-255) of a Q6_K block, minus 32. */
+static inline int q6_value(const uint8_t *ql, const uint8_t *qh, int i) {
+  int half = i / 128, within = i % 128;
+  int low = (ql[64 * half + within % 64] >> (4 * (within / 64))) & 0x0f;
+  int high = (qh[32 * half + within % 32] >> (2 * (within / 32))) & 0x03;
+  return (low | high << 4) - 32;
+}
+
+/* One row of k values of `type` from its blocks into y. */
+static void dequantize_row(int type, const uint8_t *row, float *y, long k) {
+  format f = format_of(type);
+  for (long b = 0; b < k / f.block; b++) {
+    const uint8_t *p = row + b * f.bytes;
+    float *out = y + b * f.block;
+    switch (type) {
+      case F16: out[0] = half_to_float(p); break;
+      case BF16: {
+        uint32_t bits = (uint32_t)(p[0] | p[1] << 8) << 16;
+        memcpy(out, &bits, sizeof bits);
+        break;
+      }
+      case Q8_0: {
+        float d = half_to_float(p);
+        for (int i = 0; i < 32; i++) out[i] = (float)(int8_t)p[2 + i] * d;
+        break;
+      }
+      case Q4_0: {
+        float d = half_to_float(p);
+        for (int i = 0; i < 16; i++) out[i] = d * (float)((p[2 + i] & 0x0f) - 8), out[16 + i] = d * (float)((p[2 + i] >> 4) - 8);
+        break;
+      }
+      case Q4_1: {
+        float d = half_to_float(p), m = half_to_float(p + 2);
+        for (int i = 0; i < 16; i++) out[i] = d * (float)(p[4 + i] & 0x0f) + m, out[16 + i] = d * (float)(p[4 + i] >> 4) + m;
+        break;
+      }
+      case Q5_0: {
+        float d = half_to_float(p);
+        uint32_t qh = le32(p + 2);
+        for (int i = 0; i < 32; i++) out[i] = d * (float)(q5_value(p + 6, qh, i) - 16);
+        break;
+      }
+      case Q5_1: {
+        float d = half_to_float(p), m = half_to_float(p + 2);
+        uint32_t qh = le32(p + 4);
+        for (int i = 0; i < 32; i++) out[i] = d * (float)q5_value(p + 8, qh, i) + m;
+        break;
+      }
+      case Q4_K: case Q5_K: {
+        float d = half_to_float(p), dmin = half_to_float(p + 2);
+        uint8_t scale[8], min[8];
+        k_scales(p + 4, scale, min);
+        const uint8_t *qh = p + 16, *qs = type == Q4_K ? p + 16 : p + 48;
+        for (int s = 0; s < 8; s++) {
+          float ds = d * (float)scale[s], dm = dmin * (float)min[s];
+          for (int i = 0; i < 32; i++) {
+            int q = (qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0f;
+            if (type == Q5_K) q |= ((qh[i] >> s) & 1) << 4;
+            out[32 * s + i] = ds * (float)q - dm;
+          }
+        }
+        break;
+      }
+      case Q6_K: {
+        float d = half_to_float(p + 208);
+        for (int i = 0; i < 256; i++) {
+          float ds = d * (float)(int8_t)p[192 + i / 16];
+          out[i] = ds * (float)q6_value(p, p + 128, i);
+        }
+        break;
+      }
+    }
+  }
+}
+
+/* ---- The int8 path. A weight row unpacked: per block of 32 values, q[32] (int8), lanes[8] (the scale of each
+ * four values) and min, the value being lanes[i / 4] * q[i] + min. An input row quantized: per block q[32] (int8),
+ * lanes[8] (its scale, eight times), sums (scale x the sum of q) and corr[8] (-128 x each four values' sum, for
+ * vpdpbusd, which takes the weights unsigned: q + 128). */
+
+typedef struct {
+  int8_t *q;
+  float *lanes, *sums;
+  int32_t *corr;
+  long blocks; /* per row */
+} quantized;
+
+static void unpack_row(int type, const uint8_t *row, long k, int8_t *q, float *lanes, float *mins) {
+  format f = format_of(type);
+  for (long b = 0; b < k / f.block; b++) {
+    const uint8_t *p = row + b * f.bytes;
+    switch (type) {
+      case Q8_0: case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+        float d = half_to_float(p), m = 0.0f;
+        int8_t *out = q + 32 * b;
+        if (type == Q8_0) {
+          memcpy(out, p + 2, 32);
+        } else if (type == Q4_0 || type == Q4_1) {
+          const uint8_t *qs = p + (type == Q4_0 ? 2 : 4);
+          int offset = type == Q4_0 ? 8 : 0;
+          for (int i = 0; i < 16; i++) out[i] = (int8_t)((qs[i] & 0x0f) - offset), out[16 + i] = (int8_t)((qs[i] >> 4) - offset);
+        } else {
+          const uint8_t *qs = p + (type == Q5_0 ? 6 : 8);
+          uint32_t qh = le32(p + (type == Q5_0 ? 2 : 4));
+          int offset = type == Q5_0 ? 16 : 0;
+          for (int i = 0; i < 32; i++) out[i] = (int8_t)(q5_value(qs, qh, i) - offset);
+        }
+        if (type == Q4_1 || type == Q5_1) m = half_to_float(p + 2);
+        for (int l = 0; l < LANES; l++) lanes[LANES * b + l] = d;
+        mins[b] = m;
+        break;
+      }
+      case Q4_K: case Q5_K: {
+        float d = half_to_float(p), dmin = half_to_float(p + 2);
+        uint8_t scale[8], min[8];
+        k_scales(p + 4, scale, min);
+        const uint8_t *qh = p + 16, *qs = type == Q4_K ? p + 16 : p + 48;
+        for (int s = 0; s < 8; s++) {
+          long block = 8 * b + s;
+          int8_t *out = q + 32 * block;
+          for (int i = 0; i < 32; i++) {
+            int value = (qs[32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0f;
+            if (type == Q5_K) value |= ((qh[i] >> s) & 1) << 4;
+            out[i] = (int8_t)value;
+          }
+          float ds = d * (float)scale[s];
+          for (int l = 0; l < LANES; l++) lanes[LANES * block + l] = ds;
+          mins[block] = -(dmin * (float)min[s]);
+        }
+        break;
+      }
+      case Q6_K: {
+        float d = half_to_float(p + 208);
+        for (int i = 0; i < 256; i++) q[256 * b + i] = (int8_t)q6_value(p, p + 128, i);
+        for (int s = 0; s < 16; s++) {
+          float ds = d * (float)(int8_t)p[192 + s];
+          for (int l = 0; l < 4; l++) lanes[LANES * (8 * b + s / 2) + 4 * (s % 2) + l] = ds;
+        }
+        for (int s = 0; s < 8; s++) mins[8 * b + s] = 0.0f;
+        break;
+      }
+    }
+  }
+}
+
+/* Each row of x [m, k] to int8 blocks of 32 with one scale each (the largest magnitude maps to 127). */
+static void quantize_rows(const float *x, long m, long k, const quantized *a) {
+  for (long r = 0; r < m; r++)
+    for (long b = 0; b < k / QK; b++) {
+      const float *v = x + r * k + b * QK;
+      long block = r * a->blocks + b;
+      int8_t *q = a->q + block * QK;
+      float largest = 0.0f;
+      for (int i = 0; i < QK; i++) largest = fmaxf(largest, fabsf(v[i]));
+      float d = largest / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < QK; i++) {
+        float scaled = fminf(fmaxf(v[i] * inverse, -127.0f), 127.0f);
+        q[i] = (int8_t)lrintf(scaled);
+        sum += q[i];
+      }
+      for (int l = 0; l < LANES; l++) {
+        a->lanes[block * LANES + l] = d;
+        a->corr[block * LANES + l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+      }
+      a->sums[block] = d * (float)sum;
+    }
+}
+
+/* The minimums' share of a dot product: sum over blocks of the weight's min x the input block's scaled sum. */
+static inline float min_share(const float *mins, const float *sums, long blocks) {
+  float total = 0.0f;
+  for (long b = 0; b < blocks; b++) total += mins[b] * sums[b];
+  return total;
+}
+
+/* One unpacked weight row against `rows` quantized input rows from r0, into y[0], y[ldy], ... */
+static void int8_rows_scalar(const int8_t *wq, const float *wl, const float *wm, int has_min, const quantized *a,
+                             long r0, int rows, float *y, long ldy) {
+  for (int c = 0; c < rows; c++) {
+    long base = (r0 + c) * a->blocks;
+    float lane_sums[LANES] = {0};
+    for (long b = 0; b < a->blocks; b++)
+      for (int l = 0; l < LANES; l++) {
+        int dot = 0;
+        for (int i = 4 * l; i < 4 * l + 4; i++) dot += wq[QK * b + i] * a->q[(base + b) * QK + i];
+        lane_sums[l] += (float)dot * (wl[LANES * b + l] * a->lanes[(base + b) * LANES + l]);
+      }
+    float total = 0.0f;
+    for (int l = 0; l < LANES; l++) total += lane_sums[l];
+    y[c * ldy] = total + (has_min ? min_share(wm, a->sums + base, a->blocks) : 0.0f);
+  }
+}
+
+/* The fused kernels of quant_dot.h, once for AVX2 (vpmaddubsw: |w| times x with w's sign, pairs then fours summed)
+ * and once for AVX-512 VNNI (vpdpbusd on 256-bit vectors; signed weights as w + 128, from -128 x the input's four
+ * value sums). */
+#define ISA AVX2_F16C
+#define NAME(x) x##_avx2
+#define WITH_DEQUANTIZE
+#define DOT_U(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+#define DOT_S(w, x, corr) \
+  _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1))
+#include "quant_dot.h"
+#undef ISA
+#undef NAME
+#undef DOT_U
+#undef DOT_S
+#undef WITH_DEQUANTIZE
+#define ISA AVX512_VNNI
+#define NAME(x) x##_vnni
+#define DOT_U(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+#define DOT_S(w, x, corr)                                                                                     \
+  _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(corr)), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x)
+#include "quant_dot.h"
+#undef ISA
+#undef NAME
+#undef DOT_U
+#undef DOT_S
+
+static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads,
+                     int isa) {
+  format f = format_of(type);
+  long blocks = k / QK, row_bytes = k / f.block * f.bytes;
+  int has_min = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
+  /* the input, quantized, then each thread's unpacked row: q, lanes and minimums */
+  size_t input = (size_t)m * (k + blocks * (2 * LANES * 4 + 4)), row = (size_t)k + blocks * (LANES + 1) * 4 + 64;
+  char *memory = aligned_alloc(64, (input + row * threads + 63) / 64 * 64);
+  if (!memory) return NO_MEMORY;
+  quantized a = {(int8_t *)memory, (float *)(memory + m * k), NULL, NULL, blocks};
+  a.corr = (int32_t *)(a.lanes + m * blocks * LANES);
+  a.sums = (float *)(a.corr + m * blocks * LANES);
+  quantize_rows(x, m, k, &a);
+  long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
+  for (long t = 0; t < tasks; t++) {
+    char *mine = memory + input + row * omp_get_thread_num();
+    int8_t *wq = (int8_t *)mine;
+    float *wl = (float *)(mine + k), *wm = wl + blocks * LANES;
+    for (long r = t * ROWS_PER_TASK; r < n && r < (t + 1) * ROWS_PER_TASK; r++) {
+      const uint8_t *stored = w + r * row_bytes;
+      if (isa == ISA_AVX512_VNNI) {
+        int8_rows_vnni(type, stored, k, &a, 0, m, y + r, n);
+      } else if (isa == ISA_AVX2) {
+        int8_rows_avx2(type, stored, k, &a, 0, m, y + r, n);
+      } else {
+        unpack_row(type, stored, k, wq, wl, wm);
+        for (long i = 0; i < m; i += 4)
+          int8_rows_scalar(wq, wl, wm, has_min, &a, i, m - i < 4 ? (int)(m - i) : 4, y + i * n + r, n);
+      }
+    }
+  }
+  free(memory);
+  return OK;
+}
+
+/* ---- The float path: a weight row dequantized, then float dot products with every input row. */
+
+static void float_rows_scalar(const float *wr, const float *x, long k, int rows, float *y, long ldy) {
+  for (int c = 0; c < rows; c++) {
+    float sum = 0.0f;
+    for (long j = 0; j < k; j++) sum += wr[j] * x[c * k + j];
+    y[c * ldy] = sum;
+  }
+}
+
+#define DEFINE_FLOAT_AVX2(C)                                                                                    \
+  AVX2 static void float_avx2_##C(const float *wr, const float *x, long k, float *y, long ldy) {              \
+    __m256 acc[C];                                                                                              \
+    long vec_end = k - k % 8;                                                                                   \
+    for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();                                                  \
+    for (long j = 0; j < vec_end; j += 8) {                                                                     \
+      __m256 wv = _mm256_loadu_ps(wr + j);                                                                      \
+      for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + c * k + j), acc[c]);       \
+    }                                                                                                           \
+    for (int c = 0; c < C; c++) {                                                                               \
+      float tail = 0.0f;                                                                                        \
+      for (long j = vec_end; j < k; j++) tail += wr[j] * x[c * k + j];                                          \
+      y[c * ldy] = hsum8(acc[c]) + tail;                                                                        \
+    }                                                                                                           \
+  }
+DEFINE_FLOAT_AVX2(1)
+DEFINE_FLOAT_AVX2(2)
+DEFINE_FLOAT_AVX2(3)
+DEFINE_FLOAT_AVX2(4)
+
+typedef void (*float_fn)(const float *, const float *, long, float *, long);
+static const float_fn FLOAT_AVX2[5] = {0, float_avx2_1, float_avx2_2, float_avx2_3, float_avx2_4};
+
+static int gemm_float(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads,
+                      int isa) {
+  format f = format_of(type);
+  long row_bytes = k / f.block * f.bytes, tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  long row = (k + 15) / 16 * 16;
+  float *memory = aligned_alloc(64, (size_t)row * threads * sizeof(float));
+  if (!memory) return NO_MEMORY;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
+  for (long t = 0; t < tasks; t++) {
+    float *wr = memory + row * omp_get_thread_num();
+    for (long r = t * ROWS_PER_TASK; r < n && r < (t + 1) * ROWS_PER_TASK; r++) {
+      if (isa == ISA_SCALAR) dequantize_row(type, w + r * row_bytes, wr, k);
+      else dequantize_row_avx2(type, w + r * row_bytes, wr, k);
+      for (long i = 0; i < m; i += 4) {
+        int rows = m - i < 4 ? (int)(m - i) : 4;
+        if (isa == ISA_SCALAR) float_rows_scalar(wr, x + i * k, k, rows, y + i * n + r, n);
+        else FLOAT_AVX2[rows](wr, x + i * k, k, y + i * n + r, n);
+      }
+    }
+  }
+  free(memory);
+  return OK;
+}
+
+/* ---- The panel path: packed_gemm.c's driver with a packer that dequantizes. */
+
+typedef struct {
+  const uint8_t *w;
+  int type;
+  long row_bytes;
+} stored_weight;
+
+AVX2_F16C static void pack_stored_panel(const void *weights, long n, long k, long panel, float *wp, float *work) {
+  const stored_weight *s = weights;
+  for (long j = 0; j < 16; j++) {
+    long r = panel * 16 + j;
+    if (r < n) {
+      dequantize_row_avx2(s->type, s->w + r * s->row_bytes, work, k);
+      for (long kk = 0; kk < k; kk++) wp[kk * 16 + j] = work[kk];
+    } else {
+      for (long kk = 0; kk < k; kk++) wp[kk * 16 + j] = 0.0f;
+    }
+  }
+}
+
+static int gemm_panels(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads) {
+  format f = format_of(type);
+  stored_weight s = {w, type, k / f.block * f.bytes};
+  float *scratch = aligned_alloc(64, ((size_t)enginekit_packed_gemm_scratch(k, threads) * 4 + 63) / 64 * 64);
+  if (!scratch) return NO_MEMORY;
+  enginekit_panel_gemm(x, k, pack_stored_panel, &s, NULL, y, m, n, k, scratch, threads);
+  free(scratch);
+  return OK;
+}
+
+/* y[m, n] = x[m, k] W^T for a contiguous float32 x and W [n, k] of `type` stored as n contiguous rows of blocks, on
+ * `threads` threads, with instruction set `isa` (at most enginekit_quant_isa()) and `path` (PATH_AUTO: by the
+ * rows and the type). Returns OK, or (nothing written) BAD_TYPE, BAD_SHAPE (k not a whole number of blocks),
+ * BAD_ISA, BAD_PATH (the int8 path of F16/BF16, the panel path without AVX2) or NO_MEMORY. */
+int enginekit_quant_gemm(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads,
+                         int isa, int path) {
+  format f = format_of(type);
+  if (!f.block) return BAD_TYPE;
+  if (m < 0 || n < 0 || k < 0 || k % f.block) return BAD_SHAPE;
+  if (isa < ISA_SCALAR || isa > enginekit_quant_isa()) return BAD_ISA;
+  if (m == 0 || n == 0) return OK;
+  if (k == 0) {
+    memset(y, 0, (size_t)m * n * sizeof(float));
+    return OK;
+  }
+  int blocks = f.block > 1;
+  if (path == PATH_AUTO)
+    path = m > (blocks ? INT8_MAX_ROWS : FLOAT_MAX_ROWS) && isa != ISA_SCALAR ? PATH_PANELS
+           : blocks                                                          ? PATH_INT8
+                                                                             : PATH_FLOAT;
+  if ((path == PATH_INT8 && !blocks) || (path == PATH_PANELS && isa == ISA_SCALAR)) return BAD_PATH;
+  switch (path) {
+    case PATH_INT8: return gemm_int8(x, w, type, y, m, n, k, threads, isa);
+    case PATH_FLOAT: return gemm_float(x, w, type, y, m, n, k, threads, isa);
+    case PATH_PANELS: return gemm_panels(x, w, type, y, m, n, k, threads);
+    default: return BAD_PATH;
+  }
+}
+
+/* y[n, k] = W dequantized, rows split over `threads` threads. Returns OK, or BAD_TYPE / BAD_SHAPE. */
+int enginekit_dequantize(const uint8_t *w, int type, float *y, long n, long k, int threads) {
+  format f = format_of(type);
+  int simd = enginekit_quant_isa() != ISA_SCALAR;
+  if (!f.block) return BAD_TYPE;
+  if (n < 0 || k < 0 || k % f.block) return BAD_SHAPE;
+  long row_bytes = k / f.block * f.bytes;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
+  for (long r = 0; r < n; r++) {
+    if (simd) dequantize_row_avx2(type, w + r * row_bytes, y + r * k, k);
+    else dequantize_row(type, w + r * row_bytes, y + r * k, k);
+  }
+  return OK;
+}
