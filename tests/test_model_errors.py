@@ -163,7 +163,9 @@ def test_a_model_that_is_not_local_says_what_to_pass(model, message, tmp_path, m
 def test_an_empty_model_name_is_refused_not_read_as_the_current_directory(model, tmp_path, monkeypatch):
     build_checkpoint(tmp_path)  # a loadable model in the current directory must not be picked up
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"model must not be empty; pass None for the default model or '\.' "):
+    with pytest.raises(
+        ValueError, match=r"model must not be empty; pass None for the default model or '\.' "
+    ):
         Engine(model, mode="inproc")
 
 
