@@ -8,7 +8,14 @@ import threading
 import pytest
 import torch
 
-from enginekit import Engine, EngineDeadError, EngineShutdownError, SamplingParams, UtilityCallError
+from enginekit import (
+    Engine,
+    EngineDeadError,
+    EngineShutdownError,
+    RequestOutputKind,
+    SamplingParams,
+    UtilityCallError,
+)
 from enginekit.client import SyncMPClient
 from enginekit.config import EngineConfig
 from enginekit.wire.messages import EngineCoreRequest, ShutdownRequest, WakeupRequest
@@ -296,3 +303,20 @@ def test_an_inproc_utility_call_raises_at_its_timeout_while_the_utility_still_ru
         assert any(thread.name == "enginekit-utility" for thread in threading.enumerate())
         assert engine.ping()
         assert engine.generate("after", SamplingParams(max_tokens=2))[0].finished
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cumulative_logprob_sums_the_sampled_tokens_logprobs_when_asked(mode):
+    # vLLM's meaning: the sum of the sampled tokens' logprobs when logprobs were requested, else None.
+    with Engine("builtin", mode=mode, num_kv_blocks=16) as engine:
+        asked = SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=0, n=2)
+        for sample in engine.generate("sum me", asked)[0].outputs:
+            sampled = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
+            assert sample.cumulative_logprob == pytest.approx(sum(sampled), abs=1e-5)
+            assert sample.cumulative_logprob < 0
+        delta = SamplingParams(max_tokens=5, temperature=0, logprobs=1, output_kind=RequestOutputKind.DELTA)
+        pieces = [out.outputs[0] for out in engine.stream("sum me", delta)]
+        total = sum(entry[token].logprob for p in pieces for entry, token in zip(p.logprobs, p.token_ids))
+        assert pieces[-1].cumulative_logprob == pytest.approx(total, abs=1e-5)  # the whole sum, as in vLLM
+        plain = engine.generate("sum me", SamplingParams(max_tokens=3))[0].outputs[0]
+        assert plain.cumulative_logprob is None
