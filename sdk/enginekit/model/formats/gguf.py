@@ -152,11 +152,12 @@ def read_gguf_weights(
         heads = rotary_heads if permuted else 0
         if gguf_name in keep:
             assert file_bytes is not None
-            weights[hf_name] = StoredTensor(
-                gguf_name, _stored_rows(file_bytes, info), info.quant_type, info.shape, info.offset, heads
-            )
+            rows = _stored_rows(file_bytes, info)
+            _check_finite(header, info, _stored_floats_finite(data, info))
+            weights[hf_name] = StoredTensor(gguf_name, rows, info.quant_type, info.shape, info.offset, heads)
             continue
         tensor = _dequantize(header, data, info)
+        _check_finite(header, info, _finite_sum(tensor.numpy()))
         if heads:
             tensor = _undo_rotary_permutation(tensor, heads)
         weights[hf_name] = tensor.to(dtype)
@@ -384,12 +385,65 @@ def _stored_rows(file_bytes: torch.Tensor, info: GGUFTensorInfo) -> torch.Tensor
     return file_bytes[info.offset : info.offset + info.num_bytes].view(rows, info.num_bytes // rows)
 
 
+# Where the float16 numbers of one block of each type kept as stored lie (byte offsets): its scales and minimums.
+# The rest of a block holds small integers, which cannot be NaN; a damaged file shows in these (1 in 32 random
+# float16 values is NaN or inf), so checking them costs a read of a few bytes per block, not a dequantization.
+_BLOCK_FLOATS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    GGMLQuantizationType.Q8_0: (0,),
+    GGMLQuantizationType.Q4_0: (0,),
+    GGMLQuantizationType.Q4_1: (0, 2),
+    GGMLQuantizationType.Q5_0: (0,),
+    GGMLQuantizationType.Q5_1: (0, 2),
+    GGMLQuantizationType.Q4_K: (0, 2),
+    GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,),
+}
+
+
+def _stored_floats_finite(data: np.ndarray, info: GGUFTensorInfo) -> bool | None:
+    """Whether the floating-point numbers of a tensor kept as stored (every value of F16/BF16/F32, the scales
+    of a quantized type) are all finite, read in place; ``None`` for a type this does not know."""
+    count = prod(info.shape)
+    if info.quant_type is GGMLQuantizationType.BF16:  # numpy has no bfloat16: torch views the same bytes
+        raw = torch.from_numpy(np.ndarray((count,), np.uint16, data, info.offset).copy())
+        return _finite_sum(raw.view(torch.bfloat16).float().numpy())
+    if info.quant_type in (GGMLQuantizationType.F16, GGMLQuantizationType.F32):
+        dtype = np.float16 if info.quant_type is GGMLQuantizationType.F16 else np.float32
+        return _finite_sum(np.ndarray((count,), dtype, data, info.offset))
+    offsets = _BLOCK_FLOATS.get(info.quant_type)
+    if offsets is None:
+        return None
+    block_bytes = GGML_QUANT_SIZES[info.quant_type][1]
+    num_blocks = info.num_bytes // block_bytes
+    return all(  # a strided view of the file: one float16 every block_bytes, nothing copied
+        _finite_sum(np.ndarray((num_blocks,), np.float16, data, info.offset + at, (block_bytes,)))
+        for at in offsets
+    )
+
+
+def _finite_sum(values: np.ndarray) -> bool:
+    # NOTE: one NaN or inf makes the sum NaN or inf: a single pass with no mask as large as the tensor. numpy's,
+    # not torch's: torch's threaded reductions were far slower on a loaded machine (docs/benchmarks.md, section 6).
+    with np.errstate(all="ignore"):
+        return bool(np.isfinite(values.sum(dtype=np.float32)))
+
+
+def _check_finite(header: GGUFHeader, info: GGUFTensorInfo, finite: bool | None) -> None:
+    """A damaged file (gguf has no checksum) shows as NaN or inf where a model has none: refuse it at load."""
+    if finite is False:
+        raise gguf_error(
+            header.path,
+            f"tensor {info.name} holds NaN or inf values: the file is damaged (download it again)",
+        )
+
+
 def _dequantize(header: GGUFHeader, data: np.ndarray, info: GGUFTensorInfo) -> torch.Tensor:
     raw = data[info.offset : info.offset + info.num_bytes].reshape(
         -1, info.num_bytes // prod(info.shape[:-1])
     )
     try:
-        values = dequantize(raw, info.quant_type)
+        with np.errstate(all="ignore"):  # a damaged scale (inf * 0): _check_finite names the tensor
+            values = dequantize(raw, info.quant_type)
     except Exception as error:
         raise gguf_error(header.path, f"cannot dequantize tensor {info.name}: {error}") from error
     values = np.asarray(values, dtype=np.float32)
