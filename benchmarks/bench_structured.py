@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,10 @@ SCHEMA = {
     "required": ["name", "age", "city"],
 }
 # What the package needs only for this backend (enginekit requires torch, numpy and tokenizers anyway).
-EXTRA_REQUIREMENTS = {"llguidance": ("llguidance",), "xgrammar": ("xgrammar", "triton", "transformers")}
+EXTRA_REQUIREMENTS = {
+    "llguidance": ("llguidance",),
+    "xgrammar": ("xgrammar", "apache-tvm-ffi", "transformers", "triton"),
+}
 PEOPLE = [
     "Maria Lopez is 34 years old and lives in Madrid.",
     "Our new colleague, Tom Becker (age 51), moved here from Berlin.",
@@ -108,7 +112,9 @@ def _replay(backend: Any, compiled: Any, sequences: list[list[int]], vocab: int)
     }
 
 
-def measure(concurrency: int = 32, max_tokens: int = 48, repeats: int = 3) -> dict[str, Any]:
+def measure(
+    concurrency: int = 32, max_tokens: int = 48, repeats: int = 3, log: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
     from enginekit import Engine, SamplingParams, StructuredOutputsParams
     from enginekit.core.structured.manager import StructuredOutputManager, load_backend
 
@@ -154,6 +160,7 @@ def measure(concurrency: int = 32, max_tokens: int = 48, repeats: int = 3) -> di
                 f"mask_step_{concurrency}": _replay(backend, compiled, sequences, vocab),
                 "parsed": sum(_parses(o.outputs[0].text) for o in outputs),
             }
+            log(json.dumps({name: figures["backends"][name]}))
         for _ in range(repeats):  # interleaved: each backend beside its own free batch, in one run
             for name in BACKENDS:
                 core.structured = StructuredOutputManager(name, tokenizer, vocab, eos)
@@ -163,6 +170,7 @@ def measure(concurrency: int = 32, max_tokens: int = 48, repeats: int = 3) -> di
                 per_token["free"].append(free_s)
                 per_token[name].append(json_s)
                 ratios[name].append(json_s / free_s)
+                log(json.dumps({"repeat": name, "free_s_per_token": free_s, "json_s_per_token": json_s}))
     figures["end_to_end"] = {
         "seconds_per_token": {key: statistics.median(values) for key, values in per_token.items()},
         "ratio_to_free": {name: statistics.median(values) for name, values in ratios.items()},
@@ -181,4 +189,8 @@ def _parses(text: str) -> bool:
 if __name__ == "__main__":
     import os
 
-    print(json.dumps(measure(repeats=int(os.environ.get("REPEATS", "3"))), indent=1))
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    figures = measure(repeats=int(os.environ.get("REPEATS", "3")), log=log)
+    print(json.dumps(figures, indent=1))
