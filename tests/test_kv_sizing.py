@@ -191,3 +191,20 @@ def _remove_cgroup(group: str) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def test_the_profiling_step_runs_the_largest_step_through_the_model():
+    """The step CUDA sizing measures, run on CPU: every prompt of the largest batch is prefilled and sampled."""
+    from enginekit.model.loader import load_model, load_model_spec
+
+    spec = load_model_spec("builtin")
+    model = load_model(spec, device=torch.device("cpu"), dtype=torch.float32, seed=0, quantization="auto")
+    config = EngineConfig(max_num_batched_tokens=300, max_num_seqs=7)
+    assert resources.run_profile_step(config, model, spec.config, torch.device("cpu"), torch.float32) == 300
+
+
+def test_a_budget_sized_to_the_machine_stops_at_what_can_be_filled():
+    config = EngineConfig(max_num_seqs=4, max_model_len=512)
+    useful = resources.useful_kv_cache_bytes(config, BUILTIN_CONFIG, torch.float32)
+    assert useful == 4 * (512 // 16) * kv_block_bytes(config, BUILTIN_CONFIG, torch.float32)
+    assert cpu_kv_cache_default(config, BUILTIN_CONFIG, torch.float32, 1024 * GiB) == useful

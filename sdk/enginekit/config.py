@@ -47,8 +47,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         CUDA, ``gpu_memory_utilization`` of the device's memory less what the engine took in a profiling step
         (and what others held when it started); on CPU, 4 GiB, at most a quarter of the memory available to
         the process (``/proc/meminfo``'s ``MemAvailable``, bounded by its memory cgroup's limit), shared out
-        between the data-parallel ranks on the machine, and no more than ``max_num_seqs`` requests of the
-        longest length can fill. ``get_stats()`` reports the size (``kv_cache_bytes``, ``kv_cache_tokens``).
+        between the data-parallel ranks on the machine. Either way no more than ``max_num_seqs`` requests of
+        the longest length can fill. ``get_stats()`` reports the size (``kv_cache_bytes``, ``kv_cache_tokens``).
     gpu_memory_utilization
         On CUDA with the cache sized to the machine: the share of the device's memory (0 to 1] this engine
         may take in all (weights, activations and the KV cache); as vLLM's option of that name.

@@ -106,12 +106,18 @@ def cpu_kv_cache_default(config: EngineConfig, model_config, dtype: torch.dtype,
             config.data_parallel_size
         )  # external load balancing: the other ranks share the machine too
     share = int(available * CPU_KV_CACHE_FRACTION) // max(1, local_ranks)
+    return min(CPU_KV_CACHE_BYTES, share, useful_kv_cache_bytes(config, model_config, dtype))
+
+
+def useful_kv_cache_bytes(config: EngineConfig, model_config, dtype: torch.dtype) -> int:
+    """The most the scheduler can ever fill: ``max_num_seqs`` requests of the longest length. A budget sized to
+    the machine stops there (the block pool's bookkeeping grows with its blocks; a small model on a large
+    device would otherwise get millions of blocks nothing uses)."""
     longest = min(
         config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
     )
     blocks_per_seq = -(-longest // config.block_size)
-    useful = config.max_num_seqs * blocks_per_seq * kv_block_bytes(config, model_config, dtype)
-    return min(CPU_KV_CACHE_BYTES, share, useful)
+    return config.max_num_seqs * blocks_per_seq * kv_block_bytes(config, model_config, dtype)
 
 
 def cuda_kv_cache_budget(
@@ -256,37 +262,15 @@ def profile_cuda_kv_budget(
     free_at_start: int,
     total: int,
 ) -> int:
-    """Run the largest step the scheduler may build (``max_num_batched_tokens`` over up to ``max_num_seqs``
-    prompts, each sampling) through the loaded model with a cache just large enough, and measure: the budget
-    is ``cuda_kv_cache_budget`` of what it took at its peak."""
-    longest = config.max_model_len or model_config.max_position_embeddings
-    tokens = min(config.max_num_batched_tokens, config.max_num_seqs * longest)
-    num_seqs = min(config.max_num_seqs, tokens)
-    lengths = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
-    chunks, next_block = [], 0
-    for length in lengths:
-        blocks = -(-length // config.block_size)
-        table = list(range(next_block, next_block + blocks))
-        next_block += blocks
-        chunks.append(SequenceChunk([0] * length, 0, table, SamplingParams(temperature=0.0, max_tokens=1)))
-    runner = ModelRunner(
-        model,
-        model_config,
-        num_blocks=next_block,
-        block_size=config.block_size,
-        device=device,
-        dtype=dtype,
-        seed=config.seed,
-    )
+    """Run the profiling step (``run_profile_step``) on the loaded model and measure: the budget is
+    ``cuda_kv_cache_budget`` of what it took at its peak, capped by ``useful_kv_cache_bytes``."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    runner.execute(ScheduledBatch(chunks, num_used_blocks=next_block))
+    run_profile_step(config, model, model_config, device, dtype)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free_now, _ = torch.cuda.mem_get_info(device)
     non_torch = max(0, (free_at_start - free_now) - torch.cuda.memory_reserved(device))
-    runner.kv_caches = []
-    del runner
     torch.cuda.empty_cache()
     budget = cuda_kv_cache_budget(
         total=total,
@@ -304,4 +288,39 @@ def profile_cuda_kv_budget(
         peak,
         non_torch,
     )
-    return budget
+    return min(useful_kv_cache_bytes(config, model_config, dtype), budget)
+
+
+def run_profile_step(
+    config: EngineConfig, model: Decoder, model_config, device: torch.device, dtype: torch.dtype
+) -> int:
+    """Run the largest step the scheduler may build (``max_num_batched_tokens`` over up to ``max_num_seqs``
+    prompts, each sampling) through ``model`` with a cache just large enough for it, then drop that cache.
+    Returns the step's token count."""
+    longest = min(
+        config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+    )
+    tokens = min(config.max_num_batched_tokens, config.max_num_seqs * longest)
+    num_seqs = min(config.max_num_seqs, tokens)
+    lengths = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+    chunks, num_blocks = [], 0
+    for length in lengths:
+        blocks = -(-length // config.block_size)
+        table = list(range(num_blocks, num_blocks + blocks))
+        num_blocks += blocks
+        chunks.append(SequenceChunk([0] * length, 0, table, SamplingParams(temperature=0.0, max_tokens=1)))
+    runner = ModelRunner(
+        model,
+        model_config,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        device=device,
+        dtype=dtype,
+        seed=config.seed,
+    )
+    try:
+        output = runner.execute(ScheduledBatch(chunks, num_used_blocks=num_blocks))
+        assert len(output.token_ids) == num_seqs  # every prompt sampled
+    finally:
+        runner.kv_caches = []  # the profiling cache; the model stays with the caller
+    return tokens
