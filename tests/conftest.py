@@ -8,6 +8,9 @@ import pytest
 
 pytest_plugins = ["enginekit.testing", "pytester"]
 
+# Tests never reach the Hugging Face Hub: a repo id resolves from the local cache only (tests that use one populate
+# a temporary cache themselves).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Engine processes log into the front end's logger; keep test output readable.
 os.environ.setdefault("ENGINEKIT_TEST", "1")
 # The weight cache of this test run (engine processes and notebook kernels inherit it): tests never write into

@@ -159,12 +159,16 @@ def write_tiny_gguf(
     reshape_tensors: dict[str, tuple[int, ...]] | None = None,
     raw_types: dict[str, GGMLQuantizationType] | None = None,
     extra_strings: dict[str, str] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    extra_floats: dict[str, float] | None = None,
+    extra_ints: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write a tiny model; return its Hugging Face weights (before any quantization).
 
     ``drop_keys`` / ``drop_tensors`` leave metadata keys / GGUF tensors out; ``reshape_tensors`` writes those GGUF
     tensors with another (torch-order) shape; ``raw_types`` writes those tensors as random blocks of a type;
-    ``extra_strings`` adds string metadata.
+    ``extra_strings`` / ``extra_floats`` / ``extra_ints`` add metadata, ``extra_tensors`` more tensors (stored as
+    given).
     """
     tokens, merges = tiny_vocab()
     weights = hf_weights(arch, vocab_size=len(tokens), tied=tied, seed=seed)
@@ -173,6 +177,10 @@ def write_tiny_gguf(
     _add_tokenizer_metadata(writer, tokens, merges, pre, tokenizer_model, add_bos, chat_template)
     for key, value in (extra_strings or {}).items():
         writer.add_string(key, value)
+    for key, value in (extra_floats or {}).items():
+        writer.add_float32(key, value)
+    for key, value in (extra_ints or {}).items():
+        writer.add_uint32(key, value)
     for key in drop_keys:
         writer.kv_data[0].pop(key)
     for index, (name, tensor) in enumerate(weights.items()):
@@ -193,6 +201,8 @@ def write_tiny_gguf(
             continue
         data = encode(values, quant_type, seed=index)
         writer.add_tensor(name, data, raw_dtype=quant_type if data.dtype == np.uint8 else None)
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, values)
     _finish(writer)
     return weights
 

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-Arch = Literal["llama", "qwen2", "mistral", "qwen3"]
+Arch = Literal["llama", "qwen2", "mistral", "qwen3", "phi3"]
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -41,7 +41,13 @@ EMBED_STD = 1.0
 LOGIT_STD = 16.0
 BIAS_STD = 0.5
 TIED_OUT_PROJ_GAIN = 3.0
-DEFAULT_ROPE_THETA = {"llama": 500000.0, "qwen2": 1000000.0, "mistral": 1000000.0, "qwen3": 1000000.0}
+DEFAULT_ROPE_THETA = {
+    "llama": 500000.0,
+    "qwen2": 1000000.0,
+    "mistral": 1000000.0,
+    "qwen3": 1000000.0,
+    "phi3": 10000.0,
+}
 SHARD_SIZE = "100KB"
 
 CORPUS = """\
@@ -155,17 +161,31 @@ def _make_config(
         return MistralConfig(**common, sliding_window=None)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=head_dim or hidden_size // num_heads, use_sliding_window=False)
+    if arch == "phi3":
+        from transformers import Phi3Config
+
+        original = (rope_parameters or {}).get("original_max_position_embeddings", max_position_embeddings)
+        return Phi3Config(
+            **common, sliding_window=None, original_max_position_embeddings=original, pad_token_id=eos_id
+        )
     raise ValueError(f"unknown arch {arch!r}; expected 'llama', 'qwen2' or 'mistral'")
 
 
 def _model_class(arch: Arch):
-    from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    from transformers import (
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        Phi3ForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+    )
 
     classes = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
         "mistral": MistralForCausalLM,
         "qwen3": Qwen3ForCausalLM,
+        "phi3": Phi3ForCausalLM,
     }
     return classes[arch]
 

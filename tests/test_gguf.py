@@ -126,8 +126,11 @@ def test_dequantizable_types_cover_the_common_ones():
 
 
 def test_an_unsupported_architecture(folder):
-    path, _ = write(folder, "gemma", arch="gemma2")
-    with raises_about(path, r"unsupported architecture 'gemma2'; supported: llama .*qwen2"):
+    path, _ = write(folder, "falcon", arch="falcon")
+    with raises_about(
+        path,
+        r"unsupported architecture 'falcon'; supported: llama \(Llama and Mistral files\), qwen2, qwen3, phi3",
+    ):
         read_gguf_config(path)
 
 
@@ -161,9 +164,46 @@ def test_a_missing_metadata_key(folder, key):
         read_gguf_config(path)
 
 
-def test_unsupported_rope_scaling(folder):
-    path, _ = write(folder, "yarn", extra_strings={"llama.rope.scaling.type": "yarn"})
-    with raises_about(path, "unsupported rope scaling 'yarn'"):
+@pytest.mark.parametrize(
+    ("scaling", "problem"),
+    [
+        ("ntk", "unsupported rope scaling 'ntk'; supported: none, linear, yarn"),
+        ("yarn", "rope scaling 'yarn' needs the metadata key llama.rope.scaling.factor"),
+    ],
+)
+def test_unsupported_rope_scaling(folder, scaling, problem):
+    path, _ = write(folder, scaling, extra_strings={"llama.rope.scaling.type": scaling})
+    with raises_about(path, problem):
+        read_gguf_config(path)
+
+
+def test_unsupported_yarn_options(folder):
+    path = folder / "yarn-ext.gguf"
+    writer_keys = {"llama.rope.scaling.type": "yarn"}
+    files.write_tiny_gguf(
+        path,
+        extra_strings=writer_keys,
+        extra_floats={
+            "llama.rope.scaling.factor": 4.0,
+            "llama.rope.scaling.yarn_ext_factor": 0.5,
+        },
+        extra_ints={"llama.rope.scaling.original_context_length": 128},
+    )
+    with raises_about(path, "unsupported YaRN option llama.rope.scaling.yarn_ext_factor = 0.5"):
+        read_gguf_config(path)
+
+
+def test_longrope_needs_both_factor_tensors(folder):
+    path = folder / "longrope-half.gguf"
+    files.write_tiny_gguf(path, extra_tensors={"rope_factors_long.weight": np.ones(32, dtype=np.float32)})
+    with raises_about(path, r"longrope needs the tensor rope_factors_short.weight of \[32\]; it is missing"):
+        read_gguf_config(path)
+
+
+def test_rope_freqs_of_the_wrong_shape(folder):
+    path = folder / "rope-freqs.gguf"
+    files.write_tiny_gguf(path, extra_tensors={"rope_freqs.weight": np.ones(7, dtype=np.float32)})
+    with raises_about(path, re.escape("tensor rope_freqs.weight has shape [7], the config needs [32]")):
         read_gguf_config(path)
 
 

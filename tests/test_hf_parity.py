@@ -84,7 +84,7 @@ def test_text_prompts_use_the_checkpoint_tokenizer(tmp_path):
 def test_missing_model_folder(tmp_path):
     with pytest.raises(
         EngineStartupError,
-        match=r"model '.*nowhere' is not a local folder or file, and enginekit never downloads",
+        match=r"model '.*nowhere' is not a local folder or file, nor a Hugging Face repo id",
     ):
         Engine(str(tmp_path / "nowhere"), mode="inproc")
 
@@ -120,7 +120,7 @@ def test_unsupported_architecture(tmp_path):
 def test_unsupported_rope_scaling(tmp_path):
     path = build_checkpoint(tmp_path / "llama")
     config = json.loads((path / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    config["rope_parameters"] = {"rope_type": "ntk-by-parts", "rope_theta": 10000.0, "factor": 4.0}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EngineStartupError, match=r"unsupported rope type 'dynamic'.*supported: default"):
+    with pytest.raises(EngineStartupError, match=r"unsupported rope type 'ntk-by-parts'.*supported: default"):
         Engine(str(path), mode="inproc")

@@ -139,12 +139,22 @@ def test_a_damaged_hugging_face_folder_names_the_file_and_the_key(clean, tmp_pat
     [
         (
             "facebook/opt-125m",
-            r"model 'facebook/opt-125m' is not a local folder or file, and enginekit never downloads",
+            r"(?s)model 'facebook/opt-125m' is not in the Hugging Face cache .*hf download facebook/opt-125m",
         ),
-        (123, r"model must be a local Hugging Face folder, a .gguf file, a model name .* got 123 \(int\)"),
+        (
+            "./no/such/model",
+            r"model './no/such/model' is not a local folder or file, nor a Hugging Face repo id",
+        ),
+        (
+            123,
+            r"model must be a local Hugging Face folder, a .gguf file, a Hugging Face repo id, a model name "
+            r".* got 123 \(int\)",
+        ),
     ],
 )
-def test_a_model_that_is_not_local_says_what_to_pass(model, message):
+def test_a_model_that_is_not_local_says_what_to_pass(model, message, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty Hugging Face cache, offline
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises((EngineStartupError, TypeError), match=message):
         Engine(model, mode="inproc")
 

@@ -19,18 +19,36 @@ LLAMA3 = {
 }
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 LINEAR = {"rope_type": "linear", "factor": 2.0}
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0}
+# Phi-3.5-mini style: short factors within the original 64 positions, long ones past them (head_dim 16: 8 each)
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0],
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+    "original_max_position_embeddings": 64,
+}
 
 
-def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+def prompts(vocab_size: int, seed: int = 0, lengths=(1, 7, 33, 70)) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(2, vocab_size) for _ in range(n)] for n in (1, 7, 33, 70)]
+    return [[rng.randrange(2, vocab_size) for _ in range(n)] for n in lengths]
 
+
+# Prompt lengths per case (default ""). Phi-3's longrope: the 48- and 56-token prompts cross the original 64
+# positions while generating (transformers recomputes them with the long factors, and so do we; the long factors
+# change their tokens), the 70-token one is past them from the start. Llama's longrope code in transformers keeps
+# the keys rotated with the short factors instead: its case stays clear of that step.
+LENGTHS = {"": (1, 7, 33, 70), "phi3.5-longrope": (1, 7, 33, 48, 56, 70)}
 
 CASES = {
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
     "yarn-rope": ("llama", {"rope_parameters": YARN, "rope_theta": 10000.0}),
     "linear-rope": ("qwen2", {"rope_parameters": LINEAR}),
+    "dynamic-rope": ("llama", {"rope_parameters": DYNAMIC}),
+    "longrope": ("llama", {"rope_parameters": LONGROPE}),
     "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", {}),
+    "phi3.5-longrope": ("phi3", {"rope_parameters": LONGROPE, "seed": 1}),  # seed 0 ties at one step
     "qwen3-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
 }
 
@@ -49,13 +67,36 @@ def run_engine(path, batch, mode="inproc"):
 def test_greedy_tokens_match_transformers(tmp_path, case):
     arch, options = CASES[case]
     path = build_checkpoint(tmp_path / case, arch, **options)
-    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"])
+    batch = prompts(
+        json.loads((path / "config.json").read_text())["vocab_size"], lengths=LENGTHS.get(case, LENGTHS[""])
+    )
     assert run_engine(path, batch) == hf_greedy(path, batch, MAX_TOKENS)
 
 
-def test_background_process_matches_transformers(tmp_path):
-    path = build_checkpoint(tmp_path / "qwen3", "qwen3", head_dim=32, rope_parameters=LLAMA3)
-    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=1)
+def test_longrope_sequences_past_the_original_length_share_no_blocks_with_shorter_ones(tmp_path):
+    """The same 40 leading tokens, rotated with the short factors in one sequence and the long ones in another:
+    the prefix cache must not hand one's blocks to the other (each request runs alone, after the previous one
+    cached its blocks)."""
+    path = build_checkpoint(tmp_path / "phi3", "phi3", rope_parameters=LONGROPE, seed=1)
+    short, long = prompts(json.loads((path / "config.json").read_text())["vocab_size"], lengths=(40, 70))
+    batch = [short, short[:40] + long[40:], short]
+    expected = hf_greedy(path, batch, MAX_TOKENS)
+    with Engine(str(path), mode="inproc", block_size=8, num_kv_blocks=64, max_model_len=256) as engine:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        assert [engine.generate([p], params)[0].outputs[0].token_ids for p in batch] == expected
+
+
+@pytest.mark.parametrize(
+    ("arch", "options", "lengths"),
+    [
+        ("qwen3", {"head_dim": 32, "rope_parameters": LLAMA3}, LENGTHS[""]),
+        ("phi3", {"rope_parameters": LONGROPE, "seed": 1}, LENGTHS["phi3.5-longrope"]),
+    ],
+    ids=["qwen3", "phi3"],
+)
+def test_background_process_matches_transformers(tmp_path, arch, options, lengths):
+    path = build_checkpoint(tmp_path / arch, arch, **options)
+    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=1, lengths=lengths)
     assert run_engine(path, batch, mode="mp") == hf_greedy(path, batch, MAX_TOKENS)
 
 
@@ -70,8 +111,12 @@ def test_the_rope_scaling_changes_the_tokens(tmp_path):
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "'dynamic'"),
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope'"),
+        (
+            {"rope_parameters": {"rope_type": "ntk-by-parts", "factor": 2.0, "rope_theta": 1e4}},
+            "'ntk-by-parts'",
+        ),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "short_factor"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "factor"),
         ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
         ({"partial_rotary_factor": 0.5}, "partial rotary"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "low_freq_factor"),
@@ -84,3 +129,70 @@ def test_unsupported_options_are_refused_by_name(tmp_path, change, named):
     with pytest.raises(EngineStartupError, match=r"supported|needs") as error:
         Engine(str(path), mode="inproc")
     assert named in str(error.value)
+
+
+# The same checkpoints as GGUF files, written as llama.cpp's converter writes them (tests/hf_to_gguf.py).
+
+GGUF_CASES = {
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3}),
+    "yarn-rope": ("qwen2", {"rope_parameters": YARN | {"beta_fast": 16.0}, "rope_theta": 10000.0}),
+    "linear-rope": ("llama", {"rope_parameters": LINEAR}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    "phi3": ("phi3", {}),
+    "phi3.5-longrope": ("phi3", {"rope_parameters": LONGROPE, "seed": 1}),
+}
+
+
+def round_weights_to_f16(path):
+    """Store the folder's weights at float16 precision (still float32), so a file holding them as F16 carries the
+    same numbers as the reference."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v.half().float() for k, v in weights.items()}, path / "model.safetensors", {"format": "pt"})
+
+
+def run_gguf_engine(path, batch, quantization, mode="inproc"):
+    with Engine(
+        str(path),
+        mode=mode,
+        quantization=quantization,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+    ) as engine:
+        outputs = engine.generate(
+            batch, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        )
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(("weight_type", "quantization"), [("F32", "none"), ("F32", "auto"), ("F16", "auto")])
+@pytest.mark.parametrize("case", sorted(GGUF_CASES))
+def test_gguf_greedy_tokens_match_transformers(tmp_path, case, weight_type, quantization):
+    from hf_to_gguf import Q, write_gguf_from_hf
+
+    arch, options = GGUF_CASES[case]
+    path = build_checkpoint(tmp_path / case, arch, **options)
+    if weight_type == "F16":
+        round_weights_to_f16(path)
+    gguf = write_gguf_from_hf(path, tmp_path / f"{case}.gguf", Q[weight_type])
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    batch = prompts(
+        vocab_size, seed=2 if case != "phi3.5-longrope" else 0, lengths=LENGTHS.get(case, LENGTHS[""])
+    )
+    assert run_gguf_engine(gguf, batch, quantization) == hf_greedy(path, batch, MAX_TOKENS)
+
+
+def test_gguf_in_the_background_process_matches_transformers(tmp_path):
+    from hf_to_gguf import Q, write_gguf_from_hf
+
+    path = build_checkpoint(tmp_path / "llama3", "llama", rope_parameters=LLAMA3)
+    round_weights_to_f16(path)
+    gguf = write_gguf_from_hf(path, tmp_path / "llama3.gguf", Q.F16)
+    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=3)
+    assert run_gguf_engine(gguf, batch, "auto", mode="mp") == hf_greedy(path, batch, MAX_TOKENS)

@@ -94,3 +94,38 @@ def test_a_cached_prefix_is_not_computed_again():
     b = add(scheduler, "b", 12)
     assert run(scheduler)["b"] == 4  # two of its three blocks were cached; the last is recomputed
     assert b.num_cached_tokens == 8
+
+
+def test_a_longrope_sequence_past_the_original_length_is_computed_again():
+    """With longrope, every token of a sequence longer than the original length reads the long factors: the step
+    after one grows past it (here 8 tokens), its cache is computed again from the start, in the long hash chain."""
+    cache = KVCacheManager(32, BLOCK, enable_prefix_caching=True)
+    scheduler = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=64, long_rope_from=8)
+    short = add(scheduler, "short", 7)
+    assert run(scheduler) == {"short": 7}  # 8 tokens now: still short-rotated
+    assert run(scheduler) == {"short": 1} and not short.rope_long  # 9 tokens now
+    assert run(scheduler) == {"short": 9} and short.rope_long  # all of it again, long-rotated
+    assert short.num_preemptions == 0 and scheduler.num_preemptions == 0
+    assert run(scheduler) == {"short": 1}
+    # The same first 7 tokens, short-rotated: the block "short" cached before it turned long fits (4 tokens)
+    twin = add(scheduler, "twin", 7)
+    assert run(scheduler) == {"short": 1, "twin": 3} and not twin.rope_long
+    # 12 tokens, past the length from the start: long at once; the block "short" cached since fits (4 tokens)
+    long = add(scheduler, "long", 12)
+    assert run(scheduler) == {"short": 1, "twin": 1, "long": 8} and long.rope_long
+    # Without the separate chains, "long" would have found the short-rotated block as well: the chains differ
+    assert cache._block_hashes(twin, 1) != cache._block_hashes(long, 1)
+
+
+def test_a_longrope_sequence_sent_back_can_be_aborted_while_it_waits():
+    cache = KVCacheManager(32, BLOCK, enable_prefix_caching=False)
+    scheduler = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=64, long_rope_from=4)
+    req = add(scheduler, "a", 4)
+    run(scheduler)
+    scheduler.max_num_batched_tokens = 0  # nothing runs: the recomputed request stays in the queue
+    scheduler.schedule()
+    scheduler.max_num_batched_tokens = 64
+    output = scheduler.schedule()
+    assert [r.request_id for r, _ in output.scheduled] == ["a"] and req.status is RequestStatus.RUNNING
+    scheduler.finish_request(req, FinishReason.ABORT)
+    assert not scheduler.has_unfinished_requests()

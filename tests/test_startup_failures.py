@@ -43,7 +43,7 @@ def test_missing_model_folder_fails_before_any_process_starts(baseline, tmp_path
     missing = tmp_path / "no-such-model"
     with pytest.raises(
         EngineStartupError,
-        match=r"model '.*no-such-model' is not a local folder or file, and enginekit never downloads",
+        match=r"model '.*no-such-model' is not a local folder or file, nor a Hugging Face repo id",
     ) as info:
         Engine(str(missing), mode="mp")
     assert info.value.phase == "model load"

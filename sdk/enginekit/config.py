@@ -23,8 +23,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     Parameters
     ----------
     model
-        A local Hugging Face folder (``config.json``, ``*.safetensors``, ``tokenizer.json``), or ``None`` for
-        the built-in tiny model (seeded random weights, byte-level tokenizer; no files needed).
+        A local Hugging Face folder (``config.json``, ``*.safetensors``, ``tokenizer.json``), a ``.gguf`` file, a
+        Hugging Face repo id (``"Qwen/Qwen3-0.6B"``: the local Hugging Face cache, downloaded into it first when
+        online; ``HF_HUB_OFFLINE=1`` uses the cache alone), ``"builtin"`` (the tiny test model: seeded random
+        weights, byte-level tokenizer) or ``None`` for the default model (SmolLM2-135M-Instruct).
+    revision
+        The branch, tag or commit of a Hugging Face repo id ``model``; ``None``: ``main``.
     device
         ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``None`` (CUDA when available, else CPU).
     dtype
@@ -125,6 +129,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """
 
     model: str | None = None
+    revision: str | None = None
     device: str | None = None
     dtype: Literal["float32", "float16", "bfloat16"] | None = None
     quantization: Literal["auto", "gguf", "none"] = "auto"
@@ -274,7 +279,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise TypeError(f"unknown engine option {name!r}{hint}")
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(
-                "model must be a local Hugging Face folder, a .gguf file, a model name "
+                "model must be a local Hugging Face folder, a .gguf file, a Hugging Face repo id, a model name "
                 f"({', '.join(map(repr, MODEL_NAMES))}) or None for the default, got {model!r} "
                 f"({type(model).__name__})"
             )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 __all__ = [
     "EngineDeadError",
     "EngineError",
@@ -41,3 +44,11 @@ class EngineShutdownError(EngineError):
 
 class UtilityCallError(EngineError):
     """A utility call reached the engine and failed there; the engine keeps running."""
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` where exceptions take notes (3.11+); before, the note is logged."""
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        logging.getLogger("enginekit").warning("%s: %s", error, note)

@@ -19,7 +19,10 @@ def build_batch(
     for request, num_new in ordered:
         start, params = request.num_computed_tokens, request.sampling_params
         chunk = SequenceChunk(
-            request.all_token_ids[start : start + num_new], start, block_ids[request.request_id]
+            request.all_token_ids[start : start + num_new],
+            start,
+            block_ids[request.request_id],
+            rope_long=request.rope_long,
         )
         if start < request.num_prompt_tokens:
             _prompt_chunk(chunk, request, start, num_new)

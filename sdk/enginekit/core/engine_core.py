@@ -115,7 +115,7 @@ class EngineCore:
     def _build(self, config: EngineConfig, spec: ModelSpec | None) -> None:
         if config.debug_load_delay_s:
             time.sleep(config.debug_load_delay_s)
-        spec = spec or load_model_spec(config.model)
+        spec = spec or load_model_spec(config.model, config.revision)
         self.model_config = model_config = spec.config
         self.tokenizer = spec.tokenizer
         cuda_at_start = self._cuda_memory() if self._profiles_cuda() else None
@@ -154,6 +154,7 @@ class EngineCore:
             self.kv_cache,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            long_rope_from=model_config.long_rope_from,
         )
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend,

@@ -84,6 +84,9 @@ class BlockPool:
         return True
 
 
+_LONG_ROPE_CHAIN = 0x10A6_2043  # the seed of the block hash chain of long-rotated (longrope) sequences
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool) -> None:
         self.block_size = block_size
@@ -164,7 +167,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         size = self.block_size
         tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else 0
+        # a longrope sequence past the original length holds other keys for the same tokens: its own chain
+        parent = hashes[-1] if hashes else (_LONG_ROPE_CHAIN if request.rope_long else 0)
         for index in range(len(hashes), num_blocks):
             # NOTE: a 64-bit hash chain; a collision would share a wrong block, odds ~2**-64 per pair.
             parent = hash((parent, tuple(tokens[index * size : (index + 1) * size])))

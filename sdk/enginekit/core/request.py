@@ -40,6 +40,7 @@ class Request:
         "prompt_embeds",
         "prompt_logprobs",
         "request_id",
+        "rope_long",
         "sampling_params",
         "status",
         "stop_reason",
@@ -56,6 +57,9 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
+        # longrope: the sequence has grown past the rotary embedding's original length, so every token of it is
+        # rotated with the long factors (the scheduler sets it, and recomputes what was rotated with the short)
+        self.rope_long = False
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None

@@ -6,6 +6,11 @@ request is preempted: its blocks are freed and it goes back to the front of the 
 The samples of one prompt (``n > 1``) join after the first of them has prefilled it, so that they find the
 prompt's blocks in the prefix cache instead of computing them again. A request whose structured output is still
 compiling waits (the requests behind it may start first).
+
+A model with ``longrope`` rotary embeddings (``long_rope_from``: its original length) rotates a sequence with the
+short factors while it holds at most that many tokens and with the long ones for all its tokens beyond, as
+transformers' Phi-3 does: a sequence that grows past the length while generating has its cache recomputed (its
+blocks freed, back to the front of the queue), and its blocks hash apart from short-rotated ones.
 """
 
 from __future__ import annotations
@@ -34,8 +39,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_rope_from: int | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
+        self.long_rope_from = long_rope_from
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -56,6 +69,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._turns_long(request) and request.num_computed_tokens > 0:
+                del self.running[index]  # its cache holds short-rotated keys: compute it again
+                self.kv_cache.free(request)
+                request.status = RequestStatus.PREEMPTED
+                request.num_computed_tokens = 0
+                self.waiting.appendleft(request)
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -86,6 +106,7 @@ class Scheduler:
                 if request.parent_request_id in prefilling:
                     index += 1  # a sibling is prefilling the shared prompt: join once its blocks are cached
                     continue
+            self._turns_long(request)
             computed = self.kv_cache.get_computed_blocks(request)
             num_hit = len(computed) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_hit, budget)
@@ -116,6 +137,14 @@ class Scheduler:
         request.finish_reason = reason
         self.kv_cache.free(request)
         del self.requests[request.request_id]
+
+    def _turns_long(self, request: Request) -> bool:
+        """Mark a longrope sequence that has grown past the original length; whether it just did."""
+        if self.long_rope_from is None or request.rope_long or request.num_tokens <= self.long_rope_from:
+            return False
+        request.rope_long = True
+        request.block_hashes.clear()  # its blocks hash in the long chain from now on
+        return True
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -36,6 +36,9 @@ class ChatOptions(TypedDict, total=False):
 
     chat_template: str | None  # Jinja source instead of the model's own template
     add_generation_prompt: bool  # end with the template's opening of the assistant's turn (default True)
+    chat_template_kwargs: (
+        dict[str, Any] | None
+    )  # more template variables: tools, enable_thinking, date_string
 
 
 class ChatGenerateOptions(GenerateOptions, ChatOptions, total=False):

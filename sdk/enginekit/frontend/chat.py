@@ -40,9 +40,17 @@ def render_chat(
     *,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[ChatPrompt], list[SamplingParams]]:
     """The prompts of one conversation or a list of them, and their sampling params (one per conversation,
-    stopping at the template's end-of-turn token as well)."""
+    stopping at the template's end-of-turn token as well). ``chat_template_kwargs``: more variables for the
+    template (``tools``, ``enable_thinking``, ...), as transformers' ``apply_chat_template`` takes them."""
+    if chat_template_kwargs is not None and not (
+        isinstance(chat_template_kwargs, Mapping) and all(isinstance(k, str) for k in chat_template_kwargs)
+    ):
+        raise TypeError(
+            f"chat_template_kwargs must be a dict of template variables by name, got {chat_template_kwargs!r}"
+        )
     template = _template(spec, chat_template)
     conversations = [_conversation(c) for c in (messages if _is_batch(messages) else [messages])]
     roles = _known_roles(template)
@@ -50,7 +58,9 @@ def render_chat(
     for conversation in conversations:
         _check_roles(conversation, roles, template)
         text = template.render(
-            _as_template_reads(conversation, template), add_generation_prompt=add_generation_prompt
+            _as_template_reads(conversation, template),
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
         )
         # NOTE: the template writes the special tokens itself (a BOS too, if the model wants one).
         ids = spec.tokenizer.encode(text, add_special_tokens=False)

@@ -5,15 +5,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
-from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from enginekit.client import EngineCoreClient, check_client, make_client
 from enginekit.config import EngineConfig, EngineMode, resolve_mode
 from enginekit.core.resources import check_startup
 from enginekit.core.validation import RequestLimits
-from enginekit.errors import EngineShutdownError
+from enginekit.errors import EngineShutdownError, add_note
 from enginekit.frontend.call_options import (
     ChatGenerateOptions,
     ChatOptions,
@@ -25,7 +24,7 @@ from enginekit.frontend.call_options import (
 from enginekit.frontend.chat import render_chat
 from enginekit.frontend.output_processor import RequestState, watched
 from enginekit.frontend.output_router import OutputRouter, Watcher, submit
-from enginekit.frontend.prompts import ChatPrompt, RequestBuilder
+from enginekit.frontend.prompts import RequestBuilder
 from enginekit.logs import show_logs
 from enginekit.model.loader import ModelSpec, load_model_spec
 from enginekit.model.text.tokenizer import Tokenizer
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["Engine"]
 
 logger = logging.getLogger("enginekit")
+_T = TypeVar("_T")
 Params = SamplingParams | list[SamplingParams] | None
 OneParams = SamplingParams | None
 
@@ -83,17 +83,16 @@ class Engine:
         tokenizer = self._spec.tokenizer  # NOTE: not self: a cycle would keep `del engine` from shutting down
         self._decode = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
         self.max_model_len = self._client.max_model_len
-        config = self._spec.config
-        self._requests = RequestBuilder(
-            self._spec, RequestLimits(config.vocab_size, config.hidden_size, self.max_model_len)
-        )
+        model = self._spec.config
+        limits = RequestLimits(model.vocab_size, model.hidden_size, self.max_model_len)
+        self._requests = RequestBuilder(self._spec, limits)
         exit_hooks.register(self)
         logger.info("engine started: mode=%s pid=%s", self.mode, self._client.engine_pid)
 
     def _spec_for(self, config: EngineConfig) -> ModelSpec:
-        if self._spec is not None and self._spec.name == config.model:
+        if self._spec is not None and self._spec.source_key == (config.model, config.revision):
             return self._spec  # the tokenizer is read once, not per restart
-        return load_model_spec(config.model)
+        return load_model_spec(config.model, config.revision)
 
     @property
     def is_running(self) -> bool:
@@ -149,11 +148,7 @@ class Engine:
         except BaseException as error:
             if (new_config, new_mode) != previous:
                 self.config, self.mode = previous
-                note = self._start_previous()
-                if sys.version_info >= (3, 11):
-                    error.add_note(note)
-                else:  # NOTE: no exception notes before 3.11
-                    logger.warning("restart failed: %s", note)
+                add_note(error, self._start_previous())
             raise
 
     def _start_previous(self) -> str:
@@ -197,17 +192,13 @@ class Engine:
         )
         return states, attach_watcher(self, *watched(states))
 
-    def _render(
-        self, messages: Any, params: Any, options: Mapping[str, Any]
-    ) -> tuple[list[ChatPrompt], Any, dict[str, Any]]:
-        """A chat call's conversations as prompts, and its options less the chat ones."""
+    def _chat(self, call: Callable[..., _T], messages: Any, params: Any, options: Mapping[str, Any]) -> _T:
+        """A chat call: its conversations rendered as prompts, then ``call`` with the other options."""
         assert self._spec is not None
-        chat_options = {
-            name: value for name, value in options.items() if name in ChatOptions.__optional_keys__
-        }
-        rest = {name: value for name, value in options.items() if name not in chat_options}
-        prompts, params = render_chat(self._spec, messages, params, **chat_options)
-        return prompts, params, rest
+        keys = ChatOptions.__optional_keys__
+        chat_options = {name: value for name, value in options.items() if name in keys}
+        rest = {name: value for name, value in options.items() if name not in keys}
+        return call(*render_chat(self._spec, messages, params, **chat_options), **rest)
 
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests by id; their outputs finish with ``finish_reason="abort"``. Unknown ids are ignored."""
@@ -276,16 +267,14 @@ class Engine:
         template's end-of-turn token. Raises ``ValueError`` if the model has no template and none is given.
         Other options as for ``generate``.
         """
-        prompts, params, rest = self._render(messages, sampling_params, options)
-        return self.generate(prompts, params, **rest)
+        return self._chat(self.generate, messages, sampling_params, options)
 
     @takes(ChatGenerateOptions)
     def achat(
         self, messages: Any, sampling_params: Params = None, **options: Unpack[ChatGenerateOptions]
     ) -> Coroutine[Any, Any, list[RequestOutput]]:
         """``chat`` for asyncio, as ``agenerate`` is to ``generate``: submits now, returns a coroutine to await."""
-        prompts, params, rest = self._render(messages, sampling_params, options)
-        return self.agenerate(prompts, params, **rest)
+        return self._chat(self.agenerate, messages, sampling_params, options)
 
     @takes(ChatStreamOptions)
     def stream_chat(
@@ -295,8 +284,7 @@ class Engine:
         **options: Unpack[ChatStreamOptions],
     ) -> Iterator[RequestOutput]:
         """Stream the answer to one conversation, as ``stream`` does for a prompt."""
-        prompts, params, rest = self._render(messages, sampling_params, options)
-        return self.stream(prompts, params, **rest)
+        return self._chat(self.stream, messages, sampling_params, options)
 
     @takes(ChatStreamOptions)
     def astream_chat(
@@ -306,8 +294,7 @@ class Engine:
         **options: Unpack[ChatStreamOptions],
     ) -> AsyncIterator[RequestOutput]:
         """Async ``stream_chat``, as ``astream`` is to ``stream``."""
-        prompts, params, rest = self._render(messages, sampling_params, options)
-        return self.astream(prompts, params, **rest)
+        return self._chat(self.astream, messages, sampling_params, options)
 
     # ---- utilities ----------------------------------------------------------------------------------
     def call_utility(

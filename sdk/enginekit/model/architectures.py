@@ -19,6 +19,9 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True):
     sliding_window: str = "none"  # "none"; "always": ``sliding_window`` applies when set; "flag": only with
     # ``use_sliding_window``
     gguf_rotary_permuted: bool = False  # llama.cpp's converter interleaves the rotary halves of q/k rows
+    # the checkpoint stores q/k/v as one ``self_attn.qkv_proj`` and gate/up as one ``mlp.gate_up_proj`` (in the
+    # decoder's own order: q, k, v rows; gate rows, then up rows); in GGUF ``attn_qkv`` and ``ffn_up``
+    fused_checkpoint: bool = False
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -34,10 +37,17 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         sliding_window="flag",
     ),
     Architecture(name="qwen3", hf_classes=("Qwen3ForCausalLM",), gguf_names=("qwen3",), qk_norm=True),
+    Architecture(
+        name="phi3",
+        hf_classes=("Phi3ForCausalLM",),
+        gguf_names=("phi3",),
+        sliding_window="always",
+        fused_checkpoint=True,
+    ),
 )
 
 # The rope types whose tables we compute (``layers/rotary.py``), as transformers names them.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def by_hf_class(classes: list[str]) -> Architecture | None:

@@ -36,6 +36,8 @@ class SequenceChunk:
     prompt_logprobs, prompt_targets
         For a prompt chunk whose prompt logprobs are wanted: how many top tokens, and the prompt token each row
         predicts (the next one; the last prompt token predicts nothing of the prompt).
+    rope_long
+        ``longrope``: the sequence is rotated with the long factors (``Request.rope_long``).
     """
 
     token_ids: list[int]
@@ -48,6 +50,7 @@ class SequenceChunk:
     prompt_embeds: torch.Tensor | None = None
     prompt_logprobs: int | None = None
     prompt_targets: list[int] | None = None
+    rope_long: bool = False
 
     @property
     def num_tokens(self) -> int:

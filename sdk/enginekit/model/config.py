@@ -26,5 +26,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     rope_parameters: dict[str, float] = {}
     # per-frequency divisors of the inverse frequencies (a GGUF's ``rope_freqs.weight``), head_dim / 2 of them
     rope_freq_factors: tuple[float, ...] = ()
+    # longrope's per-frequency factors, head_dim / 2 each: the short ones within original_max_position_embeddings
+    rope_short_factors: tuple[float, ...] = ()
+    rope_long_factors: tuple[float, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """``longrope``: the sequence length past which the long factors apply (its original context), else None."""
+        if self.rope_type != "longrope":
+            return None
+        return int(self.rope_parameters["original_max_position_embeddings"])

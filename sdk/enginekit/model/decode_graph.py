@@ -117,7 +117,7 @@ class DecodeGraphs:
         pad = batch - count
         rows = (
             [chunk.token_ids[0] for chunk in chunks],
-            [chunk.start for chunk in chunks],
+            [self.model.rotary.rows(chunk.start, chunk.start + 1, chunk.rope_long)[0] for chunk in chunks],
             [table[chunk.start // size] * size + chunk.start % size for chunk, table in zip(chunks, tables)],
             context_lens,
         )

@@ -20,6 +20,7 @@ from typing import Literal, TypeVar, cast
 import torch
 
 from enginekit.errors import EngineStartupError
+from enginekit.model.architectures import by_name
 from enginekit.model.builtin import BUILTIN_CONFIG, builtin_weights
 from enginekit.model.config import ModelConfig
 from enginekit.model.decoder import Decoder, layer_ops
@@ -58,13 +59,19 @@ class ModelSpec:
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None = None
     end_of_turn_token_ids: tuple[int, ...] = ()
+    revision: str | None = None  # of a Hugging Face repo id, as the user gave it
+
+    @property
+    def source_key(self) -> tuple[str | None, str | None]:
+        """The model and revision as given: the same key, the same spec."""
+        return self.name, self.revision
 
 
-def load_model_spec(model: str | None) -> ModelSpec:
+def load_model_spec(model: str | None, revision: str | None = None) -> ModelSpec:
     """Read a model's architecture numbers, tokenizer and chat template (not its weights)."""
-    source = resolve_model(model)
+    source = resolve_model(model, revision)
     if source.format == "builtin":
-        return ModelSpec(model, source, BUILTIN_CONFIG, ByteTokenizer())
+        return ModelSpec(model, source, BUILTIN_CONFIG, ByteTokenizer(), revision=revision)
     assert source.path is not None
     if source.format == "gguf":
         header = read_gguf_header(source.path)
@@ -83,7 +90,7 @@ def load_model_spec(model: str | None) -> ModelSpec:
         tokenizer = load_tokenizer(source.path, bos_token_id=config.bos_token_id, eos_token_id=eos)
         template = chat_template_from_folder(source.path)
     end_of_turn = end_of_turn_token_ids(template, tokenizer.backend) if template is not None else ()
-    return ModelSpec(model, source, config, tokenizer, template, end_of_turn)
+    return ModelSpec(model, source, config, tokenizer, template, end_of_turn, revision)
 
 
 def load_model(
@@ -265,6 +272,19 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
     }
+    if _fused_checkpoint(config):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
+            del layer[f"{name}.weight"]
+        layer |= {
+            "self_attn.qkv_proj.weight": (q_size + 2 * kv_size, hidden),
+            "mlp.gate_up_proj.weight": (2 * inter, hidden),
+        }
     if config.attention_bias:
         layer |= {
             "self_attn.q_proj.bias": (q_size,),
@@ -314,19 +334,24 @@ def _fuse(
     }
     if "lm_head.weight" in weights:
         state["lm_head.weight"] = _join([weights["lm_head.weight"]])
+    fused = _fused_checkpoint(config)
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        state[f"{dst}self_attn.qkv_proj.weight"] = _join(
-            [weights[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"]
-        )
+        if fused:  # already one product each
+            state[f"{dst}self_attn.qkv_proj.weight"] = _join([weights[f"{src}self_attn.qkv_proj.weight"]])
+            state[f"{dst}mlp.gate_up_proj.weight"] = _join([weights[f"{src}mlp.gate_up_proj.weight"]])
+        else:
+            state[f"{dst}self_attn.qkv_proj.weight"] = _join(
+                [weights[f"{src}self_attn.{p}_proj.weight"] for p in "qkv"]
+            )
+            state[f"{dst}mlp.gate_up_proj.weight"] = _join(
+                [weights[f"{src}mlp.{p}_proj.weight"] for p in ("gate", "up")]
+            )
         if config.attention_bias:
             state[f"{dst}self_attn.qkv_proj.bias"] = _join(
                 [weights[f"{src}self_attn.{p}_proj.bias"] for p in "qkv"]
             )
         state[f"{dst}self_attn.o_proj.weight"] = _join([weights[f"{src}self_attn.o_proj.weight"]])
-        state[f"{dst}mlp.gate_up_proj.weight"] = _join(
-            [weights[f"{src}mlp.{p}_proj.weight"] for p in ("gate", "up")]
-        )
         state[f"{dst}mlp.down_proj.weight"] = _join([weights[f"{src}mlp.down_proj.weight"]])
         norms = ["input_layernorm", "post_attention_layernorm"]
         norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else []
@@ -336,6 +361,10 @@ def _fuse(
         name: tensor.contiguous() if isinstance(tensor, torch.Tensor) else tensor
         for name, tensor in state.items()
     }
+
+
+def _fused_checkpoint(config: ModelConfig) -> bool:
+    return by_name(config.architecture).fused_checkpoint
 
 
 def _join(parts: list, *, embedding: bool = False):

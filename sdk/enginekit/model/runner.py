@@ -134,11 +134,12 @@ class ModelRunner:
         embeds: list[tuple[int, torch.Tensor]] = []
         prompt_rows: list[tuple[int, int, int]] = []  # chunk index, first row, number of rows
         size = self.block_size
+        rotary = self.model.rotary
         for index, chunk in enumerate(chunks):
             row, start, end = len(token_ids), chunk.start, chunk.start + chunk.num_tokens
             table = chunk.block_table
             token_ids.extend(chunk.token_ids)
-            positions.extend(range(start, end))
+            positions.extend(rotary.rows(start, end, chunk.rope_long))
             slots.extend(table[p // size] * size + p % size for p in range(start, end))
             if chunk.prompt_embeds is not None:
                 embeds.append((row, chunk.prompt_embeds.to(self.device)))

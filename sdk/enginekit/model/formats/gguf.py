@@ -18,10 +18,14 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from enginekit.model.architectures import ARCHITECTURES, by_gguf_name, by_name
 from enginekit.model.config import ModelConfig
 from enginekit.model.formats.gguf_header import GGUFHeader, GGUFTensorInfo, gguf_error, read_gguf_header
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# ``general.architecture`` values we read (llama.cpp's converter writes Mistral checkpoints as ``llama``)
+SUPPORTED_ARCHITECTURES = tuple(name for a in ARCHITECTURES for name in a.gguf_names)
+# ``{arch}.rope.scaling.type`` values and the rope type each stands for (``architectures.ROPE_TYPES``)
+_GGUF_ROPE_SCALING = {"none": "default", "linear": "linear", "yarn": "yarn"}
 
 
 class StoredTensor(NamedTuple):
@@ -51,16 +55,26 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
     header = source if isinstance(source, GGUFHeader) else read_gguf_header(source)
     meta = header.metadata
     arch = _required(header, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    spec = by_gguf_name(arch)
+    if spec is None:
         raise gguf_error(
             header.path,
-            f"unsupported architecture {arch!r}; supported: llama (Llama and Mistral files), qwen2",
+            f"unsupported architecture {arch!r}; supported: "
+            + ", ".join(
+                f"{name} (Llama and Mistral files)" if name == "llama" else name
+                for name in SUPPORTED_ARCHITECTURES
+            ),
         )
     num_heads = _required_int(header, f"{arch}.attention.head_count")
     hidden_size = _required_int(header, f"{arch}.embedding_length")
     head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
     head_dim = head_dim or hidden_size // num_heads
-    _check_rope(header, arch, head_dim)
+    value_dim = meta.get(f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise gguf_error(
+            header.path, f"unsupported value heads of {value_dim} dims for key heads of {head_dim}"
+        )
+    rope_type, rope_parameters, freq_factors, short_factors, long_factors = _rope(header, arch, head_dim)
     max_positions = _required_int(header, f"{arch}.context_length")
     sliding_window = meta.get(f"{arch}.attention.sliding_window")
     if sliding_window:
@@ -68,7 +82,7 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         max_positions = min(max_positions, sliding_window)
     eos_ids = (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
     return ModelConfig(
-        architecture=arch,
+        architecture=spec.name,
         vocab_size=_vocab_size(header, arch),
         hidden_size=hidden_size,
         intermediate_size=_required_int(header, f"{arch}.feed_forward_length"),
@@ -80,7 +94,13 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         rope_theta=_float32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in header.tensors,
-        attention_bias="blk.0.attn_q.bias" in header.tensors,
+        attention_bias=spec.attention_bias or "blk.0.attn_q.bias" in header.tensors,
+        qk_norm=spec.qk_norm,
+        rope_type=rope_type,
+        rope_parameters=rope_parameters,
+        rope_freq_factors=freq_factors,
+        rope_short_factors=short_factors,
+        rope_long_factors=long_factors,
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
     )
@@ -111,7 +131,8 @@ def read_gguf_weights(
     -------
     dict[str, torch.Tensor | StoredTensor]
         ``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ... ``lm_head.weight``
-        (absent when tied), with llama.cpp's rotary permutation of q and k undone for ``llama``.
+        (absent when tied), with llama.cpp's rotary permutation of q and k undone where the architecture's
+        converter applies it (``Architecture.gguf_rotary_permuted``: ``llama``).
 
     Raises
     ------
@@ -125,18 +146,19 @@ def read_gguf_weights(
     data = np.memmap(header.path, dtype=np.uint8, mode="r")
     file_bytes = _file_bytes(data) if keep else None
     weights: dict[str, torch.Tensor | StoredTensor] = {}
+    permuted = by_name(config.architecture).gguf_rotary_permuted
     for gguf_name, hf_name, _, rotary_heads in plan:
         info = header.tensors[gguf_name]
+        heads = rotary_heads if permuted else 0
         if gguf_name in keep:
             assert file_bytes is not None
-            heads = rotary_heads if config.architecture == "llama" else 0
             weights[hf_name] = StoredTensor(
                 gguf_name, _stored_rows(file_bytes, info), info.quant_type, info.shape, info.offset, heads
             )
             continue
         tensor = _dequantize(header, data, info)
-        if rotary_heads and config.architecture == "llama":
-            tensor = _undo_rotary_permutation(tensor, rotary_heads)
+        if heads:
+            tensor = _undo_rotary_permutation(tensor, heads)
         weights[hf_name] = tensor.to(dtype)
     return weights
 
@@ -184,18 +206,90 @@ def _vocab_size(header: GGUFHeader, arch: str) -> int:
     return size
 
 
-def _check_rope(header: GGUFHeader, arch: str, head_dim: int) -> None:
+_Factors = tuple[float, ...]
+
+
+def _rope(
+    header: GGUFHeader, arch: str, head_dim: int
+) -> tuple[str, dict[str, float], _Factors, _Factors, _Factors]:
+    """The rope type, its numbers as transformers names them, the per-frequency divisors and longrope's short and
+    long factors, from what llama.cpp's converter writes: ``{arch}.rope.scaling.*`` for linear and YaRN scaling,
+    the tensor ``rope_freqs.weight`` (Llama 3's ``llama3`` scaling, one divisor per frequency), and Phi-3's
+    ``rope_factors_short.weight`` / ``rope_factors_long.weight`` with ``{arch}.rope.scaling.attn_factor`` and
+    ``original_context_length`` (``longrope``)."""
     meta = header.metadata
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear", 1.0))
-    if scaling not in ("none", "linear") or factor not in (0.0, 1.0):
+    data = np.memmap(header.path, dtype=np.uint8, mode="r")
+    if "rope_factors_long.weight" in header.tensors:
+        return _longrope(header, arch, head_dim, data)
+    prefix = f"{arch}.rope.scaling."
+    scaling = meta.get(prefix + "type", "none")
+    factor = meta.get(prefix + "factor", meta.get(f"{arch}.rope.scale_linear"))
+    if scaling == "linear" and factor in (None, 0.0, 1.0):
+        scaling = "none"  # llama.cpp reads a factor of 0 or 1 as no scaling
+    if scaling not in _GGUF_ROPE_SCALING:
         raise gguf_error(
             header.path,
-            f"unsupported rope scaling {scaling!r} (factor {factor}); only unscaled rotary embeddings",
+            f"unsupported rope scaling {scaling!r}; supported: {', '.join(_GGUF_ROPE_SCALING)} "
+            "(and per-frequency factors in rope_freqs.weight)",
         )
-    if "rope_freqs.weight" in header.tensors:
-        raise gguf_error(header.path, "unsupported rope scaling: per-frequency factors (rope_freqs.weight)")
-    rotary_dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    rope_type = _GGUF_ROPE_SCALING[scaling]
+    params: dict[str, float] = {}
+    if rope_type != "default":
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+            raise gguf_error(header.path, f"rope scaling {scaling!r} needs the metadata key {prefix}factor")
+        params["factor"] = _float32(factor)
+    if rope_type == "yarn":
+        original = _required_int(header, prefix + "original_context_length")
+        params["original_max_position_embeddings"] = float(original)
+        for key, name in (
+            ("yarn_attn_factor", "attention_factor"),
+            ("yarn_beta_fast", "beta_fast"),
+            ("yarn_beta_slow", "beta_slow"),
+        ):
+            if isinstance(meta.get(prefix + key), (int, float)):
+                params[name] = _float32(meta[prefix + key])
+        for key, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+            if meta.get(prefix + key, neutral) != neutral:
+                raise gguf_error(header.path, f"unsupported YaRN option {prefix}{key} = {meta[prefix + key]}")
+    freq_factors: tuple[float, ...] = ()
+    info = header.tensors.get("rope_freqs.weight")
+    if info is not None:
+        if info.shape != (head_dim // 2,):
+            raise gguf_error(
+                header.path,
+                f"tensor rope_freqs.weight has shape {list(info.shape)}, the config needs [{head_dim // 2}]",
+            )
+        freq_factors = tuple(float(x) for x in _dequantize(header, data, info).tolist())
+    _check_rotary_dims(header, arch, head_dim)
+    return rope_type, params, freq_factors, (), ()
+
+
+def _longrope(
+    header: GGUFHeader, arch: str, head_dim: int, data: np.memmap
+) -> tuple[str, dict[str, float], _Factors, _Factors, _Factors]:
+    factors = []
+    for name in ("rope_factors_short.weight", "rope_factors_long.weight"):
+        info = header.tensors.get(name)
+        if info is None or info.shape != (head_dim // 2,):
+            shape = "missing" if info is None else f"of shape {list(info.shape)}"
+            raise gguf_error(
+                header.path, f"longrope needs the tensor {name} of [{head_dim // 2}]; it is {shape}"
+            )
+        factors.append(tuple(float(x) for x in _dequantize(header, data, info).tolist()))
+    original = _required_int(header, f"{arch}.rope.scaling.original_context_length")
+    params = {
+        "original_max_position_embeddings": float(original),
+        "factor": _required_int(header, f"{arch}.context_length") / original,
+    }
+    attn_factor = header.metadata.get(f"{arch}.rope.scaling.attn_factor")
+    if isinstance(attn_factor, (int, float)):
+        params["attention_factor"] = float(attn_factor)
+    _check_rotary_dims(header, arch, head_dim)
+    return "longrope", params, (), factors[0], factors[1]
+
+
+def _check_rotary_dims(header: GGUFHeader, arch: str, head_dim: int) -> None:
+    rotary_dims = header.metadata.get(f"{arch}.rope.dimension_count", head_dim)
     if rotary_dims != head_dim:
         raise gguf_error(
             header.path, f"unsupported partial rotary embedding ({rotary_dims} of {head_dim} dims)"
@@ -226,6 +320,18 @@ def _weight_plan(config: ModelConfig) -> _Plan:
         ("ffn_up.weight", "mlp.up_proj.weight", (inter, hidden), 0),
         ("ffn_down.weight", "mlp.down_proj.weight", (hidden, inter), 0),
     ]
+    if by_name(config.architecture).fused_checkpoint:  # Phi-3: q/k/v and gate/up stored fused
+        fused = {"attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"}
+        layer = [entry for entry in layer if entry[0] not in fused]
+        layer += [
+            ("attn_qkv.weight", "self_attn.qkv_proj.weight", (q_size + 2 * kv_size, hidden), 0),
+            ("ffn_up.weight", "mlp.gate_up_proj.weight", (2 * inter, hidden), 0),
+        ]
+    if config.qk_norm:
+        layer += [
+            ("attn_q_norm.weight", "self_attn.q_norm.weight", (config.head_dim,), 0),
+            ("attn_k_norm.weight", "self_attn.k_norm.weight", (config.head_dim,), 0),
+        ]
     if config.attention_bias:
         layer += [
             ("attn_q.bias", "self_attn.q_proj.bias", (q_size,), config.num_heads),

@@ -17,7 +17,9 @@ _ROPE_KEYS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "dynamic": ("factor",),
     "yarn": ("original_max_position_embeddings",),
+    "longrope": ("original_max_position_embeddings", "factor"),
 }
 _ROPE_OPTIONAL = (
     "factor",
@@ -49,9 +51,13 @@ def read_hf_config(folder: Path) -> ModelConfig:
             phase="model load",
         )
     arch = spec.name
-    rope_theta, rope_type, rope_parameters = _rope(raw, config_path)
     num_heads = required.int("num_attention_heads")
+    hidden_size = required.int("hidden_size")
+    head_dim = raw.get("head_dim") or hidden_size // num_heads
     max_positions = raw.get("max_position_embeddings", 2048)
+    rope_theta, rope_type, rope_parameters, short_factors, long_factors = _rope(
+        raw, config_path, head_dim, max_positions
+    )
     sliding_window = raw.get("sliding_window")
     uses_window = spec.sliding_window == "always" or (
         spec.sliding_window == "flag" and raw.get("use_sliding_window")
@@ -59,7 +65,6 @@ def read_hf_config(folder: Path) -> ModelConfig:
     if sliding_window and uses_window:
         # NOTE: no sliding-window attention kernel: cap the context where full attention is exact.
         max_positions = min(max_positions, sliding_window)
-    hidden_size = required.int("hidden_size")
     return ModelConfig(
         architecture=arch,
         vocab_size=required.int("vocab_size"),
@@ -68,7 +73,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         num_layers=required.int("num_hidden_layers"),
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or hidden_size // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         max_position_embeddings=max_positions,
@@ -77,6 +82,8 @@ def read_hf_config(folder: Path) -> ModelConfig:
         qk_norm=spec.qk_norm,
         rope_type=rope_type,
         rope_parameters=rope_parameters,
+        rope_short_factors=short_factors,
+        rope_long_factors=long_factors,
         eos_token_ids=_eos_ids(folder, raw),
         bos_token_id=raw.get("bos_token_id"),
     )
@@ -134,20 +141,37 @@ def _read_json(path: Path) -> dict:
     return raw
 
 
-def _rope(raw: dict, path: Path) -> tuple[float, str, dict[str, float]]:
-    """rope_theta, the rope type and its numbers, from ``rope_parameters`` (transformers 5) or ``rope_scaling``."""
+def _rope(
+    raw: dict, path: Path, head_dim: int, max_positions: int
+) -> tuple[float, str, dict[str, float], tuple[float, ...], tuple[float, ...]]:
+    """rope_theta, the rope type and its numbers, from ``rope_parameters`` (transformers 5) or ``rope_scaling``,
+    and longrope's short and long factors."""
     params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    rope_type = "longrope" if rope_type == "su" else rope_type  # the early Phi-3 configs' name
     if rope_type not in ROPE_TYPES:
         raise EngineStartupError(
             f"unsupported rope type {rope_type!r} in {path}; supported: {', '.join(ROPE_TYPES)}",
             phase="model load",
         )
     if raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise EngineStartupError(f"unsupported partial rotary embedding in {path}", phase="model load")
+        raise EngineStartupError(
+            f"unsupported partial rotary embedding in {path} (partial_rotary_factor "
+            f"{raw.get('partial_rotary_factor', params.get('partial_rotary_factor'))}); supported: 1.0, every "
+            "dimension of a head rotated",
+            phase="model load",
+        )
     if "original_max_position_embeddings" not in params and "original_max_position_embeddings" in raw:
         params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+    short_factors: tuple[float, ...] = ()
+    long_factors: tuple[float, ...] = ()
+    if rope_type == "longrope":
+        short_factors = _factors(params, "short_factor", head_dim, path)
+        long_factors = _factors(params, "long_factor", head_dim, path)
+        if params.get("factor") is None and isinstance(params.get("original_max_position_embeddings"), int):
+            # as transformers: the factor that stretched the original context to max_position_embeddings
+            params["factor"] = max_positions / params["original_max_position_embeddings"]
     missing = [key for key in _ROPE_KEYS[rope_type] if not isinstance(params.get(key), (int, float))]
     if missing:
         raise EngineStartupError(
@@ -159,7 +183,18 @@ def _rope(raw: dict, path: Path) -> tuple[float, str, dict[str, float]]:
         for key in (*_ROPE_KEYS[rope_type], *_ROPE_OPTIONAL)
         if isinstance(params.get(key), (int, float)) and params.get(key) is not None
     }
-    return float(theta), rope_type, numbers
+    return float(theta), rope_type, numbers, short_factors, long_factors
+
+
+def _factors(params: dict, key: str, head_dim: int, path: Path) -> tuple[float, ...]:
+    values = params.get(key)
+    if not isinstance(values, list) or len(values) != head_dim // 2:
+        raise EngineStartupError(
+            f"{path}: rope type 'longrope' needs {key} as a list of {head_dim // 2} numbers (head_dim / 2), "
+            f"got {values!r}",
+            phase="model load",
+        )
+    return tuple(float(v) for v in values)
 
 
 def _eos_ids(folder: Path, raw: dict) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ also be given by the caller (``heads=...``). ``requires`` adds conditions on the
 
 from __future__ import annotations
 
+import ast
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,9 +41,12 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Output:
-    """A tensor the wrapper has just allocated for the result (so not checked), passed as its address."""
+    """A result tensor, allocated by the checked call once every size is known (dimensions as in ``Tensor``, all
+    bound by then), passed as its address, and returned."""
 
     name: str
+    shape: tuple[int | str, ...]
+    dtype: torch.dtype = F32
 
 
 @dataclass(frozen=True)
@@ -102,118 +106,172 @@ class Entry:
             for argument in self.arguments
         ]
 
-    def bind(self, lib: ctypes.CDLL) -> Kernel:
-        """The entry point of ``lib`` with its generated signature, behind the checker."""
+    def bind(self, lib: ctypes.CDLL) -> Callable[..., Any]:
+        """The entry point of ``lib`` with its generated signature, behind the checker: a function of keyword
+        arguments (the tensors, scalars and sizes by name) that returns the outputs (one, or a tuple)."""
         function = getattr(lib, self.symbol)
         function.argtypes, function.restype = self.argtypes(), self.restype
-        return Kernel(self, function)
+        return _checked(self, function)
 
 
-class Kernel:
-    """A native entry point called with keyword arguments, checked first (``kernel(x=..., out=..., threads=...)``)."""
-
-    def __init__(self, entry: Entry, function: Callable[..., Any]) -> None:
-        self.entry, self._function = entry, function
-        self._tensors = [argument for argument in entry.arguments if isinstance(argument, Tensor)]
-        self._dims: list[tuple[str, int, str]] = []  # (tensor, dimension, name) bound or compared
-        self._exprs: list[
-            tuple[str, int, str, Any]
-        ] = []  # (tensor, dimension, source, code) compared afterwards
-        for tensor in self._tensors:
-            for dim, size in enumerate(tensor.shape):
-                if isinstance(size, str) and size.isidentifier():
-                    self._dims.append((tensor.name, dim, size))
-                elif isinstance(size, str):
-                    self._exprs.append((tensor.name, dim, size, compile(size, size, "eval")))
-        self._requires = [(compile(test, test, "eval"), message) for test, message in entry.requires]
-        self._layouts = {tensor.name: _layout_checker(tensor) for tensor in self._tensors}
-
-    def __call__(self, **values: Any) -> int | None:
-        symbol = self.entry.symbol
-        sizes = {name: value for name, value in values.items() if isinstance(value, int)}
-        for tensor in self._tensors:
-            value = values.get(tensor.name)
-            if value is None and tensor.optional:
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{symbol}: {tensor.name} must be a tensor, not {type(value).__name__}")
-            if value.dtype is not tensor.dtype or value.device.type != "cpu":
-                raise TypeError(
-                    f"{symbol}: {tensor.name} must be a CPU {tensor.dtype} tensor, not {value.device.type} {value.dtype}"
-                )
-            if value.dim() != len(tensor.shape):
-                raise ValueError(
-                    f"{symbol}: {tensor.name} must have {len(tensor.shape)} dimensions, not {value.dim()}"
-                )
-            self._layouts[tensor.name](value, symbol)
-        for name, dim, size in self._dims:
-            value = values.get(name)
-            if value is None:
-                continue
-            actual = value.shape[dim]
-            if sizes.setdefault(size, actual) != actual:
-                raise ValueError(
-                    f"{symbol}: {name} has {actual} along dimension {dim} where {size} is {sizes[size]}"
-                )
-        for tensor in self._tensors:
-            value = values.get(tensor.name)
-            for dim, size in enumerate(tensor.shape):
-                if isinstance(size, int) and value is not None and value.shape[dim] != size:
-                    raise ValueError(f"{symbol}: {tensor.name} must have {size} along dimension {dim}")
-        for name, dim, source, code in self._exprs:
-            value = values.get(name)
-            if value is not None and value.shape[dim] != (expected := eval(code, None, sizes)):
-                raise ValueError(
-                    f"{symbol}: {name} has {value.shape[dim]} along dimension {dim}, not {source} = {expected}"
-                )
-        for code, message in self._requires:
-            if not eval(code, None, sizes):
-                raise ValueError(f"{symbol}: {message.format(**sizes)}")
-        result = self._function(*[_value(argument, values, sizes) for argument in self.entry.arguments])
-        if result:  # an error code
-            raise ValueError(
-                f"{symbol}: {self.entry.errors.get(result, f'refused its arguments (error {result})')}"
-            )
-        return result
+def _checked(entry: Entry, function: Callable[..., Any]) -> Callable[..., Any]:
+    """The checker of ``entry`` as straight-line Python, generated once: a loop over the table on every call
+    cost several microseconds; this costs about one per tensor (see docs/architecture.md)."""
+    tensors = [argument for argument in entry.arguments if isinstance(argument, Tensor)]
+    outputs = [argument for argument in entry.arguments if isinstance(argument, Output)]
+    scalars = [argument.name for argument in entry.arguments if isinstance(argument, Scalar)]
+    sizes: dict[str, None] = {}  # every size name, in order of appearance
+    for spec in [*tensors, *outputs]:
+        for size in spec.shape:
+            if isinstance(size, str):
+                sizes.update(dict.fromkeys(_names(size)))
+    for test, _ in entry.requires:
+        sizes.update(dict.fromkeys(_names(test)))
+    sizes.update(dict.fromkeys(argument.name for argument in entry.arguments if isinstance(argument, Size)))
+    for name in scalars:
+        sizes.pop(name, None)
+    namespace: dict[str, Any] = {"Tensor": torch.Tensor, "empty": torch.empty, "function": function}
+    namespace.update(_helpers(entry.symbol))
+    params = [f"{t.name}=None" if t.optional else t.name for t in tensors] + scalars
+    lines = [f"def call(*, {', '.join([*params, *(f'{name}=None' for name in sizes)])}):"]
+    later: list[str] = []
+    for index, spec in enumerate(tensors):
+        namespace[f"dtype{index}"] = spec.dtype
+        body = _tensor_checks(spec, f"dtype{index}", later)
+        lines += (
+            [f"    if {spec.name} is not None:", *("    " + line for line in body)] if spec.optional else body
+        )
+    required = {size for t in tensors if not t.optional for size in t.shape if isinstance(size, str)}
+    lines += [f"    if {name} is None: missing({name!r})" for name in sizes if name not in required]
+    lines += later
+    for number, (test, message) in enumerate(entry.requires):
+        namespace[f"message{number}"] = message
+        lines.append(f"    if not ({test}): refuse(message{number}.format(**locals()))")
+    for index, output in enumerate(outputs):
+        namespace[f"out_dtype{index}"] = output.dtype
+        shape = ", ".join(str(size) for size in output.shape)
+        lines.append(f"    {output.name} = empty(({shape},), dtype=out_dtype{index})")
+    arguments = ", ".join(_argument_source(argument) for argument in entry.arguments)
+    lines.append(f"    result = function({arguments})")
+    if entry.restype is not None:
+        namespace["errors"] = entry.errors
+        lines.append("    if result: error_code(result, errors)")
+    names = [output.name for output in outputs]
+    lines.append(f"    return {names[0] if len(names) == 1 else '(' + ', '.join(names) + ',)'}")
+    exec(compile("\n".join(lines), f"<checked {entry.symbol}>", "exec"), namespace)
+    call = namespace["call"]
+    call.entry, call.source = entry, "\n".join(lines)
+    return call
 
 
-def _value(argument: Argument, values: dict[str, Any], sizes: dict[str, int]) -> Any:
-    if isinstance(argument, Tensor):
-        tensor = values.get(argument.name)
-        return None if tensor is None else tensor.data_ptr()
-    if isinstance(argument, Output):
-        return values[argument.name].data_ptr()
-    if isinstance(argument, Size):
-        return sizes[argument.name]
-    if isinstance(argument, Stride):
-        return values[argument.tensor].stride(0)
-    if isinstance(argument, Part):
-        tensor = values[argument.tensor]
-        return tensor.data_ptr() + argument.index * tensor.stride(0) * tensor.element_size()
-    return values[argument.name]
-
-
-def _layout_checker(spec: Tensor) -> Callable[[torch.Tensor, str], None]:
+def _tensor_checks(spec: Tensor, dtype: str, later: list[str]) -> list[str]:
+    """The checks of one tensor argument (``later``: the dimensions given by expressions, checked once every name
+    is bound)."""
+    name, rank = spec.name, len(spec.shape)
+    lines = [
+        f"    if not isinstance({name}, Tensor): not_a_tensor({name!r}, {name})",
+        f"    if {name}.dtype is not {dtype} or not {name}.is_cpu: wrong_dtype({name!r}, {name}, {dtype})",
+        f"    shape = {name}.shape",
+        f"    if len(shape) != {rank}: wrong_rank({name!r}, shape, {rank})",
+    ]
     if spec.layout == "contiguous":
+        lines.append(f"    if not {name}.is_contiguous(): refuse({name!r} + ' must be contiguous')")
+    else:
+        lines.append(f"    if not rows_ok(shape, {name}.stride()): not_rows({name!r}, {name})")
+    for dim, size in enumerate(spec.shape):
+        if isinstance(size, int):
+            lines.append(
+                f"    if shape[{dim}] != {size}: wrong_size({name!r}, {dim}, shape[{dim}], {size!r})"
+            )
+        elif size.isidentifier():
+            lines.append(f"    if {size} is None: {size} = shape[{dim}]")
+            lines.append(
+                f"    elif shape[{dim}] != {size}: wrong_size({name!r}, {dim}, shape[{dim}], {size!r}, {size})"
+            )
+        else:
+            guard = f"{name} is not None and " if spec.optional else ""
+            later.append(
+                f"    if {guard}{name}.shape[{dim}] != ({size}): "
+                f"wrong_size({name!r}, {dim}, {name}.shape[{dim}], {size!r}, {size})"
+            )
+    return lines
 
-        def contiguous(value: torch.Tensor, symbol: str) -> None:
-            if not value.is_contiguous():
-                raise ValueError(f"{symbol}: {spec.name} must be contiguous")
 
-        return contiguous
-
-    def rows(value: torch.Tensor, symbol: str) -> None:
-        shape, strides, expected = value.shape, value.stride(), 1
-        for dim in range(len(shape) - 1, 0, -1):
-            if shape[dim] != 1 and strides[dim] != expected:
-                raise ValueError(f"{symbol}: each row of {spec.name} must be contiguous (strides {strides})")
-            expected *= shape[dim]
-        if shape[0] > 1 and strides[0] < expected:
-            raise ValueError(f"{symbol}: the rows of {spec.name} overlap (strides {strides})")
-
-    return rows
+def _argument_source(argument: Argument) -> str:
+    if isinstance(argument, Tensor):
+        if argument.optional:
+            return f"None if {argument.name} is None else {argument.name}.data_ptr()"
+        return f"{argument.name}.data_ptr()"
+    if isinstance(argument, Output):
+        return f"{argument.name}.data_ptr()"
+    if isinstance(argument, Stride):
+        return f"{argument.tensor}.stride(0)"
+    if isinstance(argument, Part):
+        t = argument.tensor
+        return f"{t}.data_ptr() + {argument.index} * {t}.stride(0) * {t}.element_size()"
+    return argument.name
 
 
-def bind_all(lib: ctypes.CDLL, entries: Sequence[Entry]) -> dict[str, Kernel]:
+def _names(source: str) -> list[str]:
+    return [node.id for node in ast.walk(ast.parse(source, mode="eval")) if isinstance(node, ast.Name)]
+
+
+def _helpers(symbol: str) -> dict[str, Callable[..., Any]]:
+    """The failure paths of a generated checker: each raises, naming the entry point."""
+
+    def refuse(message: str) -> None:
+        raise ValueError(f"{symbol}: {message}")
+
+    def not_a_tensor(name: str, value: Any) -> None:
+        raise TypeError(f"{symbol}: {name} must be a tensor, not {type(value).__name__}")
+
+    def wrong_dtype(name: str, value: torch.Tensor, dtype: torch.dtype) -> None:
+        raise TypeError(
+            f"{symbol}: {name} must be a CPU {dtype} tensor, not {value.device.type} {value.dtype}"
+        )
+
+    def wrong_rank(name: str, shape: torch.Size, rank: int) -> None:
+        refuse(f"{name} must have {rank} dimensions, not {len(shape)}")
+
+    def not_rows(name: str, value: torch.Tensor) -> None:
+        refuse(f"each row of {name} must be contiguous, and the rows apart (strides {value.stride()})")
+
+    def wrong_size(name: str, dim: int, actual: int, size: int | str, expected: int | None = None) -> None:
+        if isinstance(size, int):
+            refuse(f"{name} has {actual} along dimension {dim}, not {size}")
+        refuse(f"{name} has {actual} along dimension {dim}, where {size} is {expected}")
+
+    def missing(name: str) -> None:
+        raise TypeError(f"{symbol}: the size {name} is not given")
+
+    def error_code(code: int, errors: dict[int, str]) -> None:
+        refuse(errors.get(code, f"refused its arguments (error {code})"))
+
+    return {
+        helper.__name__: helper
+        for helper in (
+            refuse,
+            not_a_tensor,
+            wrong_dtype,
+            wrong_rank,
+            not_rows,
+            wrong_size,
+            missing,
+            error_code,
+        )
+    } | {"rows_ok": _rows_ok}
+
+
+def _rows_ok(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """Whether every dimension but the first is contiguous, and the rows do not overlap."""
+    expected = 1
+    for dim in range(len(shape) - 1, 0, -1):
+        if shape[dim] != 1 and strides[dim] != expected:
+            return False
+        expected *= shape[dim]
+    return shape[0] <= 1 or strides[0] >= expected
+
+
+def bind_all(lib: ctypes.CDLL, entries: Sequence[Entry]) -> dict[str, Callable[..., Any]]:
     """Every entry point of ``lib`` in ``entries``, checked, by symbol."""
     return {entry.symbol: entry.bind(lib) for entry in entries}

@@ -82,9 +82,7 @@ def native_skinny_gemm() -> SkinnyGemm | None:
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
     ) -> torch.Tensor:
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-        kernel(weight=weight, x=x, bias=bias, out=out, threads=threads or get_threads())
-        return out
+        return kernel(weight=weight, x=x, bias=bias, threads=threads or get_threads())
 
     try:
         probe_gemm(gemm)
@@ -100,25 +98,18 @@ def native_packed_gemm() -> SkinnyGemm | None:
     ``weight`` on CPU, or ``None`` (logged why).
 
     Built and probed on the first call in a process; later calls return the same function. Each call packs the
-    weight into a scratch of a few megabytes at most (``enginekit_packed_gemm_scratch``), allocated per call:
-    after the first, the allocator hands back the same memory, at no measurable cost.
+    weight into a scratch of a few megabytes at most, allocated per call by the C code.
     """
     lib = native_library()
     if lib is None:
         return None
     kernel = entries.PACKED_GEMM.bind(lib)
-    scratch_floats = lib.enginekit_packed_gemm_scratch
-    scratch_floats.restype, scratch_floats.argtypes = ctypes.c_long, [ctypes.c_long, ctypes.c_int]
     get_threads = torch.get_num_threads
 
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
     ) -> torch.Tensor:
-        threads = threads or get_threads()
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-        scratch = torch.empty(scratch_floats(weight.shape[-1], threads), dtype=torch.float32)
-        kernel(x=x, weight=weight, bias=bias, out=out, scratch=scratch, threads=threads)
-        return out
+        return kernel(x=x, weight=weight, bias=bias, threads=threads or get_threads())
 
     try:
         probe_packed_gemm(gemm)
@@ -156,16 +147,12 @@ class LayerOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMS norm of the rows of a 2-D ``x`` whose rows are contiguous, into a new tensor."""
-        out = torch.empty(x.shape, dtype=torch.float32)
-        self._rms_norm(x=x, weight=weight, out=out, eps=eps, threads=self._threads())
-        return out
+        return self._rms_norm(x=x, weight=weight, eps=eps, threads=self._threads())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a 2-D ``[gate | up]`` whose rows are contiguous, into a new tensor."""
-        inter = gate_up.shape[-1] // 2
-        out = torch.empty((gate_up.shape[0], inter), dtype=torch.float32)
-        self._silu_mul(gate_up=gate_up, out=out, inter=inter, threads=self._threads())
-        return out
+        inter = gate_up.shape[-1] // 2 if isinstance(gate_up, torch.Tensor) else 0
+        return self._silu_mul(gate_up=gate_up, inter=inter, threads=self._threads())
 
     def rope_write_cache(
         self,
@@ -181,19 +168,16 @@ class LayerOps:
         ``[T, heads + kv_heads, D]``; writes the rotated k and the v heads into the contiguous ``kv_cache``
         ``[2, slots, KVH, D]`` at ``slots`` (int64). ``cos`` and ``signed_sin`` are contiguous ``[T, 1, D]``
         (see ``rotary.rotate``)."""
-        qk = torch.empty((qkv.shape[0], heads + kv_heads, kv_cache.shape[-1]), dtype=torch.float32)
-        self._rope(
+        return self._rope(
             qkv=qkv,
             cos=cos,
             signed_sin=signed_sin,
             slots=slots,
-            qk=qk,
             kv_cache=kv_cache,
             heads=heads,
             kv_heads=kv_heads,
             threads=self._threads(),
         )
-        return qk
 
     def paged_attention(
         self,
@@ -212,19 +196,16 @@ class LayerOps:
         token to the tokens up to its own. ``block_tables`` ``[rows, blocks]`` (rows contiguous),
         ``context_lens`` and ``table_rows`` are int64, and every key and value attended to is already in the
         cache."""
-        out = torch.empty(q.shape, dtype=torch.float32)
-        self._attention(
+        return self._attention(
             q=q,
             kv_cache=kv_cache,
             block_tables=block_tables,
             table_rows=table_rows,
             context_lens=context_lens,
-            out=out,
             block_size=block_size,
             scale=scale,
             threads=self._threads(),
         )
-        return out
 
 
 @functools.cache

@@ -13,6 +13,7 @@
  * Built with skinny_gemm.c and layer_ops.c into one library by enginekit/model/native.py.
  */
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -106,8 +107,13 @@ AVX2 void enginekit_panel_gemm(const float *x, long ldx, enginekit_pack_fn pack,
   }
 }
 
-/* y = x W^T (+ bias) for a float32 W [n, k], contiguous. */
-AVX2 void enginekit_packed_gemm(const float *x, long ldx, const float *w, const float *bias, float *y, long m,
-                                long n, long k, float *scratch, int threads) {
+/* y = x W^T (+ bias) for a float32 W [n, k], contiguous. The scratch (a few megabytes at most) is allocated per
+ * call: after the first, the allocator hands back the same memory. Returns 0, or -1 if it cannot be allocated. */
+AVX2 int enginekit_packed_gemm(const float *x, long ldx, const float *w, const float *bias, float *y, long m, long n,
+                               long k, int threads) {
+  float *scratch = malloc(enginekit_packed_gemm_scratch(k, threads) * sizeof(float));
+  if (!scratch) return -1;
   enginekit_panel_gemm(x, ldx, pack_panel, w, bias, y, m, n, k, scratch, threads);
+  free(scratch);
+  return 0;
 }

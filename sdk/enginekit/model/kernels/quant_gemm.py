@@ -123,18 +123,15 @@ class NativeQuantGemm(QuantGemm):
         if not self.supports(qtype):
             return super().dequantize(blocks, qtype, out_features, in_features)
         block_size, type_size = _format(qtype)
-        out = torch.empty((out_features, in_features), dtype=torch.float32)
-        self._dequantize(
+        return self._dequantize(
             blocks=blocks,
             qtype=int(qtype),
-            out=out,
             N=out_features,
             K=in_features,
             block_size=block_size,
             type_size=type_size,
             threads=self._threads(),
         )
-        return out
 
     def __call__(
         self,
@@ -156,12 +153,10 @@ class NativeQuantGemm(QuantGemm):
         if exact_input and path == "auto" and x.shape[0] <= FLOAT_PATH_MAX_ROWS:
             path = "float"
         block_size, type_size = _format(qtype)
-        out = torch.empty((x.shape[0] if x.dim() else 0, out_features), dtype=torch.float32)
-        self._gemm(
+        return self._gemm(
             x=x,
             blocks=blocks,
             qtype=int(qtype),
-            out=out,
             N=out_features,
             K=in_features,
             block_size=block_size,
@@ -170,7 +165,6 @@ class NativeQuantGemm(QuantGemm):
             isa=ISAS[isa or self.best_isa],
             path=PATHS[path],
         )
-        return out
 
 
 @functools.cache

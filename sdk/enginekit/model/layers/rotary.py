@@ -12,20 +12,36 @@ from enginekit.model.config import ModelConfig
 
 class RotaryEmbedding(nn.Module):
     """cos and sin tables for every position, computed once the way the reference implementation does; the sin
-    table's first half is stored negated (see ``rotate``)."""
+    table's first half is stored negated (see ``rotate``).
 
-    cos: torch.Tensor  # buffers, [max_positions, D]
+    ``longrope`` has two tables one after the other, the short factors' then the long factors'; ``rows`` says
+    which row each token reads."""
+
+    cos: torch.Tensor  # buffers, [max_positions (twice for longrope), D]
     signed_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         head_dim = config.head_dim
+        self.max_positions = config.max_position_embeddings
+        self.long_from = config.long_rope_from  # longrope: the original length (see ``rows``)
         with torch.device("cpu"):  # NOTE: real tables even when the model is built on the meta device
             inv_freq, attention_factor = inverse_frequencies(config)
-            cos, sin = _rotary_tables(inv_freq, config.max_position_embeddings, attention_factor)
+            cos, sin = _rotary_tables(inv_freq, self.max_positions, attention_factor)
+            if self.long_from is not None:
+                long_cos, long_sin = _rotary_tables(
+                    inverse_frequencies(config, long=True)[0], self.max_positions, attention_factor
+                )
+                cos, sin = torch.cat((cos, long_cos)), torch.cat((sin, long_sin))
             signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("signed_sin", signed_sin, persistent=False)
+
+    def rows(self, start: int, end: int, long: bool) -> range:
+        """The table rows of positions ``[start, end)``: the positions, or with ``longrope`` for a ``long``
+        sequence (one past ``long_from`` tokens; see ``core/scheduler.py``) the long factors' rows."""
+        offset = self.max_positions if long and self.long_from is not None else 0
+        return range(start + offset, end + offset)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin of these positions, ``[T, 1, D]``; looked up once per step, used by every layer."""
@@ -40,20 +56,32 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(config: ModelConfig, *, long: bool = False) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies of ``config.rope_type`` and the factor on cos and sin, computed in the
-    order and dtypes transformers uses (``modeling_rope_utils``), so the tables are bitwise the same."""
+    order and dtypes transformers uses (``modeling_rope_utils``), so the tables are bitwise the same.
+
+    ``dynamic`` (NTK) changes the base only for sequences past ``max_position_embeddings``, which no sequence
+    here reaches (``max_model_len`` is at most that): its frequencies are the default ones, as in transformers
+    within that length. ``longrope``: the short factors' frequencies, or with ``long`` the long factors'."""
     dim, base, params = config.head_dim, config.rope_theta, config.rope_parameters
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base**exponents)
     attention_factor = 1.0
-    if config.rope_type == "linear":
+    if config.rope_type == "longrope":
+        factors = config.rope_long_factors if long else config.rope_short_factors
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
+        factor = params["factor"]
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            original = params["original_max_position_embeddings"]
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    elif config.rope_type == "linear":
         inv_freq = inv_freq / params["factor"]
     elif config.rope_type == "llama3":
         inv_freq = _llama3(inv_freq, params)
     elif config.rope_type == "yarn":
         inv_freq, attention_factor = _yarn(dim, base, params, config.max_position_embeddings)
-    elif config.rope_type != "default":
+    elif config.rope_type not in ("default", "dynamic"):
         raise ValueError(f"unknown rope type {config.rope_type!r}")
     if config.rope_freq_factors:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
