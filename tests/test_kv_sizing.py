@@ -134,10 +134,12 @@ import json, sys
 from enginekit import Engine
 from enginekit.core.resources import host_memory_available
 available = host_memory_available()
-with Engine("builtin", mode=sys.argv[1]) as engine:
+ranks = int(sys.argv[2])
+with Engine("builtin", mode=sys.argv[1], data_parallel_size=ranks) as engine:
     stats = engine.get_stats()
     print(json.dumps({"available": available, "bytes": stats["kv_cache_bytes"], "tokens": stats["kv_cache_tokens"],
-                      "ready_bytes": engine._client.kv_cache_bytes}))
+                      "ready_bytes": engine._client.kv_cache_bytes,
+                      "rank_bytes": [rank["kv_cache_bytes"] for rank in stats.get("ranks", [stats])]}))
 """
 
 
@@ -154,16 +156,17 @@ def _writable_memory_cgroup() -> bool:
 @pytest.mark.skipif(
     not _writable_memory_cgroup(), reason="needs a writable cgroup v1 memory controller (root)"
 )
-@pytest.mark.parametrize("mode", ["inproc", "mp"])
-def test_kv_cache_under_a_real_cgroup_memory_limit(mode):
+@pytest.mark.parametrize(("mode", "ranks"), [("inproc", 1), ("mp", 1), ("mp", 2)])
+def test_kv_cache_under_a_real_cgroup_memory_limit(mode, ranks):
     """A real cgroup (v1 memory controller) with a 1 GiB limit: the engine, started inside it (the mp engine
-    process and its launcher too, forked from there), sizes its cache from what the limit leaves."""
+    process and its launcher too, forked from there), sizes its cache from what the limit leaves; two
+    data-parallel ranks share that out."""
     group = os.path.join(CGROUP_V1, f"enginekit-test-{uuid.uuid4().hex[:8]}")
     os.mkdir(group)
     try:
         with open(os.path.join(group, "memory.limit_in_bytes"), "w") as file:
             file.write(str(GiB))
-        command = f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1" {mode}'
+        command = f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1" {mode} {ranks}'
         result = subprocess.run(
             ["sh", "-c", command, sys.executable, CHILD], capture_output=True, text=True, timeout=300
         )
@@ -174,7 +177,8 @@ def test_kv_cache_under_a_real_cgroup_memory_limit(mode):
     # Without the limit this machine's default would be the builtin model's useful maximum (1 GiB).
     assert 0 < seen["available"] < GiB
     assert seen["bytes"] <= GiB // 4
-    assert seen["bytes"] == seen["ready_bytes"]
+    assert seen["bytes"] == seen["ready_bytes"] == sum(seen["rank_bytes"])
+    assert all(size <= GiB // 4 // ranks for size in seen["rank_bytes"])
     assert (
         seen["tokens"] * kv_block_bytes(EngineConfig(), BUILTIN_CONFIG, torch.float32) // 16 == seen["bytes"]
     )
