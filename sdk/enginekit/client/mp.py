@@ -101,6 +101,11 @@ class MPClient(EngineCoreClient):
             ready.num_gpu_blocks,
             ready.device,
         )
+        # NOTE: every rank's cache, as get_stats() sums them.
+        self.kv_cache_bytes = sum(engine.ready.kv_cache_bytes for engine in self.engines if engine.ready)
+        self.kv_cache_tokens = sum(
+            engine.ready.kv_cache_size_tokens for engine in self.engines if engine.ready
+        )
         self.engine_pids = [engine.ready.pid for engine in self.engines if engine.ready is not None]
         self.engine_pid = self.engine_pids[0]
 

@@ -109,7 +109,8 @@ class EngineCoreProc(EngineCore):
         return ReadyMessage(
             max_model_len=self.max_model_len,
             num_gpu_blocks=self.num_kv_blocks,
-            kv_cache_size_tokens=self.num_kv_blocks * self.config.block_size,
+            kv_cache_size_tokens=self.kv_size.num_tokens,
+            kv_cache_bytes=self.kv_size.num_bytes,
             block_size=self.config.block_size,
             pid=os.getpid(),
             device=str(self.device),
