@@ -162,6 +162,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
 
     def __post_init__(self) -> None:
+        _require(  # NOTE: an empty path would resolve to the current directory and load whatever lies there
+            self.model is None or self.model.strip() != "",
+            f"model must not be empty; pass None for the default model or '.' for the current directory, "
+            f"got {self.model!r}",
+        )
         _require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             f"block_size must be a positive power of two, got {self.block_size}",

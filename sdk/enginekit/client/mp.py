@@ -47,6 +47,7 @@ from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
 logger = logging.getLogger("enginekit.client")
 
 SHUTDOWN_GRACE_S = 5.0
+UNREACHABLE_GRACE_S = 1.0  # how long a peer whose socket is gone may take to finish exiting
 
 
 class MPClient(EngineCoreClient):
@@ -136,6 +137,16 @@ class MPClient(EngineCoreClient):
                 self.sockets.input.send_multipart(frames, copy=False)
             except zmq.ZMQError as error:
                 self._check_usable()
+                # NOTE: nobody may have watched the engine meanwhile (an "async" engine with no loop running):
+                # say how it ended, as a receiver that saw it would have.
+                # An unreachable peer has closed its socket: it is exiting, and its threads may take a moment
+                # more to finish (the main one is a zombie before the others are gone).
+                gone = next(
+                    (engine for engine in self.engines if engine.process.wait_dead(UNREACHABLE_GRACE_S)), None
+                )
+                if gone is not None:
+                    self._mark_dead(f"{self._who(gone)}the engine process died", gone)
+                    self._check_usable()
                 raise EngineDeadError(f"cannot reach the engine process: {error}") from error
 
     def _engine(self, rank: int | None) -> EngineRank:

@@ -38,6 +38,7 @@ from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.core.validation import RequestLimits, validate_request
 from enginekit.model.batch import TokenBitmask
+from enginekit.model.kernels.library import native_kernels_status
 from enginekit.model.loader import ModelSpec, load_model, load_model_spec
 from enginekit.model.runner import ModelRunner
 from enginekit.model.text.vocabulary import bad_words_token_ids
@@ -369,6 +370,7 @@ class EngineCore:
             "num_generated_tokens": self.outputs.num_generated_tokens,
             "uptime_s": time.monotonic() - self.start_time,
             "data_parallel_rank": self.engine_index,
+            "native_kernels": native_kernels_status(),
             **self.structured.stats(),
         }
 
