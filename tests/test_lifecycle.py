@@ -501,6 +501,13 @@ def test_engine_process_exits_when_its_front_end_is_killed_during_model_load(fro
     assert wait_gone(pids) == []
 
 
+def assert_exits_leaving_nothing(script: FrontEnd, pids: list[int]) -> None:
+    assert script.proc.wait(60) == 0, script.stderr
+    assert wait_gone(pids) == []
+    for sign_of_trouble in ("Traceback", "Exception ignored", "dead", "died"):
+        assert sign_of_trouble not in script.stderr, script.stderr
+
+
 def test_interpreter_exit_without_shutdown_releases_every_engine(front_end):
     script = front_end("""
         engines = [Engine("builtin", mode=mode, num_kv_blocks=64) for mode in ("inproc", "mp", "async", "mp")]
@@ -510,10 +517,7 @@ def test_interpreter_exit_without_shutdown_releases_every_engine(front_end):
     """)
     pids = [int(pid) for pid in script.expect("pids")]
     assert len(pids) == 4  # the launcher and three engine processes
-    assert script.proc.wait(60) == 0, script.stderr
-    assert wait_gone(pids) == []
-    for sign_of_trouble in ("Traceback", "Exception ignored", "dead", "died"):
-        assert sign_of_trouble not in script.stderr, script.stderr
+    assert_exits_leaving_nothing(script, pids)
 
 
 def test_interpreter_exit_with_a_bare_client_and_a_dropped_engine_leaves_no_orphan(front_end):
@@ -533,10 +537,7 @@ def test_interpreter_exit_with_a_bare_client_and_a_dropped_engine_leaves_no_orph
     """)
     pids = [int(pid) for pid in script.expect("pids")]
     assert len(pids) == 3  # the launcher and two engine processes
-    assert script.proc.wait(60) == 0, script.stderr
-    assert wait_gone(pids) == []
-    for sign_of_trouble in ("Traceback", "Exception ignored", "dead", "died"):
-        assert sign_of_trouble not in script.stderr, script.stderr
+    assert_exits_leaving_nothing(script, pids)
 
 
 def test_no_cleanup_runs_in_a_destructor():

@@ -32,7 +32,7 @@ from enginekit.client.sockets import EngineSockets
 from enginekit.client.startup import EngineRank, check_placement, spawn_engines, wait_for_ready
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineDeadError, EngineShutdownError
-from enginekit.interrupts import awaiting_with_signal_checks
+from enginekit.interrupts import awaiting_with_signal_checks, running_loop
 from enginekit.model.loader import ModelSpec
 from enginekit.runtime import exit_hooks
 from enginekit.runtime.engine_process import EngineProcess
@@ -319,7 +319,7 @@ class MPClient(EngineCoreClient):
             )
         else:
             reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
-        if _running_loop() is None:
+        if running_loop() is None:
             self._mark_dead(reason, engine)
         else:  # NOTE: describing the death waits for the exit (up to a second): never on a running loop
             thread = threading.Thread(
@@ -388,10 +388,3 @@ def _describe_death(reason: str, process: EngineProcess | RemoteRank) -> EngineD
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
