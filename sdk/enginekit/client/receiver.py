@@ -189,7 +189,7 @@ class LoopReceiver(_Receiver):
         if self.dead:
             return self._arrived
         # NOTE: a plain reader, not a zmq.asyncio socket: one callback per wake-up instead of a poll future
-        # and a task switch (a utility round trip took 2-3x as long). The fd is edge-triggered: each callback
+        # and a task switch (which made a utility round trip several times as long). The fd is edge-triggered: each callback
         # drains the socket until it would block, and messages queued before the reader existed are read by
         # the first, scheduled now.
         fd = self._socket.FD
