@@ -525,3 +525,26 @@ def test_a_ranks_exit_code_reaches_its_death_message_when_another_ranks_join_is_
     assert ranks[1].is_alive() and ranks[1].joined
     assert not ranks[0].is_alive()
     assert "exited with code 3" in ranks[0].describe_exit()
+
+
+def test_a_new_config_option_changes_the_wire_schema():
+    # EngineConfig travels whole to a remote rank, so an option one release has and the other lacks must make
+    # their versions differ (and the join refused), while a changed default or docstring must not.
+    import msgspec.inspect
+
+    from enginekit.wire.version import _shape, wire_schema
+
+    class WithOption(EngineConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        new_option: int = 0
+
+    def shape(cls):
+        return _shape(msgspec.inspect.type_info(cls), set())[4]
+
+    class OtherDefault(EngineConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        startup_timeout: float = 1.0
+
+    assert shape(WithOption) != shape(EngineConfig)
+    assert shape(OtherDefault) == shape(EngineConfig)
+    assert [field[0] for field in shape(EngineConfig)] == list(EngineConfig.__struct_fields__)
+    assert msgspec.json.encode(wire_schema()) == msgspec.json.encode(wire_schema())  # stable within a release
+    assert len(SCHEMA) == 12
