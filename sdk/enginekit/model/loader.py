@@ -374,7 +374,7 @@ def _join(parts: list, *, embedding: bool = False):
 
     Stored parts of one type form one product: a view of the file where they lie there back to back in this
     order, else a copy of their rows (llama.cpp's rotary permutation of q and k undone on the way), since one
-    product of the joined rows costs less than one per part (q/k/v of the default model at one row: 1.3x). Parts
+    product of the joined rows costs less than one per part (docs/benchmarks.md). Parts
     of different types stay separate products. (``stored_tensor_names`` keeps a fused group whole: all stored,
     or all float.)"""
     if all(isinstance(part, torch.Tensor) for part in parts):
