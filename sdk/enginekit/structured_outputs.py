@@ -67,8 +67,9 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, array_l
                 "StructuredOutputsParams needs exactly one of json, regex, choice, grammar or json_object=True, "
                 f"got {' and '.join(given) if given else 'none'}"
             )
-        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
-            msgspec.structs.force_setattr(self, "json", self.json.model_json_schema())
+        model_json_schema = getattr(self.json, "model_json_schema", None)
+        if isinstance(self.json, type) and callable(model_json_schema):  # a pydantic model class
+            msgspec.structs.force_setattr(self, "json", model_json_schema())
         for name in ("json_object", "disable_any_whitespace"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
@@ -170,13 +171,6 @@ def _check_text(params: StructuredOutputsParams, kind: str) -> None:
         raise TypeError(f"StructuredOutputsParams.{kind} must be a string, got {type(value).__name__}")
     if not value.strip():
         raise ValueError(f"StructuredOutputsParams.{kind} is an empty string")
-
-
-def json_options(any_whitespace: bool) -> dict[str, Any]:
-    """llguidance's options for a JSON schema: compact separators, and bounded whitespace between tokens."""
-    if not any_whitespace:
-        return {"whitespace_flexible": False}
-    return {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
 
 
 @functools.lru_cache(maxsize=256)

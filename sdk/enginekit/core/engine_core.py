@@ -277,10 +277,14 @@ class EngineCore:
             self.outputs.report_status(changes)
             return False
         batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache)
-        constrained = [row for row, request in enumerate(sampling) if request.grammar is not None]
-        if constrained:
-            matchers = [sampling[row].grammar.matcher for row in constrained]  # type: ignore[union-attr]
-            batch.token_bitmask = TokenBitmask(constrained, self.structured.bitmask(matchers))  # type: ignore[arg-type]
+        grammars = [
+            (row, request.grammar) for row, request in enumerate(sampling) if request.grammar is not None
+        ]
+        if grammars:
+            matchers = [grammar.ready_matcher for _, grammar in grammars]
+            batch.token_bitmask = TokenBitmask(
+                [row for row, _ in grammars], self.structured.bitmask(matchers)
+            )
         sampled = self.runner.execute(batch)
         self.num_steps += 1
         for request, num_new in scheduled.scheduled:

@@ -92,7 +92,7 @@ class StepOutputs:
         token_id = sampled.token_ids[row]
         request.all_token_ids.append(token_id)
         self.num_generated_tokens += 1
-        if request.grammar is not None and not request.grammar.matcher.accept(token_id):  # type: ignore[union-attr]
+        if request.grammar is not None and not request.grammar.ready_matcher.accept(token_id):
             self.fail(request, ValueError(f"token {token_id} {NO_ALLOWED_TOKEN}"))
             return
         finish_reason, stop_reason = self._check_stop(request, token_id)
@@ -161,7 +161,7 @@ class StepOutputs:
             return FinishReason.STOP, None
         if num_output >= params.min_tokens and token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
-        if request.grammar is not None and request.grammar.matcher.is_terminated():  # type: ignore[union-attr]
+        if request.grammar is not None and request.grammar.ready_matcher.is_terminated():
             return FinishReason.STOP, None  # the structured output is complete: nothing more can follow
         if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None

@@ -52,9 +52,9 @@ class Sampler:
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)
         raw = logits
-        bad_words = bad_words or [None] * len(params)
-        if any(needs_token_controls(p, words) for p, words in zip(params, bad_words)):
-            logits = apply_token_controls(logits, params, histories, bad_words)
+        words: list[list[list[int]] | None] = bad_words if bad_words is not None else [None for _ in params]
+        if any(needs_token_controls(p, w) for p, w in zip(params, words)):
+            logits = apply_token_controls(logits, params, histories, words)
         if histories is not None and any(history is not None for history in histories):
             logits = apply_penalties(logits, params, histories)
         token_ids = logits.argmax(dim=-1).tolist()

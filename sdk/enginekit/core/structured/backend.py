@@ -7,7 +7,8 @@ request from a compiled grammar, and fills a batch of token bitmasks (``int32`` 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -26,16 +27,21 @@ class GrammarMatcher(Protocol):
         ...
 
 
-class GrammarBackend(Protocol):
+MatcherT = TypeVar("MatcherT", bound=GrammarMatcher)
+
+
+class GrammarBackend(Protocol[MatcherT]):
+    """A backend's matchers are its own kind: ``fill_bitmask`` takes only those ``matcher`` made."""
+
     name: str
 
     def compile(self, kind: GrammarKind, text: str, any_whitespace: bool) -> Any:
         """A compiled grammar (shared by every request with the same constraint); ``ValueError`` if invalid."""
         ...
 
-    def matcher(self, compiled: Any) -> GrammarMatcher: ...
+    def matcher(self, compiled: Any) -> MatcherT: ...
 
-    def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
+    def fill_bitmask(self, matchers: Sequence[MatcherT], bitmask: torch.Tensor) -> None:
         """Write the allowed tokens of ``matchers[i]`` into row ``i`` of ``bitmask``."""
         ...
 

@@ -10,16 +10,18 @@ compiled grammar is a matcher in its start state; each request gets a copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import torch
 
-from enginekit.core.structured.backend import GrammarMatcher
 from enginekit.model.text.tokenizer import HFTokenizer, Tokenizer
 from enginekit.model.text.vocabulary import Vocabulary, build_vocabulary
-from enginekit.structured_outputs import GrammarKind, json_options
+from enginekit.structured_outputs import MAX_JSON_WHITESPACE, GrammarKind
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 SPECIAL_MARK = b"\xff"  # llguidance's prefix for a special token's name
 
@@ -72,8 +74,9 @@ class LLGuidanceBackend:
     def compile(self, kind: GrammarKind, text: str, any_whitespace: bool) -> llguidance.LLMatcher:
         try:
             if kind in ("json", "json_object"):
-                options = json_options(any_whitespace)
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)  # type: ignore[arg-type]
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    text, defaults=json_options(any_whitespace)
+                )
             else:
                 grammar = llguidance.grammar_from("grammar" if kind == "grammar" else kind, text)
         except ValueError as error:
@@ -86,8 +89,15 @@ class LLGuidanceBackend:
     def matcher(self, compiled: Any) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(compiled.deep_copy())
 
-    def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
+    def fill_bitmask(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor) -> None:
         assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
-        pairs = [(matcher.inner, row) for row, matcher in enumerate(matchers)]  # type: ignore[attr-defined]
+        pairs = [(matcher.inner, row) for row, matcher in enumerate(matchers)]
         rows, words = bitmask.shape
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
+
+
+def json_options(any_whitespace: bool) -> JsonCompileOptions:
+    """llguidance's options for a JSON schema: compact separators, and bounded whitespace between tokens."""
+    if not any_whitespace:
+        return {"whitespace_flexible": False}
+    return {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"}

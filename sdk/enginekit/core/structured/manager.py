@@ -21,16 +21,16 @@ import torch
 from enginekit.core.structured.backend import GrammarBackend, GrammarMatcher, bitmask_words
 from enginekit.model.text.tokenizer import Tokenizer
 from enginekit.model.text.vocabulary import build_vocabulary
-from enginekit.structured_outputs import StructuredOutputsParams
+from enginekit.structured_outputs import GrammarKind, StructuredOutputsParams
 
 MAX_CACHED = 256
 
-Spec = tuple[str, str, bool]
+Spec = tuple[GrammarKind, str, bool]
 
 
 def load_backend(
     name: str, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]
-) -> GrammarBackend:
+) -> GrammarBackend[Any]:
     """The backend ``name`` for a model with this tokenizer and ``vocab_size`` logits (imports the backend's
     package now; ``EngineConfig`` checked it is installed)."""
     if name == "xgrammar":
@@ -56,16 +56,22 @@ class RequestGrammar:
     def is_ready(self) -> bool:
         return self.matcher is not None
 
+    @property
+    def ready_matcher(self) -> GrammarMatcher:
+        """The matcher of a request that is scheduled (the scheduler holds back those still compiling)."""
+        assert self.matcher is not None, "a request was scheduled before its grammar compiled"
+        return self.matcher
+
 
 class StructuredOutputManager:
     def __init__(
         self, backend_name: str, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]
     ) -> None:
         self.backend_name = backend_name
-        self._make_backend: Callable[[], GrammarBackend] = lambda: load_backend(
+        self._make_backend: Callable[[], GrammarBackend[Any]] = lambda: load_backend(
             backend_name, tokenizer, vocab_size, list(eos_token_ids)
         )
-        self._backend: GrammarBackend | None = None
+        self._backend: GrammarBackend[Any] | None = None
         self._backend_lock = threading.Lock()
         self._words = bitmask_words(vocab_size)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -103,7 +109,7 @@ class StructuredOutputManager:
         self.num_compiled += 1
         return compiled
 
-    def _get_backend(self) -> GrammarBackend:
+    def _get_backend(self) -> GrammarBackend[Any]:
         with self._backend_lock:
             if self._backend is None:
                 start = time.perf_counter()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import xgrammar
 
-from enginekit.core.structured.backend import GrammarMatcher, bitmask_words
+from enginekit.core.structured.backend import bitmask_words
 from enginekit.model.text.vocabulary import Vocabulary
 from enginekit.structured_outputs import MAX_JSON_WHITESPACE, GrammarKind
 
@@ -94,6 +95,6 @@ class XGrammarBackend:
     def matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(xgrammar.GrammarMatcher(compiled), self._only_stop)
 
-    def fill_bitmask(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
+    def fill_bitmask(self, matchers: Sequence[XGrammarMatcher], bitmask: torch.Tensor) -> None:
         for row, matcher in enumerate(matchers):
-            bitmask[row] = matcher.next_mask()  # type: ignore[attr-defined]
+            bitmask[row] = matcher.next_mask()
