@@ -47,7 +47,17 @@ class RayCluster:
         self.started = False
         if not self.ray.is_initialized():
             # NOTE: ray.init() joins the cluster RAY_ADDRESS names, if any, else starts a local one.
-            self.ray.init(log_to_driver=config.log_level != "warning")
+            try:
+                self.ray.init(log_to_driver=config.log_level != "warning")
+            except Exception as error:
+                with contextlib.suppress(Exception):
+                    self.ray.shutdown()
+                raise EngineStartupError(
+                    f"data_parallel_backend='ray': Ray did not start: {error} (a busy machine can make a new "
+                    "local cluster miss Ray's own startup deadlines; connect to a running one with "
+                    "ray.init(address=...) before the engine starts)",
+                    phase="ray cluster",
+                ) from error
             self.started = True
         try:
             self.gpu = self._wants_gpu()
