@@ -117,6 +117,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_keys
         The file that holds the CURVE keys and ports remote ranks need (mode 0600; copy it to their hosts).
         The front end writes it at startup, keeping the keys of an existing file so that copies stay valid.
+    data_parallel_backend
+        Where the ranks run: ``"mp"`` (processes this front end starts, plus remote ranks started by hand) or
+        ``"ray"`` (every rank a Ray actor in its own placement group, on the cluster this process joined with
+        ``ray.init()`` / ``ray.init(address=...)``, else on a local one the engine starts and stops; ``pip
+        install 'enginekit[ray]'``). Each rank's bundle holds ``num_threads`` CPUs (1 if unset) and, on CUDA, one
+        GPU; the ranks join the front end over CURVE-protected TCP, at the host of ``address`` (port ``0`` or
+        none: free ports), else loopback on a one-node cluster and this node's address on a larger one.
     structured_outputs_backend
         The library that compiles ``StructuredOutputsParams`` and computes their token masks: ``"llguidance"``
         (the default; installed with enginekit) or ``"xgrammar"`` (``pip install 'enginekit[xgrammar]'``). Both
@@ -158,6 +165,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_load_balancing: Literal["internal", "external"] | None = None
     data_parallel_size_local: int | None = None
     data_parallel_keys: str | None = None
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
     cuda_graphs: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
 
@@ -218,6 +226,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             self.data_parallel_load_balancing,
         )
         _require(size >= 1, f"data_parallel_size must be at least 1, got {size}")
+        if self.data_parallel_backend == "ray":
+            self._check_ray()
         if rank is not None and not 0 <= rank < size:
             raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={size}), got {rank}")
         if rank is not None and balancing == "internal":
@@ -257,6 +267,33 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if not self.data_parallel_keys:
             raise ValueError(
                 "remote ranks need data_parallel_keys: the file the front end writes their CURVE keys to"
+            )
+
+    def _check_ray(self) -> None:
+        if (
+            self.data_parallel_rank is not None
+            or self.data_parallel_size_local is not None
+            or self.data_parallel_load_balancing == "external"
+        ):
+            raise ValueError(
+                "data_parallel_backend='ray' places every rank behind this front end (internal load balancing): "
+                "drop data_parallel_rank, data_parallel_size_local and external load balancing"
+            )
+        if self.address is not None and not self.address.startswith("tcp://"):
+            raise ValueError(
+                f"Ray ranks join the front end over TCP: give address='tcp://HOST:PORT', got {self.address!r}"
+            )
+        if self.device is not None and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"Ray places each rank on a GPU of its choosing: give device='cuda', not {self.device!r}"
+            )
+        try:
+            found = importlib.util.find_spec("ray") is not None
+        except ValueError:  # a module named ray without a spec: not the package
+            found = False
+        if not found:
+            raise ImportError(
+                "data_parallel_backend='ray' needs Ray, which is not installed: pip install 'enginekit[ray]'"
             )
 
     @property

@@ -64,10 +64,10 @@ def spawn_engines(config: EngineConfig, sockets: EngineSockets, engines: list[En
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config one rank runs with: its own GPU (``rank_device``), and its share of the CPU's threads.
 
-    A remote rank runs the config as given: its host has its own devices and cores."""
+    A remote rank (and a rank Ray placed) runs the config as given: its host has its own devices and cores."""
     # NOTE: with external load balancing, the other ranks share the machine too.
     num_ranks = local_rank_count(config)
-    if num_ranks == 1 or rank in config.data_parallel_remote_ranks:
+    if num_ranks <= 1 or rank in config.data_parallel_remote_ranks:
         return config
     changes: dict[str, object] = {}
     device = config.device or ("cuda" if _cuda_available() else "cpu")
@@ -127,7 +127,9 @@ def check_placement(config: EngineConfig) -> None:
 
 
 def local_rank_count(config: EngineConfig) -> int:
-    """The ranks that share this machine: every rank, less those that run elsewhere."""
+    """The ranks that share this machine: every rank, less those that run elsewhere (all of them on Ray)."""
+    if config.data_parallel_backend == "ray":
+        return 0
     return config.data_parallel_size - len(config.data_parallel_remote_ranks)
 
 
