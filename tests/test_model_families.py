@@ -145,6 +145,16 @@ def test_unsupported_options_are_refused_by_name(tmp_path, change, named):
     assert named in str(error.value)
 
 
+def test_an_unknown_layer_type_is_refused_by_name(tmp_path):
+    path = build_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8)
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "chunked_attention"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineStartupError, match="full_attention, sliding_attention") as error:
+        Engine(str(path), mode="inproc")
+    assert "chunked_attention" in str(error.value)
+
+
 # The same checkpoints as GGUF files, written as llama.cpp's converter writes them (tests/hf_to_gguf.py).
 
 GGUF_CASES = {
