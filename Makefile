@@ -45,10 +45,13 @@ format: setup
 	$(VENV)/bin/ruff check --fix sdk tests benchmarks
 	$(VENV)/bin/ruff format sdk tests benchmarks
 
+# One run on this machine writes benchmarks/results/<date>-<commit>.json, then docs/benchmarks.md and its plots
+# (docs/img/bench-*.png) from it: <= 35 min on 2 cores. `make bench BENCH=--quick`: the same sections at
+# smaller sizes, <= 8 min, its page beside its JSON (docs/benchmarks.md is the full run's alone).
 bench: setup
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -q --group llamacpp \
 		|| echo "llama-cpp-python could not be built here: the real-model section reports llama.cpp as not measured"
-	$(PY) benchmarks/run.py --output docs/benchmarks.md
+	$(PY) benchmarks/run.py $(BENCH)
 
 clean:
 	rm -rf $(VENV) build *.egg-info sdk/*.egg-info

@@ -5,9 +5,8 @@ Each baseline states a floor or a ceiling the engine is compared against:
 * ``zmq_pingpong_roundtrip`` / ``zmq_message_rate``: what raw pyzmq costs between two
   processes on this machine (the engine's client <-> core transport cannot beat it);
 * ``torch_import_time``: the fixed cost of starting a process that imports torch;
-* ``matmul_gflops``: this machine's dense float compute limit with torch;
-* ``projection_gflops``: the engine's projection kernel at a model's shapes (the other candidate for it);
-* ``hf_generate_throughput``: tokens/s of plain ``transformers`` ``generate`` on a batch.
+* ``hf_generate_runner``: tokens/s of ``transformers`` ``generate`` on a batch (dynamic or static cache,
+  eager or compiled).
 
 Everything runs locally: sockets are ``ipc://`` in a private temporary directory (or
 ``tcp://127.0.0.1`` where ipc is unavailable), models load from a local directory only, and
@@ -40,10 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "clear_model_cache",
     "hf_generate_runner",
-    "hf_generate_throughput",
     "import_time",
-    "matmul_gflops",
-    "projection_gflops",
     "torch_import_time",
     "zmq_message_rate",
     "zmq_pingpong_roundtrip",
@@ -389,141 +385,6 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
-def matmul_gflops(
-    n: int = 1024,
-    dtype: torch.dtype | str = "float32",
-    repeats: int = 10,
-    *,
-    warmup: int = 2,
-    min_sample_s: float = 0.05,
-) -> dict[str, Any]:
-    """Dense ``n x n @ n x n`` matmul throughput with torch on CPU, in GFLOP/s (2*n**3 flops).
-
-    Measured with torch's current thread count (the default unless someone changed it) and,
-    for reference, with ``torch.set_num_threads(1)``; the thread count is restored
-    afterwards. The two settings alternate sample by sample, so both see the same
-    background load on a shared machine. Each sample times enough back-to-back matmuls
-    to last ``min_sample_s``.
-
-    Returns ``{"default": Summary, "single_thread": Summary, "threads": int, "n": n,
-    "dtype": str}``.
-    """
-    import torch
-
-    if n < 1 or repeats < 1:
-        raise ValueError("n and repeats must be >= 1")
-    dt = _resolve_dtype(dtype)
-    threads = torch.get_num_threads()
-    settings = (threads, 1) if threads != 1 else (1,)
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(dt)
-    b = torch.randn(n, n, generator=gen).to(dt)
-    c = torch.empty(n, n, dtype=dt)
-    flops = 2.0 * n * n * n
-    samples: dict[int, list[float]] = {t: [] for t in settings}
-    inner: dict[int, int] = {}
-    try:
-        with torch.inference_mode():
-            # Warm up each setting and pick how many matmuls make one sample >= min_sample_s.
-            for t in settings:
-                torch.set_num_threads(t)
-                per_call = float("inf")
-                for _ in range(max(1, warmup)):
-                    t0 = time.perf_counter()
-                    torch.mm(a, b, out=c)
-                    per_call = min(per_call, time.perf_counter() - t0)
-                inner[t] = max(1, min(1000, int(min_sample_s / max(per_call, 1e-9)) + 1))
-            for _ in range(repeats):
-                for t in settings:
-                    torch.set_num_threads(t)
-                    k = inner[t]
-                    t0 = time.perf_counter()
-                    for _ in range(k):
-                        torch.mm(a, b, out=c)
-                    elapsed = time.perf_counter() - t0
-                    samples[t].append(flops * k / elapsed / 1e9)
-    finally:
-        torch.set_num_threads(threads)
-    return {
-        "default": summarize(samples[threads]),
-        "single_thread": summarize(samples[1]),
-        "threads": threads,
-        "n": n,
-        "dtype": str(dt).removeprefix("torch."),
-    }
-
-
-def layer_projection_shapes(config: Any) -> list[tuple[int, int]]:
-    """``(in, out)`` of one decoder layer's projections as the engine runs them: the fused q/k/v, the output,
-    the fused gate/up and the down projection."""
-    hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    return [
-        (hidden, q_size + 2 * kv_size),
-        (q_size, hidden),
-        (hidden, 2 * config.intermediate_size),
-        (config.intermediate_size, hidden),
-    ]
-
-
-def projection_gflops(
-    config: Any,
-    rows: int,
-    dtype: torch.dtype | str = "float32",
-    repeats: int = 5,
-    *,
-    plain: bool = False,
-    min_sample_s: float = 0.1,
-) -> Summary:
-    """The engine's own projection kernels at a model's shapes, in GFLOP/s, with torch's current threads.
-
-    One pass runs what a forward pass on ``rows`` tokens multiplies, with the engine's shapes and kernel
-    choice (``enginekit.model.layers.linear.linear_kernel``: in float32 on CPU the native skinny GEMM up to 128 rows,
-    the native packed GEMM from 96 rows on inputs 256 wide, oneDNN's linear for large weights, else
-    ``F.linear``): ``num_layers`` times the fused q/k/v, the
-    output, the fused gate/up and the down projection (one layer's weights, reused), then the LM head.
-    Passes repeat to last ``min_sample_s`` per sample. A square matmul is not always the fastest thing a
-    CPU's torch does: on a CPU with AVX512 oneDNN's linear at these shapes ran well above MKL's
-    1024x1024 ``torch.mm``, so a "share of the matmul peak" set against the square one alone can exceed
-    100%. ``plain=True`` runs every matmul through ``F.linear`` instead (what transformers runs), for the
-    engine kernels' lead.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from enginekit.model.layers.linear import linear_kernel
-
-    dt = _resolve_dtype(dtype)
-    kernel = F.linear if plain else linear_kernel(torch.device("cpu"), dt)[1]
-    hidden = config.hidden_size
-    layer = layer_projection_shapes(config)
-    gen = torch.Generator().manual_seed(0)
-
-    def operands(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(rows, k, generator=gen).to(dt), torch.randn(n, k, generator=gen).to(dt)
-
-    layer_calls = [operands(k, n) for k, n in layer]
-    head_call = operands(hidden, config.vocab_size)
-    flops = 2.0 * rows * (config.num_layers * sum(k * n for k, n in layer) + hidden * config.vocab_size)
-
-    def one_pass() -> None:
-        for _ in range(config.num_layers):
-            for x, w in layer_calls:
-                kernel(x, w, None)
-        kernel(*head_call, None)
-
-    samples = []
-    with torch.inference_mode():
-        one_pass()
-        for _ in range(repeats):
-            passes, t0 = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - t0) < min_sample_s:
-                one_pass()
-                passes += 1
-            samples.append(flops * passes / elapsed / 1e9)
-    return summarize(samples)
-
-
 # --------------------------------------------------------------------------------------
 # transformers generate
 # --------------------------------------------------------------------------------------
@@ -532,7 +393,7 @@ _MODEL_CACHE: dict[str, Any] = {}
 
 
 def clear_model_cache() -> None:
-    """Drop the model kept by ``hf_generate_throughput`` between calls."""
+    """Drop the models ``hf_generate_runner`` keeps between calls."""
     _MODEL_CACHE.clear()
     gc.collect()
 
@@ -551,21 +412,25 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _load_model(checkpoint_path: str | os.PathLike, dtype: str = "float32") -> Any:
-    """Load a causal LM offline from a local folder or a ``.gguf`` file (dequantized), in ``dtype``.
+def _load_model(checkpoint_path: str | os.PathLike, dtype: str = "float32", compiled: bool = False) -> Any:
+    """Load a causal LM offline from a local folder or a ``.gguf`` file (dequantized), in ``dtype``;
+    ``compiled``: its forward wrapped in ``torch.compile(dynamic=True)`` (compiled at the first calls).
 
-    Cached (one entry): loading a dequantized GGUF takes seconds.
+    Cached until ``clear_model_cache``: loading a dequantized GGUF takes seconds, and a compiled model keeps
+    what it compiled.
     """
+    import torch
 
     path = os.path.realpath(os.fspath(checkpoint_path))
     is_gguf = path.endswith(".gguf") and os.path.isfile(path)
     if not (is_gguf or os.path.isdir(path)):
         raise FileNotFoundError(f"checkpoint folder or .gguf file not found: {path}")
-    key = f"{path}:{dtype}"
+    key = f"{path}:{dtype}:{compiled}"
     model = _MODEL_CACHE.get(key)
     if model is not None:
         return model
-    clear_model_cache()
+    if any(not name.startswith(f"{path}:") for name in _MODEL_CACHE):
+        clear_model_cache()  # another checkpoint's models
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
@@ -582,6 +447,8 @@ def _load_model(checkpoint_path: str | os.PathLike, dtype: str = "float32") -> A
             folder, dtype=_resolve_dtype(dtype), local_files_only=True, **gguf
         )
     model.eval()
+    if compiled:
+        model.forward = torch.compile(model.forward, dynamic=True)
     _MODEL_CACHE[key] = model
     return model
 
@@ -595,50 +462,6 @@ def _per_request(values: Sequence[int] | int, batch_size: int, name: str) -> lis
     return [values[i % len(values)] for i in range(batch_size)]
 
 
-def hf_generate_throughput(
-    checkpoint_path: str | os.PathLike,
-    batch_size: int,
-    prompt_lens: Sequence[int] | int,
-    max_new_tokens: Sequence[int] | int,
-    repeats: int = 3,
-    *,
-    warmup: int = 1,
-    seed: int = 0,
-    num_threads: int | None = None,
-) -> Summary:
-    """Generated tokens/s of ``transformers`` ``model.generate`` on one batch (CPU, float32).
-
-    The batch has ``batch_size`` requests; request ``i`` has a prompt of
-    ``prompt_lens[i % len(prompt_lens)]`` random token ids and wants
-    ``max_new_tokens[i % len(max_new_tokens)]`` new tokens (an ``int`` means the same for
-    all). Prompts of different lengths are left-padded, with an attention mask and
-    ``pad_token_id`` set. Decoding is greedy and EOS is disabled, so every request gets
-    exactly the tokens it asked for.
-
-    Counting rule: ``generate`` runs one batch until its *longest* request is done, so
-    requests that wanted fewer tokens keep being computed past their end. Those extra
-    tokens are not counted: each request contributes only ``min(wanted, generated)``
-    tokens, because that is what a user gets out. tokens/s = those counted tokens divided
-    by the wall time of the whole ``generate`` call (prefill included; building the inputs
-    and loading the model are not timed).
-
-    Loads from a local directory only (offline); the model is kept between calls for the
-    same path. ``warmup`` untimed calls with the same shapes come first. ``num_threads``
-    sets torch's intra-op thread count for the call (restored afterwards); ``None`` keeps the
-    current one. On a loaded machine more threads can be far slower for small batches, so
-    compare against the engine at the same thread count. Returns a Summary of tokens/s over
-    ``repeats`` timed calls. To interleave with other measurements, use ``hf_generate_runner``.
-    """
-    if repeats < 1:
-        raise ValueError("repeats must be >= 1")
-    run_once = hf_generate_runner(
-        checkpoint_path, batch_size, prompt_lens, max_new_tokens, seed=seed, num_threads=num_threads
-    )
-    for _ in range(warmup):
-        run_once()
-    return summarize(run_once() for _ in range(repeats))
-
-
 def hf_generate_runner(
     checkpoint_path: str | os.PathLike,
     batch_size: int,
@@ -648,12 +471,18 @@ def hf_generate_runner(
     seed: int = 0,
     num_threads: int | None = None,
     dtype: str = "float32",
+    cache: str = "dynamic",
+    compiled: bool = False,
 ) -> Callable[[], float]:
-    """One ``generate`` call per invocation, returning its tokens/s (rules of ``hf_generate_throughput``).
+    """One ``generate`` call per invocation, returning its tokens/s: the tokens each request asked for (a
+    batch runs until its longest request ends; what the others compute past their end does not count) over
+    the wall time of the whole call (prefill included).
 
     The model is loaded and the batch built once, when this is called; each invocation then times one
     ``generate`` call under ``num_threads`` torch threads (restored afterwards), with every warning
-    raised as an error. Lets a caller interleave transformers samples with other measurements.
+    raised as an error. Lets a caller interleave transformers samples with other measurements. ``cache``:
+    ``"dynamic"`` (transformers' default, grown per step) or ``"static"`` (preallocated for the longest
+    request); ``compiled``: the model's forward through ``torch.compile`` (see ``_load_model``).
     """
     import torch
 
@@ -666,8 +495,10 @@ def hf_generate_runner(
     with warnings.catch_warnings(), _RaiseOnTransformersWarning():
         # Any warning is an error: a silently degraded baseline is worse than none.
         warnings.simplefilter("error")
-        model = _load_model(checkpoint_path, dtype)
-        run_once = _prepare_generate(model, plens, wanted, seed)
+        # torch.compile's tracing trips over deprecated torch APIs: a deprecation does not degrade the baseline
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = _load_model(checkpoint_path, dtype, compiled)
+        run_once = _prepare_generate(model, plens, wanted, seed, cache)
 
     def timed() -> float:
         with (
@@ -677,6 +508,7 @@ def hf_generate_runner(
             _RaiseOnTransformersWarning(),
         ):
             warnings.simplefilter("error")
+            warnings.simplefilter("ignore", DeprecationWarning)
             t0 = time.perf_counter()
             tokens = run_once()
             elapsed = time.perf_counter() - t0
@@ -702,7 +534,9 @@ def torch_threads(num_threads: int | None) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def _prepare_generate(model: Any, plens: list[int], wanted: list[int], seed: int) -> Callable[[], int]:
+def _prepare_generate(
+    model: Any, plens: list[int], wanted: list[int], seed: int, cache: str = "dynamic"
+) -> Callable[[], int]:
     """Build the batch once; return a function that runs generate and counts wanted tokens."""
     import torch
     from transformers import GenerationConfig
@@ -730,6 +564,7 @@ def _prepare_generate(model: Any, plens: list[int], wanted: list[int], seed: int
         bos_token_id=None,
         pad_token_id=pad_id,
         use_cache=True,
+        **({"cache_implementation": "static"} if cache == "static" else {}),
     )
     model.generation_config = gen_cfg
 

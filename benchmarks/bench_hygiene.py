@@ -1,43 +1,29 @@
-"""Section 8: what the front-end process holds after many restarts, per mode (``enginekit.diagnostics``)."""
+"""What the front-end process holds after many restarts, per mode (``enginekit.diagnostics``)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from .common import Context, greedy, make_engine
-from .report import SectionReport
-from .stats import fmt, summarize
+from .common import greedy, log, make_engine, session
+from .figures import rate, summary, target
+from .stats import markdown_table
 
-TITLE = "Restart hygiene"
 MODES = ("inproc", "mp", "async", "mp, data_parallel_size=2")
 _MIB = 2**20
 
 
-def run(ctx: Context, report: SectionReport) -> None:
+def run_hygiene_bench(quick: bool) -> dict[str, Any]:
     from enginekit.diagnostics import snapshot, wait_until_clean
 
-    restarts = ctx.pick(5, 50)
-    dp_restarts = ctx.pick(5, 20)
-    spec = ctx.model("builtin")
-    report.method = f"""
-Per mode: one warm-up cycle (start, generate, shut down) loads what any first engine loads once (modules,
-torch kernels, in mp/async the shared launcher process); then `enginekit.diagnostics.snapshot()` is the
-baseline, an engine starts, and `engine.restart()` runs {restarts} times, each followed by a small
-`generate` (4 prompts x 8 tokens) so that every restarted engine really served requests. After
-`engine.shutdown()`, `wait_until_clean(baseline, timeout=15)` polls until the process is back to the
-baseline or the time is up, and the remaining difference is reported. RSS growth per restart is the
-least-squares slope of the front end's RSS (while running) over the restarts. The front end is this
-process; in mp and async modes each engine process is new and its exit is checked as a child process.
-"""
-    rows = []
-    one_time = []
+    restarts, dp_restarts = (5, 5) if quick else (30, 10)
+    spec = session().model("builtin")
+    rows, targets = [], []
     for variant in MODES:
         mode, _, dp = variant.partition(", ")
         options = {"data_parallel_size": 2} if dp else {}
         count = dp_restarts if dp else restarts
-        ctx.log(f"hygiene: {variant}, {count} restarts")
-        before_any = snapshot()
+        log(f"hygiene: {variant}, {count} restarts")
         warm = make_engine(spec, mode, **options)
         _serve(warm)
         warm.shutdown()
@@ -47,7 +33,6 @@ process; in mp and async modes each engine process is new and its exit is checke
         times, rss = [], []
         try:
             _serve(engine)
-            first_rss = snapshot(collect=False).rss_bytes
             for _ in range(count):
                 t0 = time.perf_counter()
                 engine.restart()
@@ -58,61 +43,78 @@ process; in mp and async modes each engine process is new and its exit is checke
             engine.shutdown()
         diff = wait_until_clean(baseline, timeout=15)
         leaks = diff.leaks()
-        slope = _slope(rss) / _MIB
         rows.append(
-            [
-                variant,
-                count,
-                fmt(summarize(times).scaled(1e3), "ms", 0),
-                f"{first_rss / _MIB:.0f}",
-                f"{rss[-1] / _MIB:.0f}",
-                f"{slope:+.2f}",
-                f"{diff.rss_bytes / _MIB:+.1f}",
-                f"{diff.threads:+d}",
-                f"{diff.fds:+d}",
-                f"{diff.children:+d}",
-                f"{diff.gc_freeze_count:+d}",
-                f"{diff.tensors:+d}",
-                "clean" if not leaks else "; ".join(leaks),
-            ]
+            {
+                "variant": variant,
+                "restarts": count,
+                "restart_s": summary(times),
+                "rss_last_mib": rss[-1] / _MIB,
+                "rss_mib_per_restart": _slope(rss) / _MIB,
+                "rss_after_shutdown_mib": diff.rss_bytes / _MIB,
+                "threads": diff.threads,
+                "fds": diff.fds,
+                "children": diff.children,
+                "gc_frozen": diff.gc_freeze_count,
+                "tensors": diff.tensors,
+                "leaks": list(leaks),
+            }
         )
-        first = before_any.diff(baseline)
-        one_time.append(
-            f"{variant}: the first engine of the process leaves {first.rss_bytes / _MIB:+.0f} MiB RSS, "
-            f"{first.threads:+d} threads, {first.fds:+d} fds, {first.children:+d} child processes "
-            "(one-time, before the baseline)"
+        targets.append(
+            target(
+                f"hygiene, {variant}: leaks found by diagnostics after {count} restarts",
+                0,
+                len(leaks),
+                at_least=False,
+                unit="",
+                digits=0,
+            )
         )
-    report.table(
-        "Front-end process after the restarts (RSS in MiB; differences are after shutdown against the baseline)",
-        [
-            "mode",
-            "restarts",
-            "restart time",
-            "RSS after first start",
-            "RSS after the last restart",
-            "RSS MiB per restart",
-            "RSS after shutdown",
-            "threads",
-            "fds",
-            "children",
-            "gc frozen",
-            "tensors",
-            "verdict (diagnostics.leaks)",
-        ],
-        rows,
-        ["l", "r", "l", "r", "r", "r", "r", "r", "r", "r", "r", "r", "l"],
-    )
-    report.findings.extend(one_time)
-    report.limits = """
-RSS after shutdown is what the allocator keeps, not necessarily a leak: glibc's malloc and torch's CPU
-allocator keep freed memory for reuse, so the figure to watch is the growth per restart, which should be
-zero within noise. Threads, fds, child processes, frozen gc objects and tensors must come back exactly.
-The first engine of a process loads modules and, in mp and async modes, starts the shared launcher
-process (one child that stays for the life of the front end); those are one-time costs, reported apart.
+    return {"rows": rows, "targets": targets}
 
-What would move it: nothing needs to if the per-restart growth is zero; where it is not, the snapshot's
-thread names and the diff's new child pids name the culprit.
-"""
+
+def render_hygiene_bench(figures: dict[str, Any]) -> str:
+    rows = [
+        [
+            r["variant"],
+            r["restarts"],
+            rate({k: v * 1e3 if k != "n" else v for k, v in r["restart_s"].items()}, 0),
+            f"{r['rss_last_mib']:.0f}",
+            f"{r['rss_mib_per_restart']:+.2f}",
+            f"{r['rss_after_shutdown_mib']:+.1f}",
+            f"{r['threads']:+d}",
+            f"{r['fds']:+d}",
+            f"{r['children']:+d}",
+            f"{r['gc_frozen']:+d}",
+            f"{r['tensors']:+d}",
+            "clean" if not r["leaks"] else "; ".join(r["leaks"]),
+        ]
+        for r in figures["rows"]
+    ]
+    return (
+        "Per mode: a warm-up engine first (modules, kernels and the shared launcher load once per process), then "
+        "`enginekit.diagnostics.snapshot()` is the baseline, an engine starts and `engine.restart()` runs again "
+        "and again, each restart followed by a small `generate`; after `shutdown()`, `wait_until_clean` gives the "
+        "engine 15 s to be back at the baseline. RSS per restart is the least-squares slope over the restarts; "
+        "the other columns are differences against the baseline after shutdown and must be zero.\n\n"
+        + markdown_table(
+            [
+                "mode",
+                "restarts",
+                "restart ms",
+                "RSS MiB at the end",
+                "RSS MiB per restart",
+                "RSS MiB after shutdown",
+                "threads",
+                "fds",
+                "children",
+                "gc frozen",
+                "tensors",
+                "verdict",
+            ],
+            rows,
+            ["l", "r", "r", "r", "r", "r", "r", "r", "r", "r", "r", "l"],
+        )
+    )
 
 
 def _serve(engine: Any) -> None:

@@ -1,4 +1,4 @@
-"""Section 4: IPC cost: utility round trips and request rate against raw ZeroMQ between two processes."""
+"""IPC cost: utility round trips and request rate against raw ZeroMQ between two processes."""
 
 from __future__ import annotations
 
@@ -8,61 +8,49 @@ import time
 from typing import Any
 
 from .baselines import zmq_message_rate, zmq_pingpong_roundtrip
-from .common import Context, ModelSpec, greedy, interleave, make_engine, paired_ratio
-from .report import SectionReport
-from .stats import fmt, percentile, summarize
+from .common import ModelSpec, engines_up, equal_workload, greedy, interleave, log, paired_ratio, session
+from .figures import rate, summary, target
+from .stats import markdown_table, percentile
 
-TITLE = "IPC cost against raw ZeroMQ"
-TARGET = 2.0
+TARGET = 2.0  # a utility round trip's p50 over raw ZeroMQ's
 PROMPT_LEN = 8
 
 
-def run(ctx: Context, report: SectionReport) -> None:
+def run_ipc_bench(quick: bool) -> dict[str, Any]:
+    ctx = session()
     spec = ctx.model("builtin")
-    pings_per_block = ctx.pick(200, 500)
-    blocks = ctx.pick(3, 6)
-    num_requests = ctx.pick(1000, 10000)
+    pings, blocks = (200, 3) if quick else (500, 6)
+    num_requests = 500 if quick else 10000
     repeats = 2
-    report.method = f"""
-*Round trip*: `engine.call_utility("ping")` (async: `await engine.acall_utility("ping")`), one call at a
-time on an idle engine, against a raw pyzmq ROUTER (this process) / DEALER (a child process) echo of a
-64-byte message over ipc://. {blocks} blocks of {pings_per_block} round trips per variant, alternating; p50
-and p99 are over all round trips of a variant, and the ratio's spread is over the blocks' p50 ratios.
-
-*Request rate*: {num_requests:,} requests with {PROMPT_LEN}-token random prompts and `max_tokens=1`
-submitted at once with `generate` (async: `agenerate`) on the built-in model, against the raw one-way
-ZeroMQ message rate between two processes (64-byte messages, PUSH -> PULL, {num_requests:,} per sample).
-"engine core alone" drives `EngineCore` directly in this process (no front end, no IPC): what the engine
-itself sustains. All variants alternate, {repeats} rounds.
-"""
-    engines = {mode: make_engine(spec, mode, num_threads=ctx.threads) for mode in ("mp", "async", "inproc")}
-    try:
-        _round_trips(ctx, report, engines, pings_per_block, blocks)
-        _request_rate(ctx, report, spec, engines, num_requests, repeats)
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
-    report.limits = """
-A raw ping-pong is one send and one receive per side. A utility call adds, per direction: a msgspec
-encode and decode, a hop between the socket thread and the thread that handles the message (the engine's
-input thread hands it to the busy loop through a queue; the result goes back through the output queue and
-output thread; in mp mode the front end's receive thread resolves a Future the caller waits on), and each
-of those hops is a thread wake-up that needs the GIL. On 2 cores these wake-ups dominate the round trip.
-The request rate is bounded by the engine core itself (scheduling and prefilling many short prompts per
-step, one attention call per prefill chunk, detokenizing) and by the front end (validating prompts, building
-request and output objects), not by ZeroMQ, which moves orders of magnitude more messages per second (see the table).
-
-What would move it: utility calls answered by the input thread when they need no engine state (ping), or
-a busy loop that polls its queue without a thread hand-off; batching all adds of one `generate` call into
-one message; and, for the request rate, batching prefill chunks into one attention call per layer.
-"""
+    variants = {mode: {"mode": mode, "num_threads": ctx.threads} for mode in ("mp", "async", "inproc")}
+    with engines_up(spec, variants, equal_workload(1, PROMPT_LEN, 1)) as engines:
+        trips = _round_trips(engines, pings, blocks)
+        requests = _request_rate(spec, engines, num_requests, repeats)
+    targets = [
+        target(
+            f"{mode} utility round trip p50 / raw ZeroMQ p50",
+            TARGET,
+            trips["rows"][mode]["p50"] / trips["rows"]["raw"]["p50"],
+            at_least=False,
+        )
+        for mode in ("mp", "async")
+    ]
+    return {
+        "pings": pings,
+        "blocks": blocks,
+        "num_requests": num_requests,
+        "repeats": repeats,
+        "round_trips": trips,
+        "requests": requests,
+        "targets": targets,
+    }
 
 
-def _round_trips(ctx: Context, report: SectionReport, engines: dict, pings: int, blocks: int) -> None:
+def _round_trips(engines: dict, pings: int, blocks: int) -> dict[str, Any]:
     pooled: dict[str, list[float]] = {"raw": [], "mp": [], "async": [], "inproc": []}
     block_p50: dict[str, list[float]] = {name: [] for name in pooled}
     for block in range(blocks):
-        ctx.log(f"ipc: round trips, block {block + 1}/{blocks}")
+        log(f"ipc: round trips, block {block + 1}/{blocks}")
         order = ["raw", "mp", "async", "inproc"]
         shift = block % len(order)
         for name in order[shift:] + order[:shift]:
@@ -74,39 +62,70 @@ def _round_trips(ctx: Context, report: SectionReport, engines: dict, pings: int,
                 samples = _sync_pings(engines[name], pings)
             pooled[name].extend(samples)
             block_p50[name].append(percentile(sorted(samples), 50.0))
-    rows = []
-    raw = sorted(pooled["raw"])
-    raw_p50, raw_p99 = percentile(raw, 50.0), percentile(raw, 99.0)
-    for name, label in (
-        ("raw", "raw pyzmq ROUTER/DEALER ping-pong"),
-        ("mp", 'mp: call_utility("ping")'),
-        ("async", 'async: await acall_utility("ping")'),
-        ("inproc", 'inproc: call_utility("ping") (no IPC)'),
-    ):
-        values = sorted(pooled[name])
-        p50, p99 = percentile(values, 50.0), percentile(values, 99.0)
-        ratio = paired_ratio(block_p50[name], block_p50["raw"])
-        rows.append(
-            [
-                label,
-                f"{p50:.1f}",
-                f"{p99:.1f}",
-                f"{p50 / raw_p50:.2f}x ({ratio.min:.2f}-{ratio.max:.2f})",
-                f"{p99 / raw_p99:.2f}x",
-                len(values),
-            ]
+    rows = {}
+    for name, values in pooled.items():
+        values = sorted(values)
+        rows[name] = {
+            "p50": percentile(values, 50.0),
+            "p99": percentile(values, 99.0),
+            "n": len(values),
+            "block_ratio": summary(paired_ratio(block_p50[name], block_p50["raw"])),
+        }
+    return {"rows": rows}
+
+
+def render_ipc_bench(figures: dict[str, Any]) -> str:
+    trips = figures["round_trips"]["rows"]
+    raw = trips["raw"]
+    labels = {
+        "raw": "raw pyzmq ROUTER/DEALER ping-pong",
+        "mp": 'mp: call_utility("ping")',
+        "async": 'async: await acall_utility("ping")',
+        "inproc": 'inproc: call_utility("ping") (no IPC)',
+    }
+    trip_rows = [
+        [
+            label,
+            f"{trips[name]['p50']:.1f}",
+            f"{trips[name]['p99']:.1f}",
+            f"{trips[name]['p50'] / raw['p50']:.2f}x ({trips[name]['block_ratio']['min']:.2f}-{trips[name]['block_ratio']['max']:.2f})",
+            trips[name]["n"],
+        ]
+        for name, label in labels.items()
+    ]
+    requests = figures["requests"]
+    request_labels = {
+        "raw": "raw pyzmq PUSH -> PULL, messages/s",
+        "mp": "mp: generate, requests/s",
+        "async": "async: agenerate, requests/s",
+        "inproc": "inproc: generate, requests/s",
+        "core": "engine core alone, requests/s",
+    }
+    request_rows = [
+        [label, rate(requests["rates"][name], 0), f"{requests['against_raw'][name]['median']:.4f}"]
+        for name, label in request_labels.items()
+    ]
+    mp_inproc = requests["mp_over_inproc"]["median"]
+    core_inproc = requests["core_over_inproc"]["median"]
+    return (
+        f'*Round trip*: `call_utility("ping")` one call at a time on an idle engine, against a raw pyzmq echo '
+        f"of a 64-byte message between two processes; {figures['blocks']} blocks of {figures['pings']} round trips "
+        "per variant, alternating (spread: the blocks' p50 ratios). *Request rate*: "
+        f"{figures['num_requests']:,} requests of {PROMPT_LEN} tokens and `max_tokens=1` submitted at once "
+        f"({requests['steps']} engine steps per batch), against raw ZeroMQ's one-way message rate; \"engine core "
+        f'alone" drives `EngineCore` in this process (no front end, no IPC). {figures["repeats"]} rounds.\n\n'
+        + markdown_table(
+            ["variant", "p50 µs", "p99 µs", "p50 / raw", "n"], trip_rows, ["l", "r", "r", "l", "r"]
         )
-        if name in ("mp", "async"):
-            verdict = "met" if p50 / raw_p50 <= TARGET else "NOT met"
-            report.targets.append(
-                f"{name} utility round trip p50 <= {TARGET:.0f}x raw ZeroMQ: measured {p50:.1f} us vs "
-                f"{raw_p50:.1f} us = {p50 / raw_p50:.2f}x: {verdict} (p99 {p99 / raw_p99:.2f}x)"
-            )
-    report.table(
-        "Round trip, microseconds",
-        ["variant", "p50 us", "p99 us", "p50 / raw (block spread)", "p99 / raw", "n"],
-        rows,
-        ["l", "r", "r", "l", "l", "r"],
+        + "\n"
+        + markdown_table(["variant", "per second", "/ raw ZeroMQ"], request_rows, ["l", "r", "r"])
+        + f"\nmp reaches {mp_inproc:.2f}x the inproc request rate, and the engine core alone {core_inproc:.2f}x "
+        "the inproc facade's: "
+        + (
+            "the front end (prompt checks, request and output objects) costs more than the IPC does.\n"
+            if core_inproc > 1.2
+            else "the engine core itself is the limit.\n"
+        )
     )
 
 
@@ -135,9 +154,7 @@ async def _async_pings(engine: Any, count: int) -> list[float]:
     return samples
 
 
-def _request_rate(
-    ctx: Context, report: SectionReport, spec: ModelSpec, engines: dict, num_requests: int, repeats: int
-) -> None:
+def _request_rate(spec: ModelSpec, engines: dict, num_requests: int, repeats: int) -> dict[str, Any]:
     rng = random.Random(0)
     params = greedy(1)
 
@@ -162,44 +179,20 @@ def _request_rate(
     runners = {mode: facade(engine) for mode, engine in engines.items()}
     runners["core"] = lambda: _core_rate(spec, num_requests, rng)
     runners["raw"] = lambda: zmq_message_rate(num_messages=num_requests, repeats=1)["msgs_per_s"]
-    ctx.log(f"ipc: {num_requests} max_tokens=1 requests x {repeats}")
+    log(f"ipc: {num_requests} max_tokens=1 requests x {repeats}")
     samples = interleave(runners, repeats=repeats, warmup=1)
     steps_before = engines["inproc"].get_stats()["num_steps"]
     engines["inproc"].generate(prompts(), params, progress=False)
     steps = engines["inproc"].get_stats()["num_steps"] - steps_before
-    rows = []
-    for name, label in (
-        ("raw", "raw pyzmq PUSH -> PULL, messages/s"),
-        ("mp", "mp: generate, requests/s"),
-        ("async", "async: agenerate, requests/s"),
-        ("inproc", "inproc: generate, requests/s"),
-        ("core", "engine core alone, requests/s"),
-    ):
-        ratio = paired_ratio(samples[name], samples["raw"])
-        rows.append(
-            [
-                label,
-                fmt(summarize(samples[name]), "", 0, thousands=True),
-                f"{ratio.median:.4f} ({ratio.min:.4f}-{ratio.max:.4f})",
-            ]
-        )
-    report.table(
-        f"{num_requests:,} requests with max_tokens=1 ({steps} engine steps per batch, max_num_seqs 128)",
-        ["variant", "per second", "/ raw ZeroMQ messages/s"],
-        rows,
-        ["l", "l", "l"],
-    )
-    mp_vs_inproc = paired_ratio(samples["mp"], samples["inproc"])
-    core_vs_inproc = paired_ratio(samples["core"], samples["inproc"])
-    report.findings.append(
-        f"mp reaches {mp_vs_inproc.median:.2f}x the inproc request rate; the engine core alone runs "
-        f"{core_vs_inproc.median:.2f}x the inproc facade's rate, so "
-        + (
-            "the front end (prompt validation, request and output objects) costs more than IPC does."
-            if core_vs_inproc.median > 1.2
-            else "the engine core itself is the limit."
-        )
-    )
+    return {
+        "steps": steps,
+        "rates": {name: summary(values) for name, values in samples.items()},
+        "against_raw": {
+            name: summary(paired_ratio(values, samples["raw"])) for name, values in samples.items()
+        },
+        "mp_over_inproc": summary(paired_ratio(samples["mp"], samples["inproc"])),
+        "core_over_inproc": summary(paired_ratio(samples["core"], samples["inproc"])),
+    }
 
 
 def _core_rate(spec: ModelSpec, num_requests: int, rng: random.Random) -> float:

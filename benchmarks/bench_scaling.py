@@ -1,18 +1,17 @@
-"""Section 6: time per decode step against batch size and context length, on the engine core directly."""
+"""Time per decode step against batch size and context length, on the engine core directly."""
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .common import Context, ModelSpec, greedy
-from .report import SectionReport
-from .stats import Summary, fmt, summarize
+from .common import ModelSpec, greedy, log, session
+from .figures import rate, summary
+from .stats import Summary, markdown_table, summarize
 
-TITLE = "Scaling: decode step time against batch size and context length"
 BLOCK_SIZE = 16
 PREFILL_BUDGET = 2048  # the engine's default max_num_batched_tokens
 
@@ -24,7 +23,9 @@ class DecodeBench:
     them are running and every one needs exactly one new token (pure decode), then hands out timed steps.
     """
 
-    def __init__(self, spec: ModelSpec, max_tokens_in_flight: int, max_context: int, seed: int = 0) -> None:
+    def __init__(
+        self, spec: ModelSpec, max_tokens_in_flight: int, max_context: int, seed: int = 0, **options: Any
+    ) -> None:
         from enginekit import EngineConfig
         from enginekit.core.engine_core import EngineCore
 
@@ -39,6 +40,7 @@ class DecodeBench:
             max_model_len=self.max_model_len,
             block_size=BLOCK_SIZE,
             max_num_batched_tokens=PREFILL_BUDGET,
+            **options,
         )
         self.core = EngineCore(config)
         self._ids = 0
@@ -107,21 +109,14 @@ def measure(bench: DecodeBench, batch: int, context: int, steps: int) -> Summary
         return summarize(step() for _ in range(steps))
 
 
-def run(ctx: Context, report: SectionReport) -> None:
-    batches = ctx.pick((1, 8, 32, 128), (1, 2, 4, 8, 16, 32, 64, 128))
-    contexts = ctx.pick((128, 1024, 4096), (128, 512, 1024, 2048, 4096))
-    context_batches = ctx.pick((1, 8), (1, 8, 32))
-    cap = ctx.pick(8192, 32768)  # prefilling long contexts dominates this section's runtime
-    steps = ctx.pick(8, 20)
-    report.method = f"""
-Drives `EngineCore` directly in this process ({ctx.threads} torch threads, no front end): *B* requests with
-distinct random prompts of *context* tokens are prefilled, then {steps} pure decode steps (each produces
-one token for each of the *B* requests) are timed one by one with `core.step()`: scheduling, input
-preparation, the forward pass, sampling and output bookkeeping. Batch sizes {", ".join(map(str, batches))}
-at context 128; contexts {", ".join(map(str, contexts))} at batch {", ".join(map(str, context_batches))}
-(cells with more than {cap:,} tokens in flight are skipped). The built-in model has 4096 positions, so its
-longest context is cut to leave room for the decode steps (the column shows the context measured).
-"""
+def run_scaling_bench(quick: bool) -> dict[str, Any]:
+    ctx = session()
+    batches = (1, 8, 32, 128) if quick else (1, 4, 16, 64, 128)
+    contexts = (128, 1024, 4096) if quick else (128, 512, 1024, 2048, 4096)
+    context_batches = (1, 8)
+    cap = 8192 if quick else 16384  # prefilling long contexts dominates this section's runtime
+    steps = 8 if quick else 16
+    models = {}
     for spec in ctx.models():
         cells = [(b, 128) for b in batches]
         cells += [(b, c) for b in context_batches for c in contexts if c != 128 and b * c <= cap]
@@ -132,81 +127,90 @@ longest context is cut to leave room for the decode steps (the column shows the 
         actual: dict[tuple[int, int], int] = {}
         try:
             for batch, context in cells:
-                ctx.log(f"scaling: {spec.key} batch {batch} context {context}")
+                log(f"scaling: {spec.key} batch {batch} context {context}")
                 actual[(batch, context)] = bench.actual_context(batch, context, steps)
                 results[(batch, context)] = measure(bench, batch, context, steps)
         finally:
             bench.close()
-        base = results[(1, 128)].median
+        fixed, per_sequence = _line([(b, results[(b, 128)].median) for b in batches])
+        batch = max(b for b in context_batches if any((b, c) in results for c in contexts if c != 128))
+        _, per_context = _line([(c, results[(batch, c)].median) for c in contexts if (batch, c) in results])
+        models[spec.key] = {
+            "label": spec.label,
+            "cells": [
+                {"batch": b, "context": c, "measured_context": actual[(b, c)], "ms": summary(results[(b, c)])}
+                for b, c in cells
+            ],
+            "fit": {
+                "fixed_ms": fixed,
+                "per_sequence_ms": per_sequence,
+                "context_batch": batch,
+                "per_1k_context_ms": per_context * 1e3,
+            },
+        }
+    return {
+        "threads": ctx.threads,
+        "steps": steps,
+        "batches": list(batches),
+        "contexts": list(contexts),
+        "context_batches": list(context_batches),
+        "cap": cap,
+        "models": models,
+        "targets": [],
+    }
+
+
+def render_scaling_bench(figures: dict[str, Any]) -> str:
+    parts = [
+        f"`EngineCore` driven directly in this process ({figures['threads']} threads, no front end): *B* requests "
+        f"with random prompts of *context* tokens are prefilled, then {figures['steps']} pure decode steps are "
+        "timed one by one (`core.step()`: scheduling, inputs, forward, sampling, outputs). Cells with more than "
+        f"{figures['cap']:,} tokens in flight are skipped; the built-in model's longest context is cut to fit its "
+        "positions (the measured context is in brackets where it differs).\n"
+    ]
+    for model in figures["models"].values():
+        cells = {(c["batch"], c["context"]): c for c in model["cells"]}
+        base = cells[(1, 128)]["ms"]["median"]
         rows = [
             [
                 b,
-                fmt(results[(b, 128)], "", 2),
-                f"{results[(b, 128)].median * 1e3 / b:.0f}",
-                f"{results[(b, 128)].median / base:.2f}x",
+                rate(cells[(b, 128)]["ms"], 2),
+                f"{cells[(b, 128)]['ms']['median'] * 1e3 / b:.0f}",
+                f"{cells[(b, 128)]['ms']['median'] / base:.2f}x",
             ]
-            for b in batches
+            for b in figures["batches"]
         ]
-        report.table(
-            f"{spec.label}: decode step time against batch size (context 128)",
-            ["batch", "ms per step", "us per token", "step / batch-1 step"],
-            rows,
-            ["r", "l", "r", "r"],
+        parts.append(
+            f"**{model['label']}**, context 128\n\n"
+            + markdown_table(
+                ["batch", "ms per step", "µs per token", "step / batch-1 step"], rows, ["r", "r", "r", "r"]
+            )
         )
         rows = []
-        for context in contexts:
-            row: list[Any] = [_context_label(context, [actual.get((b, context)) for b in context_batches])]
-            for b in context_batches:
-                summary = results.get((b, context))
-                row.append("skipped" if summary is None else fmt(summary, "", 2))
+        for context in figures["contexts"]:
+            row: list[Any] = [context]
+            for b in figures["context_batches"]:
+                cell = cells.get((b, context))
+                if cell is None:
+                    row.append("skipped")
+                else:
+                    measured = "" if cell["measured_context"] == context else f" [{cell['measured_context']}]"
+                    row.append(rate(cell["ms"], 2) + measured)
             rows.append(row)
-        report.table(
-            f"{spec.label}: decode step time (ms) against context length",
-            ["context"] + [f"batch {b}" for b in context_batches],
-            rows,
-            ["r"] + ["l"] * len(context_batches),
+        parts.append(
+            markdown_table(
+                ["context", *(f"batch {b}, ms" for b in figures["context_batches"])],
+                rows,
+                ["r"] + ["r"] * len(figures["context_batches"]),
+            )
         )
-        report.findings.append(_fit_line(spec, results, batches, contexts, context_batches))
-    report.limits = """
-A decode step has a fixed cost that does not depend on the batch (Python in the scheduler and runner,
-building index tensors, about 15 torch ops per layer each paying dispatch overhead, and one attention call
-per layer) and a per-sequence cost (the projections' extra rows, the output bookkeeping and
-detokenization per request). On these tiny models the fixed cost dominates up to tens of sequences, which is
-why a larger batch is nearly free per token. Context length enters through paged attention: each step
-gathers every sequence's whole context from the cache (one index per block, still a copy) before
-`scaled_dot_product_attention`, so the per-step cost grows linearly with batch x context, and with mixed
-lengths every sequence is padded to the longest.
-
-What would move it: attention that reads the paged cache in place (no gather copy; a fused kernel), decode
-metadata (slot tables) kept on the engine and updated incrementally instead of rebuilt from Python lists
-every step, and fewer Python-level ops per layer (fused QKV + rotary, CUDA graphs / torch.compile on GPU).
-"""
-
-
-def _context_label(context: int, actual: Sequence[int | None]) -> str:
-    measured = {a for a in actual if a is not None}
-    if measured and measured != {context}:
-        return f"{context} (measured {', '.join(map(str, sorted(measured)))})"
-    return str(context)
-
-
-def _fit_line(
-    spec: ModelSpec,
-    results: dict[tuple[int, int], Summary],
-    batches: Sequence[int],
-    contexts: Sequence[int],
-    context_batches: Sequence[int],
-) -> str:
-    """Least-squares lines: step ms against batch (context 128), and against context at the largest batch."""
-    fixed, per_sequence = _line([(b, results[(b, 128)].median) for b in batches])
-    batch = max(b for b in context_batches if any((b, c) in results for c in contexts if c != 128))
-    points = [(c, results[(batch, c)].median) for c in contexts if (batch, c) in results]
-    _, per_context = _line(points)
-    return (
-        f"{spec.key}: step time ~= {fixed:.2f} ms + {per_sequence * 1e3:.0f} us per sequence (context 128); "
-        f"at batch {batch} each extra 1k tokens of context adds {per_context * 1e3:.2f} ms per step "
-        f"({per_context * 1e6 / batch:.0f} us per sequence)."
-    )
+        fit = model["fit"]
+        parts.append(
+            f"A least-squares line: a step takes {fit['fixed_ms']:.2f} ms + {fit['per_sequence_ms'] * 1e3:.0f} µs per "
+            f"sequence at context 128; at batch {fit['context_batch']}, each 1k tokens of context adds "
+            f"{fit['per_1k_context_ms']:.2f} ms per step.\n"
+        )
+    return "\n".join(parts)
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:

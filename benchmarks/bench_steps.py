@@ -1,4 +1,4 @@
-"""Section 7: where one decode step's time goes, measured by timing the engine core's parts in place."""
+"""Where one decode step's time goes, measured by timing the engine core's parts in place."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from .bench_scaling import DecodeBench, headroom
-from .common import Context
-from .report import SectionReport
+from .common import log, session
+from .stats import markdown_table
 
-TITLE = "Step breakdown: where a decode step's time goes"
 CONTEXT = 128
 PARTS = (
     ("schedule", "scheduler.schedule"),
@@ -55,9 +54,9 @@ def _instrumented(core: Any, timers: _Timers) -> Iterator[None]:
     targets = [
         (core.scheduler, "schedule", "schedule"),
         (runner, "execute", "execute"),
-        (runner, "model", "forward"),
+        (runner.model, "forward", "forward"),  # the module is called: time its forward
         (runner, "sampler", "sampler"),
-        (core, "_append_token", "append"),
+        (core.outputs, "token", "append"),
         (core.kv_cache, "cache_full_blocks", "cache_blocks"),
     ]
     saved = [(owner, attribute, vars(owner).get(attribute, _MISSING)) for owner, attribute, _ in targets]
@@ -79,74 +78,73 @@ def _instrumented(core: Any, timers: _Timers) -> Iterator[None]:
 _MISSING = object()
 
 
-def run(ctx: Context, report: SectionReport) -> None:
-    batches = ctx.pick((1, 32), (1, 8, 32, 128))
-    steps = ctx.pick(20, 60)
-    report.method = f"""
-The engine core's parts are wrapped with timers in place (the scheduler's `schedule`, the runner's
-`execute`, the model's forward, the sampler, the paged-attention function, the output bookkeeping and the
-prefix-cache hashing) and {steps} pure decode steps at context {CONTEXT} are run (`EngineCore.step`, this
-process, {ctx.threads} torch threads). Each row is milliseconds per step and its share of the step. The
-timers themselves add about a microsecond per wrapped call. A cProfile run of the same loop follows (its
-own overhead inflates Python-heavy functions; read it for where, not for how much).
-"""
+def run_steps_bench(quick: bool) -> dict[str, Any]:
+    ctx = session()
+    batches = (1, 32) if quick else (1, 8, 32, 128)
+    steps = 20 if quick else 60
+    models = {}
     for spec in ctx.models():
         longest = CONTEXT + headroom(max(batches), CONTEXT, steps)
         bench = DecodeBench(spec, max(batches) * longest, longest)
-        columns: dict[int, dict[str, float]] = {}
-        profile_rows: list[list[Any]] = []
         try:
+            columns = {}
             for batch in batches:
-                ctx.log(f"steps: {spec.key} batch {batch}")
-                columns[batch] = _breakdown(bench, batch, steps)
+                log(f"steps: {spec.key} batch {batch}")
+                columns[str(batch)] = breakdown(bench, batch, steps)
             profile_batch = 32 if 32 in batches else batches[-1]
-            profile_rows = _profile(bench, profile_batch, steps)
+            profile = _profile(bench, profile_batch, steps)
         finally:
             bench.close()
-        rows = []
-        for key, label in PARTS:
-            row: list[Any] = [label]
-            for batch in batches:
-                parts = columns[batch]
-                row.append(f"{parts[key]:.3f} ({100 * parts[key] / parts['step']:.0f}%)")
-            rows.append(row)
+        models[spec.key] = {
+            "label": spec.label,
+            "columns": columns,
+            "profile_batch": profile_batch,
+            "profile": profile,
+        }
+    return {"threads": ctx.threads, "steps": steps, "batches": list(batches), "models": models, "targets": []}
+
+
+def render_steps_bench(figures: dict[str, Any]) -> str:
+    parts = [
+        "The engine core's parts are wrapped with timers in place (the scheduler, the runner's input "
+        "preparation, the forward pass and its paged attention, the sampler, the output bookkeeping, the prefix "
+        f"cache's hashing), then {figures['steps']} pure decode steps at context {CONTEXT} run in this process "
+        f"({figures['threads']} threads). Milliseconds per step (share of the step); then the top functions of a "
+        "cProfile of the same loop (its overhead inflates Python-heavy functions: read it for where, not how "
+        "much).\n"
+    ]
+    batches = [str(b) for b in figures["batches"]]
+    for model in figures["models"].values():
+        columns = model["columns"]
+        rows = [
+            [label]
+            + [f"{columns[b][key]:.3f} ({100 * columns[b][key] / columns[b]['step']:.0f}%)" for b in batches]
+            for key, label in PARTS
+        ]
         rows.append(["**whole step**"] + [f"**{columns[b]['step']:.3f}**" for b in batches])
-        report.table(
-            f"{spec.label}: ms per decode step (share of the step), context {CONTEXT}",
-            ["part"] + [f"batch {b}" for b in batches],
-            rows,
-            ["l"] + ["l"] * len(batches),
+        parts.append(
+            f"**{model['label']}**\n\n"
+            + markdown_table(["part", *(f"batch {b}" for b in batches)], rows, ["l"] + ["r"] * len(batches))
         )
-        report.table(
-            f"{spec.label}: cProfile of {steps} decode steps at batch {profile_batch}, top functions by own time",
-            ["function", "calls per step", "own us per step", "cumulative us per step"],
-            profile_rows,
-            ["l", "r", "r", "r"],
+        parts.append(
+            f"cProfile at batch {model['profile_batch']}:\n\n"
+            + markdown_table(
+                ["function", "calls per step", "own µs per step", "cumulative µs per step"],
+                model["profile"],
+                ["l", "r", "r", "r"],
+            )
         )
         one = columns[batches[0]]
-        python_share = (
-            one["schedule"] + one["prepare"] + one["append"] + one["cache_blocks"] + one["other"]
-        ) / one["step"]
-        report.findings.append(
-            f"{spec.key}: at batch {batches[0]}, {100 * python_share:.0f}% of a step is Python bookkeeping "
-            f"outside the forward pass and sampler; the forward pass itself is "
-            f"{100 * (one['attention'] + one['forward_rest']) / one['step']:.0f}% "
-            f"(attention {100 * one['attention'] / one['step']:.0f}%)."
+        python = one["schedule"] + one["prepare"] + one["append"] + one["cache_blocks"] + one["other"]
+        parts.append(
+            f"At batch {batches[0]}, {100 * python / one['step']:.0f}% of a step is bookkeeping outside the forward "
+            f"pass and the sampler; the forward pass is {100 * (one['attention'] + one['forward_rest']) / one['step']:.0f}% "
+            f"(attention {100 * one['attention'] / one['step']:.0f}%).\n"
         )
-    report.limits = """
-At small batches the step is bound by fixed per-op and per-step overhead, not by arithmetic: the forward
-pass launches roughly fifteen small torch ops per layer, each paying Python and dispatcher overhead of a
-few microseconds, and the runner rebuilds its slot mappings and block tables from Python lists every step.
-At large batches the paged-attention gather and the per-request output bookkeeping grow with the batch.
-
-What would move it: build decode metadata incrementally (keep a block-table tensor on the engine and
-append to it) instead of from Python lists; skip per-token detokenization for requests that do not stream
-text (detokenize once at the end); a fused paged-attention op that reads the cache in place; fusing rotary
-and the QKV split; and on GPU, CUDA graphs for the decode step.
-"""
+    return "\n".join(parts)
 
 
-def _breakdown(bench: DecodeBench, batch: int, steps: int) -> dict[str, float]:
+def breakdown(bench: DecodeBench, batch: int, steps: int) -> dict[str, float]:
     timers = _Timers()
     with bench.decoding(batch, CONTEXT, steps) as step:
         step()  # untimed, before the wrappers go in

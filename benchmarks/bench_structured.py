@@ -1,196 +1,228 @@
-"""Structured outputs: the two grammar backends on the default real model (SmolLM2-135M-Instruct GGUF).
+"""What structured outputs cost: a batch of JSON-schema requests on the default model against the same batch
+unconstrained, per generated token, with each grammar backend; and what a grammar costs to compile, cold and
+cached.
 
-``measure()`` returns the figures (no page of its own; the benchmark page may wire it in):
-
-* ``backends[name]``: install weight (the package and what it requires that enginekit does not already need),
-  tokenizer info build time, compile time of the workload's JSON schema cold (a new backend) and cached (the
-  engine's cache by spec), and the mask time per step for 1 and 32 concurrent requests: ``fill`` (the backend
-  writes the bitmask rows), ``apply`` (the sampler sets the disallowed logits to -inf), ``advance`` (each matcher
-  takes its sampled token), replayed over the token sequences the engine generated for the workload.
-* ``end_to_end``: 32 concurrent JSON-schema requests against the same 32 prompts unconstrained, in-process, side
-  by side (interleaved repeats), as seconds per generated token, and their ratio per backend.
-
-Run: ``PYTHONPATH=sdk python -m benchmarks.bench_structured`` (prints the figures as JSON).
+The unconstrained batch generates exactly the tokens the constrained one did (each request's ``max_tokens`` set
+to its constrained output's length, EOS ignored), so both runs step the same batch shapes and the ratio of their
+times is the ratio of their times per generated token.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
-import statistics
+import importlib.util
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from .common import interleave, log, make_engine, paired_ratio, session
+from .figures import rate, ratio, summary, target
+from .stats import markdown_table
+
 BACKENDS = ("llguidance", "xgrammar")
+TARGET = 1.15  # constrained / unconstrained time per generated token
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"type": "string", "maxLength": 40},
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"type": "string"},
+        "hobbies": {"type": "array", "items": {"type": "string"}},
     },
-    "required": ["name", "age", "city"],
-}
-# What the package needs only for this backend (enginekit requires torch, numpy and tokenizers anyway).
-EXTRA_REQUIREMENTS = {
-    "llguidance": ("llguidance",),
-    "xgrammar": ("xgrammar", "apache-tvm-ffi", "transformers", "triton"),
+    "required": ["name", "age", "city", "hobbies"],
 }
 PEOPLE = [
-    "Maria Lopez is 34 years old and lives in Madrid.",
-    "Our new colleague, Tom Becker (age 51), moved here from Berlin.",
-    "Aiko Tanaka, 27, works as a nurse in Osaka.",
-    "The mayor of Lyon, Jean Martin, turned 62 last week.",
+    ("Ada", 36, "London", "chess and rowing"),
+    ("Bruno", 52, "Lisbon", "sailing"),
+    ("Chiara", 29, "Turin", "climbing and jazz"),
+    ("Dmitri", 41, "Riga", "cooking"),
+    ("Eun-ji", 33, "Busan", "running and painting"),
+    ("Femi", 24, "Lagos", "football"),
+    ("Greta", 67, "Bergen", "knitting and hiking"),
+    ("Hiro", 45, "Osaka", "photography"),
 ]
 
 
-def installed_mib(distribution: str) -> float | None:
-    """The size on disk of an installed distribution's files, MiB (``None`` if it is not installed)."""
-    try:
-        files = importlib.metadata.distribution(distribution).files or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    total = 0
-    for file in files:
-        path = Path(str(file.locate()))
-        if path.is_file():
-            total += path.stat().st_size
-    return total / 2**20
+def sizes(quick: bool) -> dict[str, Any]:
+    if quick:
+        return dict(concurrent=16, max_tokens=16, rounds=1, cold=1, cached=5)
+    return dict(concurrent=32, max_tokens=64, rounds=3, cold=4, cached=40)
 
 
-def _conversations(count: int) -> list[list[dict[str, str]]]:
-    return [
-        [
-            {
-                "role": "user",
-                "content": f"Extract the person as JSON with name, age and city.\n{PEOPLE[i % len(PEOPLE)]}",
-            }
-        ]
-        for i in range(count)
-    ]
+def prompts(count: int) -> list[str]:
+    out = []
+    for i in range(count):
+        name, age, city, hobbies = PEOPLE[i % len(PEOPLE)]
+        out.append(
+            f"Record {i}. {name} is {age + i // len(PEOPLE)} years old, lives in {city} and likes {hobbies}. "
+            "Write this person as a JSON object with the keys name, age, city and hobbies.\nJSON: "
+        )
+    return out
 
 
-def _per_token(engine: Any, conversations: list, params: Any) -> tuple[float, int]:
-    start = time.perf_counter()
-    outputs = engine.chat(conversations, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return seconds / tokens, tokens
+def run_structured_outputs_bench(quick: bool) -> dict[str, Any]:
+    from enginekit import SamplingParams, StructuredOutputsParams
 
-
-def _replay(backend: Any, compiled: Any, sequences: list[list[int]], vocab: int) -> dict[str, float]:
-    """Mean seconds per step of fill, apply and advance for ``len(sequences)`` matchers over their tokens."""
-    import torch
-
-    from enginekit.core.structured.backend import bitmask_words
-    from enginekit.model.batch import TokenBitmask
-    from enginekit.model.token_controls import apply_token_bitmask
-
-    matchers = [backend.matcher(compiled) for _ in sequences]
-    fill = apply = advance = 0.0
-    steps = max(len(s) for s in sequences)
-    logits = torch.zeros(len(sequences), vocab)
-    for step in range(steps):
-        live = [i for i, s in enumerate(sequences) if step < len(s)]
-        start = time.perf_counter()
-        bits = torch.empty((len(live), bitmask_words(vocab)), dtype=torch.int32)
-        backend.fill_bitmask([matchers[i] for i in live], bits)
-        fill += time.perf_counter() - start
-        start = time.perf_counter()
-        apply_token_bitmask(logits, TokenBitmask(live, bits))
-        apply += time.perf_counter() - start
-        start = time.perf_counter()
-        for i in live:
-            assert matchers[i].accept(sequences[i][step])
-        advance += time.perf_counter() - start
-    return {
-        "fill_ms": 1e3 * fill / steps,
-        "apply_ms": 1e3 * apply / steps,
-        "advance_ms": 1e3 * advance / steps,
-    }
-
-
-def measure(
-    concurrency: int = 32, max_tokens: int = 48, repeats: int = 3, log: Callable[[str], None] = lambda _: None
-) -> dict[str, Any]:
-    from enginekit import Engine, SamplingParams, StructuredOutputsParams
-    from enginekit.core.structured.manager import StructuredOutputManager, load_backend
-
-    conversations = _conversations(concurrency)
+    ctx = session()
+    size = sizes(quick)
+    spec = ctx.model("smollm2")
+    batch = prompts(size["concurrent"])
     constrained = SamplingParams(
-        max_tokens=max_tokens, temperature=0, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        max_tokens=size["max_tokens"],
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA),
     )
-    free = SamplingParams(max_tokens=max_tokens, temperature=0)
-    figures: dict[str, Any] = {"concurrency": concurrency, "max_tokens": max_tokens, "backends": {}}
-    ratios: dict[str, list[float]] = {name: [] for name in BACKENDS}
-    per_token: dict[str, list[float]] = {name: [] for name in ("free", *BACKENDS)}
-    with Engine(mode="inproc", max_model_len=512) as engine:
-        core = engine.client.core
-        tokenizer, vocab = core.tokenizer, core.model_config.vocab_size
-        eos = list(core.model_config.eos_token_ids)
-        sequences: list[list[int]] = []
-        for name in BACKENDS:
-            start = time.perf_counter()
-            backend = load_backend(name, tokenizer, vocab, eos)
-            init_s = time.perf_counter() - start
-            spec = StructuredOutputsParams(json=SCHEMA).spec
-            start = time.perf_counter()
-            compiled = backend.compile(*spec)
-            cold_s = time.perf_counter() - start
-            manager = StructuredOutputManager(name, tokenizer, vocab, eos)
-            manager.request_grammar(StructuredOutputsParams(json=SCHEMA)).future.result()
-            start = time.perf_counter()
-            manager.request_grammar(StructuredOutputsParams(json=SCHEMA)).future.result()
-            cached_s = time.perf_counter() - start
-            manager.shutdown()
-            core.structured = StructuredOutputManager(name, tokenizer, vocab, eos)
-            outputs = engine.chat(conversations, constrained, use_tqdm=False)
-            sequences = [list(o.outputs[0].token_ids) for o in outputs]
-            sequences = [
-                s[:-1] if s and s[-1] in eos else s for s in sequences
-            ]  # the matcher ends before EOS
-            figures["backends"][name] = {
-                "install_mib": {dist: installed_mib(dist) for dist in EXTRA_REQUIREMENTS[name]},
-                "tokenizer_init_s": init_s,
-                "compile_cold_s": cold_s,
-                "compile_cached_s": cached_s,
-                "mask_step_1": _replay(backend, compiled, sequences[:1], vocab),
-                f"mask_step_{concurrency}": _replay(backend, compiled, sequences, vocab),
-                "parsed": sum(_parses(o.outputs[0].text) for o in outputs),
-            }
-            log(json.dumps({name: figures["backends"][name]}))
-        for _ in range(repeats):  # interleaved: each backend beside its own free batch, in one run
-            for name in BACKENDS:
-                core.structured = StructuredOutputManager(name, tokenizer, vocab, eos)
-                engine.chat(conversations[:1], constrained, use_tqdm=False)  # the grammar compiled once
-                free_s, _ = _per_token(engine, conversations, free)
-                json_s, _ = _per_token(engine, conversations, constrained)
-                per_token["free"].append(free_s)
-                per_token[name].append(json_s)
-                ratios[name].append(json_s / free_s)
-                log(json.dumps({"repeat": name, "free_s_per_token": free_s, "json_s_per_token": json_s}))
-    figures["end_to_end"] = {
-        "seconds_per_token": {key: statistics.median(values) for key, values in per_token.items()},
-        "ratio_to_free": {name: statistics.median(values) for name, values in ratios.items()},
-        "ratios": ratios,
+    backends: dict[str, Any] = {}
+    for backend in BACKENDS:
+        if backend != "llguidance" and importlib.util.find_spec(backend) is None:
+            backends[backend] = {"why_not": f"`{backend}` is not installed (the `{backend}` extra)"}
+            continue
+        log(f"structured: {backend}")
+        engine = make_engine(
+            spec,
+            "inproc",
+            num_threads=ctx.threads,
+            structured_outputs_backend=backend,
+            num_kv_blocks=size["concurrent"] * (-(-(64 + size["max_tokens"]) // 16) + 1) + 64,
+        )
+        try:
+            backends[backend] = _measure(engine, batch, constrained, size)
+        finally:
+            engine.shutdown()
+    targets = [
+        target(
+            f"structured outputs ({name}), {size['concurrent']} concurrent JSON-schema requests: time per "
+            "generated token / unconstrained",
+            TARGET,
+            entry["per_token"],
+            at_least=False,
+            headline=name == "llguidance",
+        )
+        for name, entry in backends.items()
+        if "per_token" in entry
+    ]
+    return {
+        "threads": ctx.threads,
+        "sizes": size,
+        "model": spec.label,
+        "backends": backends,
+        "targets": targets,
     }
-    return figures
+
+
+def _measure(engine: Any, batch: list[str], constrained: Any, size: dict[str, Any]) -> dict[str, Any]:
+    from enginekit import SamplingParams
+
+    first = engine.generate(batch, constrained, progress=False)  # compiles the schema (cold), untimed
+    lengths = [len(output.outputs[0].token_ids) for output in first]
+    valid = sum(1 for output in first if _parses(output.outputs[0].text))
+    free = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    tokens = sum(lengths)
+
+    def timed(params: Any) -> Any:
+        def run() -> float:
+            start = time.perf_counter()
+            outputs = engine.generate(batch, params, progress=False)
+            elapsed = time.perf_counter() - start
+            got = sum(len(output.outputs[0].token_ids) for output in outputs)
+            if got != tokens:
+                raise RuntimeError(f"{got} tokens generated, expected {tokens}")
+            return elapsed
+
+        return run
+
+    samples = interleave(
+        {"constrained": timed(constrained), "unconstrained": timed(free)}, repeats=size["rounds"]
+    )
+    core = engine._client._core  # an in-process engine's core (benchmark access only)
+    manager = core.structured
+    init_s = manager.stats()["grammar_backend_init_s"]
+    cold, cached = [], []
+    from enginekit import StructuredOutputsParams
+
+    for i in range(size["cold"]):  # a schema the engine has not seen: a compile
+        params = StructuredOutputsParams(json={**SCHEMA, "title": f"record-{i}-{time.time_ns()}"})
+        cold.append(_grammar_time(manager, params))
+        for _ in range(max(1, size["cached"] // size["cold"])):  # the same again: from the cache
+            cached.append(_grammar_time(manager, params))
+    return {
+        "tokens": tokens,
+        "lengths": [min(lengths), max(lengths)],
+        "valid_json": valid,
+        "requests": len(batch),
+        "constrained_s": summary(samples["constrained"]),
+        "unconstrained_s": summary(samples["unconstrained"]),
+        "per_token": summary(paired_ratio(samples["constrained"], samples["unconstrained"])),
+        "backend_init_s": init_s,
+        "compile_cold_ms": summary([s * 1e3 for s in cold]),
+        "compile_cached_ms": summary([s * 1e3 for s in cached]),
+    }
+
+
+def _grammar_time(manager: Any, params: Any) -> float:
+    start = time.perf_counter()
+    grammar = manager.request_grammar(params)
+    grammar.future.result(timeout=120)
+    return time.perf_counter() - start
 
 
 def _parses(text: str) -> bool:
+    import json
+
     try:
-        return isinstance(json.loads(text), dict)
+        json.loads(text)
     except ValueError:
         return False
+    return True
 
 
-if __name__ == "__main__":
-    import os
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-
-    figures = measure(repeats=int(os.environ.get("REPEATS", "3")), log=log)
-    print(json.dumps(figures, indent=1))
+def render_structured_outputs_bench(figures: dict[str, Any]) -> str:
+    size = figures["sizes"]
+    rows = []
+    notes = []
+    for name, entry in figures["backends"].items():
+        if "why_not" in entry:
+            notes.append(f"{name}: not measured, {entry['why_not']}.")
+            continue
+        tokens = entry["tokens"]
+        rows.append(
+            [
+                name,
+                f"{tokens} ({entry['lengths'][0]}-{entry['lengths'][1]} per request)",
+                f"{entry['valid_json']} of {entry['requests']}",
+                rate({k: v * 1e3 / tokens if k != "n" else v for k, v in entry["constrained_s"].items()}, 2),
+                rate(
+                    {k: v * 1e3 / tokens if k != "n" else v for k, v in entry["unconstrained_s"].items()}, 2
+                ),
+                ratio(entry["per_token"]),
+                f"{entry['backend_init_s'] * 1e3:.0f}",
+                rate(entry["compile_cold_ms"], 1),
+                rate(entry["compile_cached_ms"], 3),
+            ]
+        )
+    text = (
+        f'{figures["model"]} (`Engine()`\'s file, weights as stored), `mode="inproc"`, {figures["threads"]} '
+        f"threads: {size['concurrent']} requests at once, each a short text to turn into a JSON object of a "
+        f"four-key schema (`StructuredOutputsParams(json=...)`, greedy, `max_tokens={size['max_tokens']}`), against "
+        "the same batch unconstrained with each request generating exactly as many tokens (EOS ignored). "
+        f"{size['rounds']} interleaved rounds after the warm-up that compiles the schema. *Compile*: a schema "
+        "the engine has not seen (cold) and the same one again (cached, a lookup), through the engine's own "
+        "grammar manager; *backend init*: building the backend's view of the vocabulary, once per engine.\n\n"
+    )
+    if rows:
+        text += markdown_table(
+            [
+                "backend",
+                "tokens generated",
+                "outputs that end as complete JSON (the rest reach max_tokens)",
+                "ms per token, constrained",
+                "ms per token, unconstrained",
+                "constrained / unconstrained",
+                "backend init, ms",
+                "compile cold, ms",
+                "compile cached, ms",
+            ],
+            rows,
+            ["l", "r", "r", "r", "r", "r", "r", "r", "r"],
+        )
+    if notes:
+        text += "\n" + " ".join(notes) + "\n"
+    return text

@@ -8,14 +8,18 @@ are the median of the per-repeat ratios (``paired_ratio``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
+import contextlib
 import importlib.util
 import os
 import random
+import shutil
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,6 @@ from .baselines import torch_threads
 from .stats import Summary, summarize
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PYTHON = ".venv/bin/python"
 
 LLAMA_SIZES = dict(
     hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688, vocab_size=4096
@@ -40,36 +43,47 @@ _CALL_TIMEOUT_S = 600.0  # a benchmark run that takes longer than this is hung, 
 
 @dataclass
 class Context:
-    """One suite run: its size (quick or full), a scratch folder and the models built on demand."""
+    """One suite run: a scratch folder, the torch thread count, and the models built in it on demand."""
 
-    quick: bool
     workdir: Path
-    threads: int  # torch's default thread count in this process when the suite started
-    log: Callable[[str], None] = print
-    extra_args: str = ""  # options every section's command repeats (e.g. " --threads 1")
+    threads: int  # torch's thread count in this process when the run started
+    cache: dict[str, Any] = field(default_factory=dict)  # figures one section measures and others reuse
     _models: dict[str, ModelSpec] = field(default_factory=dict)
 
-    def pick(self, quick: Any, full: Any) -> Any:
-        return quick if self.quick else full
-
-    def command(self, section: str) -> str:
-        return (
-            f"{PYTHON} benchmarks/run.py --only {section}"
-            + (" --quick" if self.quick else "")
-            + self.extra_args
-        )
-
     def models(self) -> list[ModelSpec]:
+        """The two tiny models: the built-in one and a random Llama folder."""
         return [self.model("builtin"), self.model("llama")]
-
-    def dp_models(self) -> list[ModelSpec]:
-        return [self.model("builtin"), self.model("smollm2")]
 
     def model(self, key: str) -> ModelSpec:
         if key not in self._models:
-            build = {"builtin": _builtin_model, "llama": _llama_model, "smollm2": _smollm2_model}[key]
+            build = {
+                "builtin": _builtin_model,
+                "llama": _llama_model,
+                "qwen3": _qwen3_model,
+                "smollm2": _smollm2_model,
+            }[key]
             self._models[key] = build(self.workdir / key)
         return self._models[key]
+
+
+_SESSION: list[Context] = []  # the run's one context, made on first use
+
+
+def session() -> Context:
+    """The run's shared context (made on first use, its folder removed at exit): every section's models are
+    built once per run."""
+    if not _SESSION:
+        import torch
+
+        workdir = Path(tempfile.mkdtemp(prefix="enginekit-bench-"))
+        atexit.register(shutil.rmtree, workdir, True)
+        _SESSION.append(Context(workdir, torch.get_num_threads()))
+    return _SESSION[0]
+
+
+def log(message: str) -> None:
+    """A progress line on stderr (the page and the JSON are the results)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -157,8 +171,28 @@ def _llama_model(folder: Path) -> ModelSpec:
     )
 
 
+def _qwen3_model(folder: Path) -> ModelSpec:
+    """A second architecture: a tiny random Qwen3 (q/k norms) of the tiny Llama's sizes."""
+    from enginekit.model.formats.hf import read_hf_config
+
+    checkpoints = _import_file("hf_checkpoints", REPO_ROOT / "tests" / "hf_checkpoints.py")
+    checkpoints.build_checkpoint(
+        folder, "qwen3", max_position_embeddings=LLAMA_MAX_POSITIONS, seed=0, **LLAMA_SIZES
+    )
+    config = read_hf_config(folder)
+    return ModelSpec(
+        key="qwen3",
+        label="tiny random Qwen3 (hidden 256, 4 layers, 8 heads, 4 KV heads, q/k norms, vocab 4096)",
+        engine_model=str(folder),
+        hf_path=str(folder),
+        config=config,
+        token_range=(2, config.vocab_size),
+    )
+
+
 def _smollm2_model(folder: Path) -> ModelSpec:
-    """The default real model: SmolLM2-135M-Instruct's Q4_1 GGUF; transformers loads the same file, dequantized."""
+    """The default real model: SmolLM2-135M-Instruct's Q4_1 GGUF, which the engine keeps as stored by default
+    (``quantization="auto"``); transformers loads the same file dequantized to float32."""
     from enginekit.model.formats.gguf import read_gguf_config
     from enginekit.model.formats.source import DEFAULT_MODEL, default_model_file
 
@@ -166,7 +200,7 @@ def _smollm2_model(folder: Path) -> ModelSpec:
     config = read_gguf_config(path)
     return ModelSpec(
         key="smollm2",
-        label="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized; hidden 576, 30 layers, 9 heads, 3 KV heads, vocab 49152)",
+        label="SmolLM2-135M-Instruct (Q4_1 GGUF; hidden 576, 30 layers, 9 heads, 3 KV heads, vocab 49152)",
         engine_model=DEFAULT_MODEL,
         hf_path=str(path),
         config=config,
@@ -536,5 +570,38 @@ def load_average() -> str:
     return f"{one:.2f} (1 min), {five:.2f} (5 min)"
 
 
-def scratch_dir() -> tempfile.TemporaryDirectory:
-    return tempfile.TemporaryDirectory(prefix="enginekit-bench-")
+@contextlib.contextmanager
+def engines_up(
+    spec: ModelSpec, variants: dict[str, dict[str, Any]], workload: Workload
+) -> Iterator[dict[str, Any]]:
+    """One engine per variant (``{name: {"mode": ..., **options}}``) on ``spec``'s model, with KV blocks for
+    the whole ``workload`` at once; all of them shut down when the block ends."""
+    engines: dict[str, Any] = {}
+    try:
+        for name, options in variants.items():
+            options = dict(options)
+            options.setdefault("num_kv_blocks", kv_blocks_for(workload))
+            engines[name] = make_engine(spec, options.pop("mode"), **options)
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+
+def rate_runners(
+    engines: dict[str, Any],
+    spec: ModelSpec,
+    workload: Workload,
+    *,
+    seed: int = 0,
+    inproc_threads: int | None = None,
+    deltas: bool = False,
+) -> dict[str, Callable[[], float]]:
+    """For each engine, a function that runs ``workload`` once (fresh prompts) and returns its tokens/s;
+    in-process engines run under ``inproc_threads`` torch threads."""
+    runners = {}
+    for i, (name, engine) in enumerate(engines.items()):
+        threads = inproc_threads if engine.mode == "inproc" else None
+        run = engine_batch_runner(engine, spec, workload, threads=threads, seed=seed + i, deltas=deltas)
+        runners[name] = lambda run=run: run().tokens_per_s
+    return runners

@@ -1,63 +1,294 @@
-"""The report of one benchmark section, rendered as a markdown chapter of ``docs/benchmarks.md``."""
+"""The benchmark page and its plots, rendered from a run's JSON (and the earlier runs' for the trend).
+
+Usage::
+
+    .venv/bin/python benchmarks/report.py                                  # the latest run -> docs/benchmarks.md
+    .venv/bin/python benchmarks/report.py benchmarks/results/X.json --output /tmp/page.md
+
+``benchmarks/run.py`` calls ``write_report`` at the end of every run. The page is short: what the run was, a
+"Targets at a glance" table, then one section per question, each written by its section's renderer from its
+figures alone; the JSON holds every figure.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
 
-from .stats import markdown_table
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    sys.path[0] = str(REPO_ROOT)
+
+from benchmarks.figures import goal_text, number  # noqa: E402
+from benchmarks.sections import BY_NAME  # noqa: E402
+from benchmarks.stats import markdown_table  # noqa: E402
+
+IMAGE_FOLDER = "img"
+LOADED = 0.15  # a run that starts with more of the CPU busy than this says the machine was loaded
 
 
-@dataclass
-class Table:
-    caption: str
-    headers: list[str]
-    rows: list[list[object]]
-    align: list[str] | None = None
+def write_report(result_path: Path, page_path: Path) -> None:
+    """Render the page for the run in ``result_path`` (plots beside the page, in ``img/``) and write it."""
+    result = json.loads(result_path.read_text(encoding="utf-8"))
+    history = load_history(result_path.parent)
+    images = page_path.parent / IMAGE_FOLDER
+    plots = draw_plots(result, history, images)
+    link = os.path.relpath(result_path, page_path.parent)
+    text = render_page(result, link, {key: f"{IMAGE_FOLDER}/{path.name}" for key, path in plots.items()})
+    page_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = page_path.with_suffix(page_path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(page_path)
 
-    def render(self) -> str:
-        return f"**{self.caption}**\n\n" + markdown_table(self.headers, self.rows, self.align)
+
+def load_history(folder: Path) -> list[dict[str, Any]]:
+    """Every run's JSON in ``folder``, oldest first (unreadable files are left out)."""
+    runs = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            runs.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return sorted(runs, key=lambda run: run.get("date", ""))
 
 
-@dataclass
-class SectionReport:
-    """What one section measured, how (the command), against which targets, and what limits it."""
+# --------------------------------------------------------------------------------------
+# The page
+# --------------------------------------------------------------------------------------
 
-    title: str
-    command: str
-    method: str = ""
-    tables: list[Table] = field(default_factory=list)
-    targets: list[str] = field(default_factory=list)
-    findings: list[str] = field(default_factory=list)
-    limits: str = ""
-    runtime_s: float = 0.0
-    load_before: str = ""
-    load_after: str = ""
-    error: str = ""
 
-    def table(
-        self, caption: str, headers: list[str], rows: list[list[object]], align: list[str] | None = None
-    ):
-        self.tables.append(Table(caption, headers, rows, align))
-
-    def render(self, number: int) -> str:
-        parts = [f"## {number}. {self.title}\n"]
-        parts.append(f"Command: `{self.command}`  \n")
+def render_page(result: dict[str, Any], json_link: str, plots: dict[str, str]) -> str:
+    parts = ["# enginekit benchmarks\n", _header(result, json_link)]
+    targets = [
+        t for entry in result["sections"].values() for t in entry.get("figures", {}).get("targets", [])
+    ]
+    parts.append("## Targets at a glance\n\n" + _targets_table(targets))
+    if "trend" in plots:
         parts.append(
-            f"Section runtime {self.runtime_s:.0f} s; load average before {self.load_before}, "
-            f"after {self.load_after}.\n"
+            f"![headline ratios over commits]({plots['trend']})\n\n"
+            "The headline targets' measured values over the full runs in `benchmarks/results/` (over the quick "
+            "ones, hollow markers, until there is a full run).\n"
         )
-        if self.method:
-            parts.append(self.method.strip() + "\n")
-        if self.error:
-            parts.append(f"**This section failed:**\n\n```\n{self.error.strip()}\n```\n")
-        for table in self.tables:
-            parts.append(table.render())
-        if self.targets:
-            parts.append("**Targets**\n\n" + "".join(f"- {line}\n" for line in self.targets))
-        if self.findings:
-            parts.append("**Findings**\n\n" + "".join(f"- {line}\n" for line in self.findings))
-        if self.limits:
-            parts.append(
-                "**What limits this figure and what would move it**\n\n" + self.limits.strip() + "\n"
-            )
+    for name, entry in result["sections"].items():
+        parts.append(_section(name, entry, plots))
+    return "\n".join(parts)
+
+
+def _header(result: dict[str, Any], json_link: str) -> str:
+    machine = result["machine"]
+    lines = []
+    if result.get("quick"):
+        lines.append(
+            "> **Quick run** (`--quick`): every section at smaller sizes and fewer rounds than `make bench`, "
+            "to check the suite; these are not the reference figures.\n"
+        )
+    busy = machine.get("busy_before_run")
+    if busy is not None and busy > LOADED:
+        lines.append(
+            f"> **The machine was loaded**: {busy:.0%} of its CPU time was busy with other work in the second "
+            "before the run began. Ratios of interleaved runs stand up to that better than absolute figures.\n"
+        )
+    dirty = " with uncommitted changes" if result.get("dirty") else ""
+    lines.append(
+        f"Generated by `{result['command']}` (`make bench` runs it in full) on {result['date'][:16].replace('T', ' ')} "
+        f"UTC from commit {result['commit']}{dirty}, in {result['duration_s'] / 60:.1f} min, on one machine: "
+        f"{machine.get('cpu')} ({machine.get('cpu_features')}), {machine.get('usable_cores')} cores, "
+        f"{machine.get('memory_gib')} GiB; Python {machine.get('python', '?').split()[-1]}, torch "
+        f"{machine.get('torch')}, transformers {machine.get('transformers')}, llama-cpp-python "
+        f"{machine.get('llama_cpp') or 'not installed'}. Every figure: [{json_link}]({json_link}).\n"
+    )
+    lines.append(
+        "A figure is a median with its spread (min-max over rounds; p10-p90 from ten samples on). Systems "
+        "compared are run interleaved, round by round, in the same run, and a comparison is the median of the "
+        "per-round ratios, with their min-max.\n"
+    )
+    return "\n".join(lines)
+
+
+def _targets_table(targets: list[dict[str, Any]]) -> str:
+    if not targets:
+        return "No section with targets ran.\n"
+    rows = [
+        [
+            t["name"],
+            goal_text(t),
+            number(t["measured"], t["unit"], t["digits"]),
+            ""
+            if t["low"] == t["high"]
+            else f"{number(t['low'], t['unit'], t['digits'])}-{number(t['high'], t['unit'], t['digits'])}",
+            "met" if t["met"] else "**NOT met**",
+        ]
+        for t in targets
+    ]
+    met = sum(1 for t in targets if t["met"])
+    return (
+        markdown_table(["target", "goal", "measured", "spread", "met"], rows, ["l", "l", "r", "l", "l"])
+        + f"\n{met} of {len(targets)} targets met.\n"
+    )
+
+
+def _section(name: str, entry: dict[str, Any], plots: dict[str, str]) -> str:
+    # No number in the heading: its anchor stays the same whichever sections ran (the docs link to them).
+    parts = [f"## {entry['question']}\n"]
+    meta = f"`--only {name}`"
+    if "runtime_s" in entry:
+        meta += (
+            f"; {entry['runtime_s']:.0f} s; load average before {entry['load_before']}, after "
+            f"{entry.get('load_after', 'n/a')}"
+        )
+    parts.append(meta + ".\n")
+    if "skipped" in entry:
+        parts.append(f"Not measured: {entry['skipped']}.\n")
         return "\n".join(parts)
+    if "error" in entry:
+        parts.append(f"**This section failed:**\n\n```\n{entry['error'].strip()}\n```\n")
+        return "\n".join(parts)
+    figures = entry["figures"]
+    section = BY_NAME.get(name)
+    render = None
+    if section is not None:
+        try:
+            _, render = section.load()
+        except ModuleNotFoundError:
+            render = None
+    try:
+        parts.append(render(figures) if render is not None else generic_render(figures))
+    except Exception:  # a renderer's bug loses its section's text, not the page (the figures are in the JSON)
+        parts.append(
+            f"**This section's renderer failed:**\n\n```\n{traceback.format_exc(limit=4).strip()}\n```\n"
+        )
+    for i, _ in enumerate(figures.get("curves", [])):
+        key = f"{name}-{i}"
+        if key in plots:
+            parts.append(f"![{figures['curves'][i]['title']}]({plots[key]})\n")
+    return "\n".join(parts)
+
+
+def generic_render(figures: dict[str, Any]) -> str:
+    """A section without a renderer: its scalar figures (and summaries' medians) as one table."""
+    rows = []
+
+    def walk(prefix: str, value: Any) -> None:
+        if len(rows) >= 60:
+            return
+        if isinstance(value, dict) and "median" in value and "n" in value:
+            rows.append(
+                [prefix, f"{value['median']:.4g} ({value['min']:.4g}-{value['max']:.4g}, n={value['n']})"]
+            )
+        elif isinstance(value, dict):
+            for key, inner in value.items():
+                if key not in ("targets", "curves"):
+                    walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            rows.append([prefix, f"{value:.4g}" if isinstance(value, float) else value])
+
+    walk("", figures)
+    return markdown_table(["figure", "value"], rows, ["l", "l"]) if rows else ""
+
+
+# --------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------
+
+
+def draw_plots(result: dict[str, Any], history: list[dict[str, Any]], folder: Path) -> dict[str, Path]:
+    """Every section's curves (tokens/s against concurrency, per system) and the trend of the headline
+    targets over the runs; ``{}`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    folder.mkdir(parents=True, exist_ok=True)
+    plots: dict[str, Path] = {}
+    for name, entry in result["sections"].items():
+        for i, curve_ in enumerate(entry.get("figures", {}).get("curves", [])):
+            path = folder / f"bench-{name}-{i}.png"
+            _draw_curve(plt, curve_, path)
+            plots[f"{name}-{i}"] = path
+    path = folder / "bench-trend.png"
+    if _draw_trend(plt, history, path):
+        plots["trend"] = path
+    return plots
+
+
+def _draw_curve(plt: Any, curve_: dict[str, Any], path: Path) -> None:
+    figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    for system, points in curve_["systems"].items():
+        xs = [c for c, _ in points]
+        ys = [s["median"] for _, s in points]
+        low = [s["median"] - s["min"] for _, s in points]
+        high = [s["max"] - s["median"] for _, s in points]
+        axes.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=system)
+    axes.set_xscale("log", base=2)
+    ticks = sorted({c for points in curve_["systems"].values() for c, _ in points})
+    axes.set_xticks(ticks, [str(t) for t in ticks])
+    axes.minorticks_off()
+    axes.set_yscale("log")
+    axes.set_xlabel("concurrent requests")
+    axes.set_ylabel("generated tokens/s")
+    axes.set_title(curve_["title"], fontsize=9)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def _draw_trend(plt: Any, history: list[dict[str, Any]], path: Path) -> bool:
+    series: dict[str, list[tuple[int, float, bool]]] = {}
+    labels = []
+    if any(not run.get("quick") for run in history):  # full runs only, once there are some
+        history = [run for run in history if not run.get("quick")]
+    for index, run in enumerate(history):
+        labels.append(run.get("commit", "?") + ("\nquick" if run.get("quick") else ""))
+        for entry in run.get("sections", {}).values():
+            for t in entry.get("figures", {}).get("targets", []):
+                if t.get("headline") and t.get("unit") == "x" and not math.isnan(t["measured"]):
+                    series.setdefault(t["name"], []).append((index, t["measured"], bool(run.get("quick"))))
+    if not series:
+        return False
+    figure, axes = plt.subplots(figsize=(7.2, 3.2 + 0.18 * len(series)), dpi=100)
+    for name, points in series.items():
+        (line,) = axes.plot([i for i, _, _ in points], [v for _, v, _ in points], label=name)
+        for i, value, quick in points:
+            axes.plot(
+                [i], [value], marker="o", color=line.get_color(), markerfacecolor="none" if quick else None
+            )
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_xticks(range(len(labels)), labels, fontsize=6)
+    axes.set_ylabel("measured (x)")
+    axes.set_title("headline ratios over runs", fontsize=9)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=1, frameon=False)
+    figure.tight_layout()
+    figure.savefig(path, bbox_inches="tight")
+    plt.close(figure)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Render the benchmark page from a run's JSON.")
+    parser.add_argument("result", nargs="?", type=Path, help="a run's JSON (default: the latest)")
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md")
+    args = parser.parse_args(argv)
+    result = args.result
+    if result is None:
+        runs = sorted((REPO_ROOT / "benchmarks" / "results").glob("*.json"))
+        if not runs:
+            parser.error("no run in benchmarks/results/: run benchmarks/run.py first")
+        result = runs[-1]
+    write_report(result, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,29 +1,31 @@
-"""Run the enginekit benchmark suite and write its report (``make bench`` -> ``docs/benchmarks.md``).
+"""Run the enginekit benchmarks: one run on one machine writes its raw figures and the whole page.
 
 Usage::
 
-    .venv/bin/python benchmarks/run.py --output docs/benchmarks.md     # the full suite (~15 min)
-    .venv/bin/python benchmarks/run.py --quick                         # small sizes, a few minutes
-    .venv/bin/python benchmarks/run.py --only throughput,ipc --quick   # some sections
+    .venv/bin/python benchmarks/run.py                          # the full run (make bench): <= 35 min on 2 cores
+    .venv/bin/python benchmarks/run.py --quick                  # the same sections at smaller sizes: <= 8 min
+    .venv/bin/python benchmarks/run.py --quick --only limits    # some sections (their page: beside the JSON)
     .venv/bin/python benchmarks/run.py --list
 
-Nothing here is a test: figures are medians with their spread, and comparisons are ratios of figures
-measured interleaved in the same run.
+Each run writes its figures as JSON to ``benchmarks/results/`` (commit, machine, figures), then renders
+``docs/benchmarks.md`` and its plots from that JSON and the earlier ones (``benchmarks/report.py``), so the page
+holds no number the run did not measure. Nothing here is a test: figures are medians with their spread, and
+comparisons are ratios of runs interleaved round by round.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
+import json
 import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
@@ -31,169 +33,172 @@ if __package__ in (None, ""):
     # names (common, report, ...) from shadowing anything else.
     sys.path[0] = str(REPO_ROOT)
 
-SECTIONS = {
-    "throughput": "benchmarks.bench_throughput",
-    "real": "benchmarks.bench_real",
-    "modes": "benchmarks.bench_modes",
-    "threads": "benchmarks.bench_threads",
-    "ipc": "benchmarks.bench_ipc",
-    "startup": "benchmarks.bench_startup",
-    "scaling": "benchmarks.bench_scaling",
-    "steps": "benchmarks.bench_steps",
-    "hygiene": "benchmarks.bench_hygiene",
-    "dp": "benchmarks.bench_dp",
-}
+from benchmarks.sections import BY_NAME, SECTIONS  # noqa: E402
+
+SCHEMA = 1
+PAGE = REPO_ROOT / "docs" / "benchmarks.md"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and repeats (a few minutes)")
-    parser.add_argument("--only", default="", help=f"comma-separated sections: {', '.join(SECTIONS)}")
-    parser.add_argument("--output", type=Path, help="write the markdown report here (default: stdout)")
+    parser.add_argument("--quick", action="store_true", help="the same sections at smaller sizes (<= 8 min)")
+    parser.add_argument("--only", default="", help=f"comma-separated sections: {', '.join(BY_NAME)}")
     parser.add_argument(
-        "--threads",
-        type=int,
-        help="torch threads for every engine and baseline that does not vary them (default: torch's default)",
+        "--output",
+        type=Path,
+        help="the page to write (default: docs/benchmarks.md for a full run; beside the run's JSON for a quick "
+        "or partial one, which leaves the page alone)",
     )
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=REPO_ROOT / "benchmarks" / "results",
+        help="where the run's JSON goes (and the earlier runs' are read for the trend plot)",
+    )
+    parser.add_argument("--threads", type=int, help="torch threads for this process (default: torch's)")
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
     args = parser.parse_args(argv)
 
     if args.list:
-        for key, module in SECTIONS.items():
-            print(f"{key:12s} {importlib.import_module(module).TITLE}")
+        for section in SECTIONS:
+            print(f"{section.name:12s} {section.question}{'  (optional)' if section.optional else ''}")
         return 0
-    selected = [s.strip() for s in args.only.split(",") if s.strip()] or list(SECTIONS)
-    unknown = [s for s in selected if s not in SECTIONS]
+    selected = [s.strip() for s in args.only.split(",") if s.strip()] or list(BY_NAME)
+    unknown = [s for s in selected if s not in BY_NAME]
     if unknown:
-        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loading draws a progress bar on stderr
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     import torch
-    from benchmarks.common import Context, load_average
-    from benchmarks.report import SectionReport
+    from benchmarks.common import load_average, log, session
+    from benchmarks.report import write_report
     from benchmarks.stats import machine_info
 
     if args.threads is not None:
-        if args.threads < 1:
-            parser.error("--threads must be at least 1")
         torch.set_num_threads(args.threads)
+    busy = other_work_share()
+    session()
     started = time.perf_counter()
-    info = machine_info()
-    reports: list[tuple[str, SectionReport]] = []
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "command": _command(args),
+        "only": args.only,
+        **revision(),
+        "machine": {**machine_info(), "llama_cpp": _llama_cpp_version(), "busy_before_run": busy},
+        "duration_s": 0.0,
+        "sections": {},
+    }
+    path = args.results_dir / result_name(result)
     failed = False
-    with tempfile.TemporaryDirectory(prefix="enginekit-bench-") as workdir:
-        ctx = Context(
-            quick=args.quick,
-            workdir=Path(workdir),
-            threads=torch.get_num_threads(),
-            log=_log,
-            extra_args="" if args.threads is None else f" --threads {args.threads}",
-        )
-        for key in selected:
-            module = importlib.import_module(SECTIONS[key])
-            report = SectionReport(title=module.TITLE, command=ctx.command(key))
-            report.load_before = load_average()
-            _log(f"== {key}: {module.TITLE}")
-            t0 = time.perf_counter()
+    for name in selected:
+        section = BY_NAME[name]
+        entry: dict[str, Any] = {"question": section.question, "load_before": load_average()}
+        result["sections"][name] = entry
+        log(f"== {name}: {section.question}")
+        t0 = time.perf_counter()
+        try:
             try:
-                module.run(ctx, report)
-            except Exception:
-                failed = True
-                report.error = traceback.format_exc(limit=8)
-                _log(report.error)
-            report.runtime_s = time.perf_counter() - t0
-            report.load_after = load_average()
-            _log(f"== {key} done in {report.runtime_s:.0f} s")
-            reports.append((key, report))
-            if args.output is not None:  # keep what is done so far, should a later section hang
-                _write(args.output, _render(args, info, reports, time.perf_counter() - started))
-    text = _render(args, info, reports, time.perf_counter() - started)
-    if args.output is None:
-        print(text)
-    else:
-        _write(args.output, text)
-        _log(f"wrote {args.output}")
+                run, _ = section.load()
+            except ModuleNotFoundError as error:
+                if not section.optional or error.name != section.module:
+                    raise
+                entry["skipped"] = f"`{section.module.replace('.', '/')}.py` is not in this checkout"
+                log(f"== {name}: skipped ({entry['skipped']})")
+                continue
+            entry["figures"] = run(args.quick)
+        except Exception:
+            failed = True
+            entry["error"] = traceback.format_exc(limit=8)
+            log(entry["error"])
+        entry["runtime_s"] = round(time.perf_counter() - t0, 1)
+        entry["load_after"] = load_average()
+        log(f"== {name} done in {entry['runtime_s']:.0f} s")
+        result["duration_s"] = round(time.perf_counter() - started, 1)
+        _write_json(path, result)  # keep what is done, should a later section hang
+    result["duration_s"] = round(time.perf_counter() - started, 1)
+    _write_json(path, result)
+    log(f"wrote {path}")
+    page = args.output
+    if page is None:
+        page = PAGE if not (args.quick or args.only) else path.with_suffix(".md")
+    write_report(path, page)
+    log(f"wrote {page}")
     return 1 if failed else 0
 
 
-def _render(args: argparse.Namespace, info: dict, reports: list, total_s: float) -> str:
-    from benchmarks.stats import render_machine_info
+def other_work_share(seconds: float = 1.0) -> float | None:
+    """The share of the machine's CPU time that was busy over ``seconds`` before the run: others' work."""
 
-    command = f".venv/bin/python benchmarks/run.py{' --quick' if args.quick else ''}"
-    if args.threads is not None:
-        command += f" --threads {args.threads}"
+    def read() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat", encoding="utf-8") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields[:8]), idle
+
+    first = read()
+    time.sleep(seconds)
+    second = read()
+    if first is None or second is None or second[0] == first[0]:
+        return None
+    total, idle = second[0] - first[0], second[1] - first[1]
+    return round(1.0 - idle / total, 3)
+
+
+def revision() -> dict[str, Any]:
+    def git(*command: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
+
+
+def result_name(result: dict[str, Any]) -> str:
+    stamp = result["date"][:19].replace("-", "").replace(":", "").replace("T", "-")
+    kind = "-quick" if result["quick"] else ""
+    part = "-" + result["only"].replace(",", "+") if result["only"] else ""
+    return f"{stamp}-{result['commit']}{kind}{part}.json"
+
+
+def _command(args: argparse.Namespace) -> str:
+    command = ".venv/bin/python benchmarks/run.py" + (" --quick" if args.quick else "")
     if args.only:
         command += f" --only {args.only}"
-    if args.output is not None:
-        command += f" --output {args.output}"
-    lines = ["# enginekit benchmarks\n"]
-    if args.quick:
-        lines.append(
-            "> **QUICK RUN** (`--quick`): small sizes and few repeats, to check the suite and the report's "
-            "format. These figures are not the reference numbers; `make bench` (the full suite, on a quiet "
-            "machine) overwrites this file.\n"
-        )
-    lines.append(
-        f"Generated by `{command}` on {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z} "
-        f"from {_revision()}, in {total_s / 60:.1f} min. `make bench` runs the full suite; "
-        "`benchmarks/run.py --only SECTION[,SECTION] [--quick]` runs some sections; `--list` names them.\n"
-    )
-    lines.append(
-        "Every figure is a median with its spread (p10-p90 from ten samples on, else min-max, and n). "
-        "Comparisons are measured interleaved, run by run, in the same process and run, and given as the "
-        "median of the per-round ratios (min-max in brackets): the machine may be shared, and a ratio "
-        "survives background load much better than an absolute figure. The load average before and after "
-        "each section says how quiet the machine was.\n"
-    )
-    lines.append("## Machine\n\n" + render_machine_info(info))
-    targets = [line for _, report in reports for line in report.targets]
-    if targets:
-        lines.append("## Targets at a glance\n\n" + "".join(f"- {line}\n" for line in targets))
-    index = [
-        f"| {i} | {report.title} | `{key}` | {report.runtime_s:.0f} s |"
-        for i, (key, report) in enumerate(reports, 1)
-    ]
-    lines.append(
-        "## Sections\n\n| # | section | `--only` | runtime |\n|---:|:---|:---|---:|\n"
-        + "\n".join(index)
-        + "\n"
-    )
-    for number, (_, report) in enumerate(reports, 1):
-        lines.append(report.render(number))
-    return "\n".join(lines)
+    if args.threads is not None:
+        command += f" --threads {args.threads}"
+    return command
 
 
-def _revision() -> str:
+def _llama_cpp_version() -> str | None:
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "an unknown revision"
-    if not head:
-        return "an unknown revision"
-    return f"commit {head}" + (" with uncommitted changes" if dirty else "")
+        import llama_cpp
+    except ImportError:
+        return None
+    return getattr(llama_cpp, "__version__", "?")
 
 
-def _write(path: Path, text: str) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n", encoding="utf-8")
     tmp.replace(path)
-
-
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

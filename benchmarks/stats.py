@@ -70,6 +70,28 @@ class Summary:
             n=len(vals),
         )
 
+    def to_dict(self) -> dict[str, float]:
+        """The summary as plain JSON values (``Summary.from_dict`` reads it back)."""
+        return {
+            "median": self.median,
+            "p10": self.p10,
+            "p90": self.p90,
+            "min": self.min,
+            "max": self.max,
+            "n": self.n,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float]) -> Summary:
+        return cls(
+            median=float(data["median"]),
+            p10=float(data["p10"]),
+            p90=float(data["p90"]),
+            min=float(data["min"]),
+            max=float(data["max"]),
+            n=int(data["n"]),
+        )
+
     def scaled(self, factor: float) -> Summary:
         """The same summary in another unit (e.g. ``scaled(1e3)`` for seconds -> ms).
 

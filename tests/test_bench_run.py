@@ -1,0 +1,85 @@
+"""The benchmark runner end to end on its cheapest section, and the page it renders from a run's JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.figures import summary, target  # noqa: E402
+from benchmarks.report import render_page  # noqa: E402
+
+
+def test_quick_limits_run_writes_json_and_page(tmp_path: Path) -> None:
+    page, results = tmp_path / "docs" / "benchmarks.md", tmp_path / "results"
+    command = [sys.executable, "benchmarks/run.py", "--quick", "--only", "limits"]
+    done = subprocess.run(
+        [*command, "--output", str(page), "--results-dir", str(results)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,  # under the suite's 300 s: a loaded CI machine takes several times the 10 s it takes idle
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (path,) = results.glob("*.json")
+    result = json.loads(path.read_text())
+    assert result["quick"] is True and result["commit"]
+    limits = result["sections"]["limits"]["figures"]
+    assert limits["read_gb_s"]["all"]["median"] > 0
+    assert limits["zmq_round_trip_us"]["p50"] > 0
+    if limits["compiled"]:
+        assert limits["peak"]["float32"]["all"]["median"] > 0
+    text = page.read_text()
+    assert "**Quick run**" in text
+    assert "## What can this machine do at most?" in text
+    assert f"{limits['zmq_round_trip_us']['p50']:.1f}" in text  # the page's numbers are the JSON's
+    assert path.name in text
+
+
+def _result(sections: dict) -> dict:
+    return {
+        "date": "2026-12-03T20:00:00+00:00",
+        "quick": False,
+        "command": ".venv/bin/python benchmarks/run.py",
+        "commit": "abc1234",
+        "dirty": False,
+        "duration_s": 60.0,
+        "machine": {"cpu": "CPU", "usable_cores": 2, "busy_before_run": 0.0},
+        "sections": sections,
+    }
+
+
+def test_page_collects_targets_and_notes_skipped_sections() -> None:
+    ratio = summary([0.9, 0.95, 1.0])
+    section = {
+        "question": "Q?",
+        "runtime_s": 1.0,
+        "load_before": "0",
+        "load_after": "0",
+        "figures": {
+            "targets": [target("mp / inproc", 0.97, ratio), target("restart", 0.5, 0.3, at_least=False)]
+        },
+    }
+    skipped = {
+        "question": "Quantized?",
+        "load_before": "0",
+        "skipped": "`benchmarks/bench_quant.py` is not here",
+    }
+    text = render_page(_result({"x": section, "quant": skipped}), "results/r.json", {})
+    assert "| mp / inproc | >= 0.97x | 0.95x | 0.90x-1.00x | **NOT met** |" in text
+    assert "| restart | <= 0.50x | 0.30x |  | met |" in text
+    assert "1 of 2 targets met." in text
+    assert "Not measured: `benchmarks/bench_quant.py` is not here." in text
+
+
+@pytest.mark.parametrize("busy, loaded", [(0.05, False), (0.5, True)])
+def test_page_says_when_the_machine_was_loaded(busy: float, loaded: bool) -> None:
+    result = _result({})
+    result["machine"]["busy_before_run"] = busy
+    assert ("**The machine was loaded**" in render_page(result, "r.json", {})) is loaded
