@@ -26,6 +26,7 @@ import zmq
 from enginekit.client.balancer import LoadBalancer
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.pending import PendingCalls
+from enginekit.client.ray_ranks import RayCluster, RayRank
 from enginekit.client.receiver import LoopReceiver, ThreadReceiver, WatchedProcess
 from enginekit.client.remote import RankWatcher, RemoteRank
 from enginekit.client.sockets import EngineSockets
@@ -50,6 +51,7 @@ from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
 logger = logging.getLogger("enginekit.client")
 
 SHUTDOWN_GRACE_S = 5.0
+UNREACHABLE_GRACE_S = 1.0  # how long a peer whose socket is gone may take to finish exiting
 
 
 @dataclass
@@ -61,6 +63,7 @@ class ClientResources:
     sockets: EngineSockets | None = None
     receiver: ThreadReceiver | LoopReceiver | None = None
     watcher: RankWatcher | None = None
+    ray_cluster: RayCluster | None = None
     stop_timeout: float = 0.0  # how long the processes get to exit (shutdown sets it; 0: stop them now)
 
     def close(self) -> None:
@@ -75,6 +78,8 @@ class ClientResources:
             self.watcher.close()
         if self.sockets is not None:
             self.sockets.close()
+        if self.ray_cluster is not None:
+            self.ray_cluster.close()  # a local cluster this front end started
 
 
 class MPClient(EngineCoreClient):
@@ -94,22 +99,19 @@ class MPClient(EngineCoreClient):
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineOutput, copy_tensors=True)  # they reach the user
         self._pending = PendingCalls()
-        ranks, remote = config.data_parallel_ranks, config.data_parallel_remote_ranks
-        self.engines = [
-            EngineRank(
-                rank,
-                RemoteRank(rank, config.data_parallel_keys or "")
-                if rank in remote
-                else EngineProcess(config.start_method),
-            )
-            for rank in ranks
-        ]
+        ranks = config.data_parallel_ranks
+        self.engines: list[EngineRank] = []
         self.balancer = LoadBalancer(ranks) if len(ranks) > 1 else None
         # Released by shutdown, or by the finalizer when this client is collected or at exit.
         self.resources = ClientResources(self.engines)
         self._finalizer = exit_hooks.register(weakref.finalize(self, self.resources.close))
         try:
-            self.resources.sockets = sockets = EngineSockets(config)
+            if config.data_parallel_backend == "ray":
+                self.resources.ray_cluster = cluster = RayCluster(config)
+                self.resources.sockets = sockets = EngineSockets(config, ray_host=cluster.front_end_host)
+            else:
+                self.resources.sockets = sockets = EngineSockets(config)
+            self.engines.extend(EngineRank(rank, self._rank_process(rank)) for rank in ranks)
             spawn_engines(config, sockets, self.engines)
             if sockets.watch is not None:
                 remote_ranks = [e.process for e in self.engines if isinstance(e.process, RemoteRank)]
@@ -130,8 +132,22 @@ class MPClient(EngineCoreClient):
             ready.num_gpu_blocks,
             ready.device,
         )
+        # NOTE: every rank's cache, as get_stats() sums them.
+        self.kv_cache_bytes = sum(engine.ready.kv_cache_bytes for engine in self.engines if engine.ready)
+        self.kv_cache_tokens = sum(
+            engine.ready.kv_cache_size_tokens for engine in self.engines if engine.ready
+        )
         self.engine_pids = [engine.ready.pid for engine in self.engines if engine.ready is not None]
         self.engine_pid = self.engine_pids[0]
+
+    def _rank_process(self, rank: int) -> EngineProcess | RemoteRank:
+        """A rank's process: started here, placed by Ray, or started by hand elsewhere."""
+        if self.resources.ray_cluster is not None:
+            assert self.sockets is not None and self.sockets.remote_keys is not None
+            return RayRank(rank, self.resources.ray_cluster, self.sockets.remote_keys)
+        if rank in self.config.data_parallel_remote_ranks:
+            return RemoteRank(rank, self.config.data_parallel_keys or "")
+        return EngineProcess(self.config.start_method)
 
     @property
     def process(self) -> EngineProcess | RemoteRank:
@@ -168,6 +184,16 @@ class MPClient(EngineCoreClient):
                 self.sockets.input.send_multipart(frames, copy=False)
             except zmq.ZMQError as error:
                 self._check_usable()
+                # NOTE: nobody may have watched the engine meanwhile (an "async" engine with no loop running):
+                # say how it ended, as a receiver that saw it would have.
+                # An unreachable peer has closed its socket: it is exiting, and its threads may take a moment
+                # more to finish (the main one is a zombie before the others are gone).
+                gone = next(
+                    (engine for engine in self.engines if engine.process.wait_dead(UNREACHABLE_GRACE_S)), None
+                )
+                if gone is not None:
+                    self._mark_dead(f"{self._who(gone)}the engine process died", gone)
+                    self._check_usable()
                 raise EngineDeadError(f"cannot reach the engine process: {error}") from error
 
     def _engine(self, rank: int | None) -> EngineRank:

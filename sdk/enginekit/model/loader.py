@@ -40,6 +40,7 @@ from enginekit.model.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 logger = logging.getLogger("enginekit.model")
 
+LM_HEAD_EXACT_TOP = 64  # logits computed again from the unquantized input (QuantizedWeight.exact_top)
 LAYOUT_VERSION = "fused-1"  # bump when the cached layout of the weights changes
 _W = TypeVar(
     "_W", torch.Tensor, torch.Tensor | StoredTensor
@@ -430,11 +431,12 @@ def _use_stored(
             layer.use_stored(weight)
         else:
             assert isinstance(layer, Linear) and isinstance(weight, QuantizedWeight)
-            weight.exact_input = name == "lm_head.weight"  # see QuantizedWeight
+            if name == "lm_head.weight":  # see QuantizedWeight
+                weight = QuantizedWeight(weight.parts, exact_top=LM_HEAD_EXACT_TOP)
             layer.use_stored(weight)
     embedding = stored.get("embed_tokens.weight")
     if config.tie_word_embeddings and isinstance(embedding, StoredWeight):
-        module.lm_head.use_stored(QuantizedWeight([embedding], exact_input=True))
+        module.lm_head.use_stored(QuantizedWeight([embedding], exact_top=LM_HEAD_EXACT_TOP))
 
 
 def _describe_stored(stored: dict[str, StoredWeight | QuantizedWeight]) -> str:

@@ -90,8 +90,10 @@ class RemoteRankServer:
         device: str | None = None,
         model: str | None = None,
         once: bool = False,
+        keys: RemoteRankKeys | None = None,
     ) -> None:
-        self.keys_path, self.rank, self.host = keys_path, rank, host
+        # ``keys`` in hand (a rank placed by Ray is handed them) stand for the file at ``keys_path``.
+        self.keys_path, self.rank, self.host, self.keys = keys_path, rank, host, keys
         self.num_threads, self.device, self.model, self.once = num_threads, device, model, once
         self.stopped = False  # a signal asked this process to stop for good
         self._engine: EngineCoreProc | None = None
@@ -133,6 +135,8 @@ class RemoteRankServer:
             self._engine.signal_shutdown(signum, frame)
 
     def _wait_for_keys(self) -> RemoteRankKeys | None:
+        if self.keys is not None:
+            return None if self.stopped else self.keys
         announced = False
         while not self.stopped:
             if os.path.exists(self.keys_path):

@@ -228,6 +228,7 @@ class ReadyMessage(msgspec.Struct, tag="ready", **_MESSAGE):
     pid: int
     device: str
     engine_index: int = 0
+    kv_cache_bytes: int = 0  # the KV tensors' size: blocks x bytes per block
     # The loaded model's config (``ModelConfig``'s fields): the front end checks it is the model it tokenizes for.
     model: dict[str, Any] | None = None
 
