@@ -64,7 +64,8 @@ class SamplingParams(
     top_k
         Keep the ``top_k`` most likely tokens; ``0`` keeps all.
     seed
-        Per-request seed: the same seed gives the same tokens whatever else is in the batch.
+        Per-request seed: the same seed gives the same random draws whatever else is in the batch (the same
+        tokens too, unless the model's products depend on the batch's size: GGUF weights kept as stored).
     stop
         A string or strings that end generation; the text is cut before the stop string.
     stop_token_ids

@@ -24,6 +24,8 @@ class EngineCoreClient(ABC):
     mode: EngineMode
     max_model_len: int
     num_kv_blocks: int
+    kv_cache_bytes: int  # every rank's KV cache, as READY reported it
+    kv_cache_tokens: int
     engine_pid: int
 
     @abstractmethod

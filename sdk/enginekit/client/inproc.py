@@ -43,6 +43,8 @@ class InprocClient(EngineCoreClient):
         self._lock = threading.RLock()
         self.max_model_len = self._core.max_model_len
         self.num_kv_blocks = self._core.num_kv_blocks
+        self.kv_cache_bytes = self._core.kv_size.num_bytes
+        self.kv_cache_tokens = self._core.kv_size.num_tokens
         self.engine_pid = os.getpid()
 
     @property

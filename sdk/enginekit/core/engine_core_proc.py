@@ -123,7 +123,8 @@ class EngineCoreProc(EngineCore):
         return ReadyMessage(
             max_model_len=self.max_model_len,
             num_gpu_blocks=self.num_kv_blocks,
-            kv_cache_size_tokens=self.num_kv_blocks * self.config.block_size,
+            kv_cache_size_tokens=self.kv_size.num_tokens,
+            kv_cache_bytes=self.kv_size.num_bytes,
             block_size=self.config.block_size,
             pid=os.getpid(),
             device=str(self.device),
@@ -346,18 +347,29 @@ def _decode(decoder: MsgpackDecoder, frames: list[Any]) -> Any:
         return invalid
 
 
+class _AddHeader(msgspec.Struct, tag="add", array_like=True):
+    """The leading fields of an ``EngineCoreRequest``, each kept undecoded: what an ADD that failed to decode
+    still tells (its id, and the sampling parameters that may say why)."""
+
+    request_id: Any
+    prompt_token_ids: Any = msgspec.UNSET
+    sampling_params: Any = msgspec.UNSET
+
+
 def _invalid_add(frames: list[Any], error: Exception) -> InvalidRequest | None:
     try:
-        raw = msgspec.msgpack.decode(frames[0])
+        header = msgspec.msgpack.decode(frames[0], type=_AddHeader)
     except Exception:
         return None
-    if not (isinstance(raw, list) and len(raw) >= 2 and raw[0] == "add" and isinstance(raw[1], str)):
+    if not isinstance(header.request_id, str):
         return None
-    cause = sampling_params_error(raw[3]) if len(raw) >= 4 else None
+    cause = (
+        sampling_params_error(header.sampling_params) if header.sampling_params is not msgspec.UNSET else None
+    )
     if cause is None:
         cause = ValueError(f"malformed request: {error}")
     kind = "TypeError" if isinstance(cause, TypeError) else "ValueError"
-    return InvalidRequest(raw[1], RequestError(kind, str(cause)))
+    return InvalidRequest(header.request_id, RequestError(kind, str(cause)))
 
 
 def terminate_context(context: zmq.Context, timeout: float = 5.0) -> None:

@@ -17,9 +17,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask) -> None:
     vocab = logits.shape[1]
     # Little-endian int32 words are bytes in token order: bit j of byte k is token 8k + j.
     bits = np.unpackbits(bitmask.bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    allowed = torch.from_numpy(bits).bool()
+    banned = torch.from_numpy(bits) == 0
+    if len(bitmask.rows) == len(logits) and bitmask.rows == list(range(len(logits))):
+        logits.masked_fill_(banned, float("-inf"))  # every row constrained: no gather and scatter of the rows
+        return
     rows = torch.tensor(bitmask.rows)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
 
 
 def needs_token_controls(params: SamplingParams, bad_words: list[list[int]] | None) -> bool:

@@ -8,7 +8,8 @@
  * loads, set the pace (the dot-product tiles of skinny_gemm.c need seven loads per twelve and a horizontal sum
  * at the end). Each task packs a few panels and runs all of x against them, on one core: a panel packed on
  * another core would have to travel between the cores' caches (at 128 rows that made two threads no faster
- * than one). The packing reads the weight once (about 2% of a 2,048-row product), and the scratch stays small
+ * than one). The packing reads the weight once a call (a small part of a long prefill's product, not of a short
+ * one: docs/benchmarks_gemm.md), and the scratch stays small
  * (MAX_GROUP panels a thread) even for an LM head.
  * Built with skinny_gemm.c and layer_ops.c into one library by enginekit/model/native.py.
  */
