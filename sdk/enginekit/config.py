@@ -47,7 +47,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_kv_blocks
         KV-cache blocks to allocate; ``None`` sizes the cache from ``kv_cache_memory_bytes``.
     kv_cache_memory_bytes
-        Memory budget of the KV cache when ``num_kv_blocks`` is ``None``.
+        Memory budget of the KV cache when ``num_kv_blocks`` is ``None``. ``None`` sizes it to the machine: on
+        CUDA, ``gpu_memory_utilization`` of the device's memory less what the engine took in a profiling step
+        (and what others held when it started); on CPU, 4 GiB, at most a quarter of the memory available to
+        the process (``/proc/meminfo``'s ``MemAvailable``, bounded by its memory cgroup's limit), shared out
+        between the data-parallel ranks on the machine. Either way no more than ``max_num_seqs`` requests of
+        the longest length can fill. ``get_stats()`` reports the size (``kv_cache_bytes``, ``kv_cache_tokens``).
+    gpu_memory_utilization
+        On CUDA with the cache sized to the machine: the share of the device's memory (0 to 1] this engine
+        may take in all (weights, activations and the KV cache); as vLLM's option of that name.
     max_num_seqs
         Most requests in one step.
     max_num_batched_tokens
@@ -135,7 +143,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -161,6 +170,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
 
     def __post_init__(self) -> None:
+        _require(  # NOTE: an empty path would resolve to the current directory and load whatever lies there
+            self.model is None or self.model.strip() != "",
+            f"model must not be empty; pass None for the default model or '.' for the current directory, "
+            f"got {self.model!r}",
+        )
         _require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             f"block_size must be a positive power of two, got {self.block_size}",
@@ -169,7 +183,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             self.num_kv_blocks is None or self.num_kv_blocks >= 2,
             f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}",
         )
-        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be positive")
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "kv_cache_memory_bytes must be positive",
+        )
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens >= 1,

@@ -9,6 +9,9 @@ receives its ``EngineProcArgs`` and runs the engine over the same ZeroMQ sockets
 owns its actor and placement group, and removes both when it stops.
 """
 
+# Ray is optional (the `ray` extra): where it is not installed, its imports are not errors.
+# pyright: reportMissingImports=false
+
 from __future__ import annotations
 
 import contextlib
