@@ -59,8 +59,15 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'engi
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray cluster of two CPUs, started here: the engine joins it instead of starting its own."""
-    with daemons_first():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in range(3):  # a loaded machine can still make one start miss Ray's deadlines
+        try:
+            with daemons_first():
+                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as error:  # Ray's own start, before any enginekit code runs
+            ray.shutdown()
+            if attempt == 2:
+                pytest.skip(f"a local Ray cluster did not start on this machine (3 tries): {error}")
     yield
     ray.shutdown()
 
@@ -74,7 +81,7 @@ def daemons_first():
     priority of what it starts; others start at their own and rely on the machine being less busy."""
     own = os.getpriority(os.PRIO_PROCESS, 0)
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, own - 10)
+        os.setpriority(os.PRIO_PROCESS, 0, own - 15)
     except PermissionError:
         yield
         return

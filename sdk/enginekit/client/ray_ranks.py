@@ -127,9 +127,7 @@ class RayRank(RemoteRank):
             )
         self.phase = "join (a Ray actor joining the front end)"
         # NOTE: the OpenMP defaults a local engine gets must be set before torch loads in the worker.
-        environ = {
-            name: value for name, value in engine_environ({}).items() if name not in ray_environ_exclusions()
-        }
+        environ = engine_environ({})
         actor_class = ray.remote(RayRankActor)
         self.actor = actor_class.options(
             num_cpus=bundle["CPU"],
@@ -170,8 +168,3 @@ class RayRank(RemoteRank):
             with contextlib.suppress(Exception):
                 remove_placement_group(self.group)
             self.group = None
-
-
-def ray_environ_exclusions() -> set[str]:
-    """Nothing is excluded today; kept as the one place to drop a variable Ray must not see."""
-    return set()
