@@ -10,7 +10,12 @@ llama.cpp (which quantizes its dot products' input too). ``measure`` returns a d
 ``"as stored, one step"``, ``"as stored, chunks of 8"``, ``"llama.cpp"`` (absent with ``why_not`` when
 llama-cpp-python does not import). The mean is the mean absolute difference per token; the issue's limit is 0.03.
 
-Run: ``python -m benchmarks.bench_quant [--threads N]``; prints the dict as JSON.
+``speed(threads, rounds)`` returns ``{"rates": {system: [tokens/s per round]}, "ratios": {...}}`` for one request
+decoding 128 tokens, 16 concurrent requests of 32 tokens and a 512-token prompt's prefill (prompt tokens/s), the
+engine with ``quantization="auto"`` and ``"none"`` and llama.cpp on the same file and threads, interleaved round by
+round so the ratios hold on a loaded machine.
+
+Run: ``python -m benchmarks.bench_quant [--threads N] [--speed]``; prints the dict(s) as JSON.
 """
 
 from __future__ import annotations
@@ -86,10 +91,67 @@ def measure(threads: int = 2) -> dict[str, Any]:
     return figures
 
 
+def speed(threads: int = 2, rounds: int = 2) -> dict[str, Any]:
+    import random
+    import time
+
+    from . import llama_cpp_runner
+
+    path = str(default_model_file())
+    rng = random.Random(31)
+    workloads = {"one": (1, 32, 128), "concurrent": (16, 32, 32), "prefill": (1, 512, 1)}
+    prompts = {
+        name: [[rng.randrange(1000, 40000) for _ in range(p)] for _ in range(n)]
+        for name, (n, p, _) in workloads.items()
+    }
+    engines = {
+        q: Engine(mode="inproc", quantization=q, num_threads=threads, max_model_len=600)
+        for q in ("auto", "none")
+    }
+    llm = llama_cpp_runner.LlamaCpp(path, max_sequences=16, max_length=600, threads=threads)
+    rates: dict[str, dict[str, list[float]]] = {name: {} for name in workloads}
+    try:
+        for _ in range(rounds + 1):  # the first round warms up and is dropped
+            for name, (_, prompt_len, out) in workloads.items():
+                params = SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
+                for q, engine in engines.items():
+                    start = time.perf_counter()
+                    done = engine.generate(prompts[name], params)
+                    elapsed = time.perf_counter() - start
+                    made = sum(len(o.outputs[0].token_ids) for o in done)
+                    rates[name].setdefault(q, []).append(
+                        (prompt_len if name == "prefill" else made) / elapsed
+                    )
+                start = time.perf_counter()
+                made = llm.generate(prompts[name], out, batched=True)
+                elapsed = time.perf_counter() - start
+                rates[name].setdefault("llama.cpp", []).append(
+                    (prompt_len if name == "prefill" else made) / elapsed
+                )
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+        llm.close()
+    rates = {name: {k: v[1:] for k, v in by.items()} for name, by in rates.items()}
+
+    def paired(a: list[float], b: list[float]) -> float:
+        return sorted(x / y for x, y in zip(a, b, strict=True))[len(a) // 2]
+
+    ratios = {
+        f"{name}: auto / llama.cpp": paired(by["auto"], by["llama.cpp"]) for name, by in rates.items()
+    } | {f"{name}: auto / none": paired(by["auto"], by["none"]) for name, by in rates.items()}
+    ratios["concurrent auto / llama.cpp one request"] = paired(
+        rates["concurrent"]["auto"], rates["one"]["llama.cpp"]
+    )
+    return {"threads": threads, "rounds": rounds, "rates": rates, "ratios": ratios}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    print(json.dumps(measure(parser.parse_args().threads), indent=1))
+    parser.add_argument("--speed", action="store_true", help="the speed figures instead of the quality ones")
+    args = parser.parse_args()
+    print(json.dumps(speed(args.threads) if args.speed else measure(args.threads), indent=1))
 
 
 if __name__ == "__main__":
