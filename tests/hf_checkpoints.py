@@ -133,6 +133,7 @@ def _make_config(
     eos_id: int,
     rope_parameters: dict | None = None,
     head_dim: int | None = None,
+    sliding_window: int | None = None,
 ):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -156,9 +157,13 @@ def _make_config(
     if arch == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if arch == "qwen2":
+        if sliding_window:  # the second layer on slides (max_window_layers=1), as transformers picks them
+            return Qwen2Config(
+                **common, use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1
+            )
         return Qwen2Config(**common, use_sliding_window=False)
     if arch == "mistral":
-        return MistralConfig(**common, sliding_window=None)
+        return MistralConfig(**common, sliding_window=sliding_window)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=head_dim or hidden_size // num_heads, use_sliding_window=False)
     if arch == "phi3":
@@ -166,7 +171,10 @@ def _make_config(
 
         original = (rope_parameters or {}).get("original_max_position_embeddings", max_position_embeddings)
         return Phi3Config(
-            **common, sliding_window=None, original_max_position_embeddings=original, pad_token_id=eos_id
+            **common,
+            sliding_window=sliding_window,
+            original_max_position_embeddings=original,
+            pad_token_id=eos_id,
         )
     raise ValueError(f"unknown arch {arch!r}; expected 'llama', 'qwen2' or 'mistral'")
 
@@ -241,6 +249,7 @@ def build_checkpoint(
     init_std: float = DEFAULT_INIT_STD,
     rope_parameters: dict | None = None,
     head_dim: int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a tiny random ``arch`` checkpoint in Hugging Face layout into ``path``; return it.
 
@@ -249,7 +258,8 @@ def build_checkpoint(
     ``sharded=True`` splits the weights into several ``model-0000X-of-0000Y.safetensors`` files
     with a ``model.safetensors.index.json``. ``rope_parameters`` adds a rope type and its numbers
     (``{"rope_type": "llama3", "factor": 8.0, ...}``); ``head_dim`` sets qwen3's head size apart from
-    hidden/heads.
+    hidden/heads; ``sliding_window`` gives mistral and phi3 that window on every layer, qwen2 on the layers
+    from the second on.
     """
     _set_offline()
     from transformers import GenerationConfig
@@ -284,6 +294,7 @@ def build_checkpoint(
         eos_id=eos_id,
         rope_parameters=rope_parameters,
         head_dim=head_dim,
+        sliding_window=sliding_window,
     )
     torch.manual_seed(seed)
     model = _model_class(arch)(config).to(torch.float32).eval()

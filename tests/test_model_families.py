@@ -50,6 +50,10 @@ CASES = {
     "phi3": ("phi3", {}),
     "phi3.5-longrope": ("phi3", {"rope_parameters": LONGROPE, "seed": 1}),  # seed 0 ties at one step
     "qwen3-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    # sliding windows far shorter than the prompts and generations: 8 on every layer, 12 (not a multiple of the
+    # block size) on qwen2's second layer while its first attends fully
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "qwen2-window": ("qwen2", {"sliding_window": 12}),
 }
 
 
@@ -91,8 +95,9 @@ def test_longrope_sequences_past_the_original_length_share_no_blocks_with_shorte
     [
         ("qwen3", {"head_dim": 32, "rope_parameters": LLAMA3}, LENGTHS[""]),
         ("phi3", {"rope_parameters": LONGROPE, "seed": 1}, LENGTHS["phi3.5-longrope"]),
+        ("qwen2", {"sliding_window": 12}, LENGTHS[""]),
     ],
-    ids=["qwen3", "phi3"],
+    ids=["qwen3", "phi3", "qwen2-window"],
 )
 def test_background_process_matches_transformers(tmp_path, arch, options, lengths):
     path = build_checkpoint(tmp_path / arch, arch, **options)
@@ -106,6 +111,15 @@ def test_the_rope_scaling_changes_the_tokens(tmp_path):
     scaled = build_checkpoint(tmp_path / "scaled", "llama", rope_parameters=LLAMA3)
     batch = prompts(json.loads((plain / "config.json").read_text())["vocab_size"])
     assert hf_greedy(plain, batch, MAX_TOKENS) != hf_greedy(scaled, batch, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_the_sliding_window_changes_the_tokens(tmp_path, arch):
+    """The window parity cases above would pass with the window ignored if it did not change the tokens."""
+    full = build_checkpoint(tmp_path / "full", arch)
+    windowed = build_checkpoint(tmp_path / "windowed", arch, sliding_window=8)
+    batch = prompts(json.loads((full / "config.json").read_text())["vocab_size"])
+    assert hf_greedy(full, batch, MAX_TOKENS) != hf_greedy(windowed, batch, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -131,6 +145,16 @@ def test_unsupported_options_are_refused_by_name(tmp_path, change, named):
     assert named in str(error.value)
 
 
+def test_an_unknown_layer_type_is_refused_by_name(tmp_path):
+    path = build_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8)
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "chunked_attention"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineStartupError, match="full_attention, sliding_attention") as error:
+        Engine(str(path), mode="inproc")
+    assert "chunked_attention" in str(error.value)
+
+
 # The same checkpoints as GGUF files, written as llama.cpp's converter writes them (tests/hf_to_gguf.py).
 
 GGUF_CASES = {
@@ -143,6 +167,7 @@ GGUF_CASES = {
     "qwen3-head-dim": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
     "phi3": ("phi3", {}),
     "phi3.5-longrope": ("phi3", {"rope_parameters": LONGROPE, "seed": 1}),
+    "phi3-window": ("phi3", {"sliding_window": 8}),  # phi3.attention.sliding_window: every layer
 }
 
 

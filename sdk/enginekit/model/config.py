@@ -29,8 +29,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # longrope's per-frequency factors, head_dim / 2 each: the short ones within original_max_position_embeddings
     rope_short_factors: tuple[float, ...] = ()
     rope_long_factors: tuple[float, ...] = ()
+    # each layer's sliding attention window (0: full attention), one per layer; empty: every layer attends fully
+    layer_windows: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+
+    def window_of(self, layer: int) -> int:
+        """Layer ``layer``'s sliding attention window: it attends to the last this many tokens (0: to all)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def long_rope_from(self) -> int | None:

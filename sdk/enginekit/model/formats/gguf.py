@@ -76,17 +76,18 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         )
     rope_type, rope_parameters, freq_factors, short_factors, long_factors = _rope(header, arch, head_dim)
     max_positions = _required_int(header, f"{arch}.context_length")
-    sliding_window = meta.get(f"{arch}.attention.sliding_window")
-    if sliding_window:
-        # NOTE: no sliding-window attention kernel: cap the context where full attention is exact.
-        max_positions = min(max_positions, sliding_window)
+    num_layers = _required_int(header, f"{arch}.block_count")
+    # a sliding window applies to every layer (the architectures read here have no per-layer pattern)
+    sliding_window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    layer_windows = (sliding_window,) * num_layers if sliding_window else ()
     eos_ids = (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
     return ModelConfig(
         architecture=spec.name,
         vocab_size=_vocab_size(header, arch),
         hidden_size=hidden_size,
         intermediate_size=_required_int(header, f"{arch}.feed_forward_length"),
-        num_layers=_required_int(header, f"{arch}.block_count"),
+        num_layers=num_layers,
+        layer_windows=layer_windows,
         num_heads=num_heads,
         num_kv_heads=_required_int(header, f"{arch}.attention.head_count_kv", default=num_heads),
         head_dim=head_dim,

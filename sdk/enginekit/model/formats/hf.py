@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from enginekit.errors import EngineStartupError
-from enginekit.model.architectures import ARCHITECTURES, ROPE_TYPES, by_hf_class
+from enginekit.model.architectures import ARCHITECTURES, ROPE_TYPES, Architecture, by_hf_class
 from enginekit.model.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = {c: a.name for a in ARCHITECTURES for c in a.hf_classes}
@@ -58,19 +58,14 @@ def read_hf_config(folder: Path) -> ModelConfig:
     rope_theta, rope_type, rope_parameters, short_factors, long_factors = _rope(
         raw, config_path, head_dim, max_positions
     )
-    sliding_window = raw.get("sliding_window")
-    uses_window = spec.sliding_window == "always" or (
-        spec.sliding_window == "flag" and raw.get("use_sliding_window")
-    )
-    if sliding_window and uses_window:
-        # NOTE: no sliding-window attention kernel: cap the context where full attention is exact.
-        max_positions = min(max_positions, sliding_window)
+    num_layers = required.int("num_hidden_layers")
     return ModelConfig(
         architecture=arch,
         vocab_size=required.int("vocab_size"),
         hidden_size=hidden_size,
         intermediate_size=required.int("intermediate_size"),
-        num_layers=required.int("num_hidden_layers"),
+        num_layers=num_layers,
+        layer_windows=_layer_windows(raw, spec, num_layers, config_path),
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
@@ -87,6 +82,32 @@ def read_hf_config(folder: Path) -> ModelConfig:
         eos_token_ids=_eos_ids(folder, raw),
         bos_token_id=raw.get("bos_token_id"),
     )
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_windows(raw: dict, spec: Architecture, num_layers: int, config_path: Path) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as transformers chooses them: ``layer_types`` when the
+    config lists them, else every layer (``sliding_window="always"``) or, with ``use_sliding_window``, the
+    layers from ``max_window_layers`` on (``"flag"``). Empty: no layer slides."""
+    window = raw.get("sliding_window") or 0
+    if spec.sliding_window == "none" or not window:
+        return ()
+    if spec.sliding_window == "flag" and not raw.get("use_sliding_window"):
+        return ()
+    types = raw.get("layer_types")
+    if types:
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown or len(types) != num_layers:
+            raise EngineStartupError(
+                f"unsupported layer_types {unknown or types!r} in {config_path}: one per layer, "
+                f"each of {', '.join(LAYER_TYPES)}",
+                phase="model load",
+            )
+        return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    first = raw.get("max_window_layers", 0) if spec.sliding_window == "flag" else 0
+    return tuple(window if layer >= first else 0 for layer in range(num_layers))
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:

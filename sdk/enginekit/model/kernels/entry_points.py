@@ -118,6 +118,7 @@ PAGED_ATTENTION = Entry(
         Size("table_count"),
         Size("table_width"),
         Scalar("scale", ctypes.c_float),
+        Scalar("window", ctypes.c_long),
         THREADS,
     ),
     ctypes.c_int,

@@ -190,7 +190,8 @@ AVX2 static inline void accumulate_values(float *acc, float correction, const fl
 
 /* Paged attention of single query tokens, each over its own context in the cache, read in place: the decodes of
  * a step, and the tokens of its prefill chunks (a chunk's token at position p attends to the first p + 1 tokens of
- * its sequence, its own included, all already written).
+ * its sequence, its own included, all already written). With a sliding `window` (0: none) a query attends only to
+ * the last `window` tokens of its context (its own included), as a sliding-window layer does.
  *
  * q: [rows, heads, d], rows `q_stride` floats apart; caches: [slots, kv_heads, d], slot = block * block_size +
  * offset; tables: block ids, `table_stride` apart, row `table_rows[r]` of them for query r (NULL: row r); lens:
@@ -203,7 +204,8 @@ AVX2 static inline void accumulate_values(float *acc, float correction, const fl
 AVX2 int enginekit_paged_attention(const float *q, long q_stride, const float *k_cache, const float *v_cache,
                                    const long *tables, long table_stride, const long *table_rows, const long *lens,
                                    float *out, long batch, long heads, long kv_heads, long d, long block_size,
-                                   long num_slots, long table_count, long table_width, float scale, int threads) {
+                                   long num_slots, long table_count, long table_width, float scale, long window,
+                                   int threads) {
   long group = heads / kv_heads, work = 0, num_blocks = num_slots / block_size;
   long span = block_size < MAX_SPAN ? block_size : MAX_SPAN; /* tokens scored at once: all or part of a block */
   for (long b = 0; b < batch; b++) {
@@ -212,7 +214,7 @@ AVX2 int enginekit_paged_attention(const float *q, long q_stride, const float *k
     if (lens[b] < 0 || lens[b] > table_width * block_size) return -2;
     for (long i = 0; i < (lens[b] + block_size - 1) / block_size; i++)
       if (tables[row * table_stride + i] < 0 || tables[row * table_stride + i] >= num_blocks) return -3;
-    work += lens[b];
+    work += window > 0 && lens[b] > window ? window : lens[b];
   }
   work *= heads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (work >= PARALLEL_MIN_WORK)
@@ -224,8 +226,10 @@ AVX2 int enginekit_paged_attention(const float *q, long q_stride, const float *k
     float acc[MAX_GROUP_FLOATS], scores[MAX_SPAN], running_max[MAX_GROUP], running_sum[MAX_GROUP];
     for (long i = 0; i < group * d; i++) acc[i] = 0.0f;
     for (long g = 0; g < group; g++) running_max[g] = -INFINITY, running_sum[g] = 0.0f;
-    for (long start = 0; start < len; start += span) {
-      long count = len - start < span ? len - start : span;
+    /* spans stay within a block: the first one (from a window's start) ends at the next multiple of span */
+    for (long start = window > 0 && len > window ? len - window : 0, count; start < len; start += count) {
+      count = span - start % span;
+      if (count > len - start) count = len - start;
       const long base = table[start / block_size] * block_size + start % block_size;
       const float *keys = k_cache + (base * kv_heads + kvh) * d, *values = v_cache + (base * kv_heads + kvh) * d;
       for (long g = 0; g < group; g++) {

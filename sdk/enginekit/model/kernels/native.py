@@ -188,6 +188,7 @@ class LayerOps:
         block_size: int,
         scale: float,
         table_rows: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """Attention of single query tokens (``q`` ``[N, H, D]``, heads and values contiguous), each over its own
         context in the contiguous paged ``kv_cache`` ``[2, slots, KVH, D]``, read in place: ``[N, H, D]``.
@@ -195,7 +196,8 @@ class LayerOps:
         ``block_tables`` (row ``i`` when ``table_rows`` is ``None``): a decode to its whole context, a prefill
         token to the tokens up to its own. ``block_tables`` ``[rows, blocks]`` (rows contiguous),
         ``context_lens`` and ``table_rows`` are int64, and every key and value attended to is already in the
-        cache."""
+        cache. With a sliding ``window`` (0: none) query ``i`` attends only to the last ``window`` of those
+        tokens."""
         return self._attention(
             q=q,
             kv_cache=kv_cache,
@@ -204,6 +206,7 @@ class LayerOps:
             context_lens=context_lens,
             block_size=block_size,
             scale=scale,
+            window=window,
             threads=self._threads(),
         )
 

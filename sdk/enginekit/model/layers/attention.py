@@ -1,5 +1,5 @@
-"""The attention block: fused q/k/v projection, optional per-head q/k norms, rotary embedding, paged attention,
-output projection."""
+"""The attention block: fused q/k/v projection, optional per-head q/k norms, rotary embedding, paged attention
+(over all the context, or a sliding window of it), output projection."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from enginekit.model.layers.rotary import rotate
 class Attention(nn.Module):
     ops: LayerOps | None = None  # see Decoder.use_layer_ops
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int = 0) -> None:
         super().__init__()
+        self.window = window  # sliding window: attend to the last this many tokens (0: to all)
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -62,5 +63,5 @@ class Attention(nn.Module):
             )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))

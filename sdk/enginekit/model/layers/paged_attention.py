@@ -12,7 +12,7 @@ many queries.
 
 The gathered contexts go into the step's ``gather_buffer`` when it has one: one buffer, reused by every layer
 and every chunk, instead of two fresh multi-megabyte tensors per layer. A fresh tensor that large comes from
-``mmap`` and is touched page by page; with two torch threads that cost 4-7x the gather itself at 128 decodes.
+``mmap`` and is touched page by page, which cost more than the gather itself at 128 decodes.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ import torch.nn.functional as F
 from enginekit.model.kernels.native import LayerOps
 
 # Prefill chunks that end within this many tokens of their sequence's start attend through the native call (each
-# query over its own context), the others through SDPA (which reuses each key across many queries). Against
-# SDPA per chunk, the native call took 0.45-0.52x the time for fresh chunks of 16-128 tokens, 0.77x at 512, 1.07x
-# at 1024; 0.88x for 64 tokens after 300 cached, 1.15x after 2,000 (9 heads and 3 KV heads of 64, 2 threads, an
-# AVX2 CPU).
+# query over its own context), the others through SDPA (which reuses each key across many queries): past about
+# this many tokens SDPA per chunk was faster (docs/benchmarks.md).
 NATIVE_PREFILL_TOKENS = 512
 
 
@@ -76,6 +74,26 @@ def _gather(blocks: torch.Tensor, table: torch.Tensor, buffer: torch.Tensor | No
     return torch.index_select(blocks, 0, table, out=buffer[kv, : table.shape[0]])
 
 
+def _window_mask(context_start: int, num_tokens: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[num_tokens, context_start + num_tokens]``: the chunk's token at position ``p`` attends to positions
+    ``p - window + 1 .. p``."""
+    query = torch.arange(context_start, context_start + num_tokens, device=device).unsqueeze(1)
+    key = torch.arange(context_start + num_tokens, device=device).unsqueeze(0)
+    return (key <= query) & (key > query - window)
+
+
+def _decode_window_mask(meta: AttentionMetadata, window: int, device: torch.device) -> torch.Tensor:
+    """The decodes' mask (``decode_mask``) narrowed to the last ``window`` tokens of each context."""
+    key = torch.arange(meta.decode_len, device=device).unsqueeze(0)
+    if meta.decode_mask is None:  # every context is decode_len long
+        valid, lens = None, torch.full((meta.num_decode, 1), meta.decode_len, device=device)
+    else:
+        valid = meta.decode_mask[:, 0, 0, :]
+        lens = valid.sum(-1, keepdim=True)
+    mask = key >= lens - window
+    return (mask if valid is None else mask & valid)[:, None, None, :]
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
@@ -84,14 +102,23 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     ops: LayerOps | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of the step's new tokens; writes their keys and values to the cache first, unless ``ops`` (the
     native layer operations) is given: then they are already there (``LayerOps.rope_write_cache``), and the
-    decodes and short prefill chunks attend in place, in one call (``LayerOps.paged_attention``)."""
+    decodes and short prefill chunks attend in place, in one call (``LayerOps.paged_attention``). With a sliding
+    ``window`` (0: none) each token attends only to the last ``window`` tokens up to its own."""
     if ops is not None:  # the decodes and the short prefill chunks, in one call
         assert meta.query_tables is not None and meta.query_lens is not None  # built whenever ops is
         out = ops.paged_attention(
-            q, kv_cache, meta.query_tables, meta.query_lens, meta.block_size, scale, meta.query_table_rows
+            q,
+            kv_cache,
+            meta.query_tables,
+            meta.query_lens,
+            meta.block_size,
+            scale,
+            meta.query_table_rows,
+            window,
         )
         chunks = [chunk for chunk in meta.prefills if not chunk.native]
         if not chunks:  # most steps
@@ -102,7 +129,7 @@ def paged_attention(
         out, chunks = torch.empty_like(q) if meta.prefills else None, meta.prefills
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     # One row per block (block_size * KVH * D values): a context is gathered with one index_select per K and
-    # V, a plain copy of whole rows (4-5x faster than advanced indexing of [2, blocks, ...]).
+    # V, a plain copy of whole rows (faster than advanced indexing of [2, blocks, ...]).
     k_blocks, v_blocks = (kv_cache[kv].view(-1, meta.block_size * num_kv_heads * head_dim) for kv in (0, 1))
     gqa = q.shape[1] != num_kv_heads
     if ops is None and meta.num_decode:
@@ -115,24 +142,36 @@ def paged_attention(
             .transpose(1, 2)
             for kv, blocks in enumerate((k_blocks, v_blocks))
         )  # [B, KVH, length, D]
+        mask = meta.decode_mask if not window else _decode_window_mask(meta, window, q.device)
         attended = F.scaled_dot_product_attention(
-            q[:num_decode].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+            q[:num_decode].unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
         if out is None:  # a pure decode step: its output is the whole result
             return attended.squeeze(2)
         out[:num_decode] = attended.squeeze(2)
     assert out is not None  # None only in a step of decodes alone, returned above
     # Prefill inputs get a batch dimension of one: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
-    # fall back to the math path (2-4x slower at 64-token chunks, measured with torch 2.13 on 2 cores).
+    # fall back to the slower math path.
     for chunk in chunks:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if chunk.context_start == 0:
+        if chunk.context_start == 0 and not window:
             attended = F.scaled_dot_product_attention(
                 query,
                 k[rows].transpose(0, 1).unsqueeze(0),
                 v[rows].transpose(0, 1).unsqueeze(0),
                 is_causal=True,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        elif (
+            chunk.context_start == 0
+        ):  # a fresh chunk, sliding window: its own keys and values, a banded mask
+            attended = F.scaled_dot_product_attention(
+                query,
+                k[rows].transpose(0, 1).unsqueeze(0),
+                v[rows].transpose(0, 1).unsqueeze(0),
+                attn_mask=_window_mask(0, chunk.num_tokens, window, q.device),
                 scale=scale,
                 enable_gqa=gqa,
             )
@@ -146,8 +185,13 @@ def paged_attention(
                 .unsqueeze(0)
                 for kv, blocks in enumerate((k_blocks, v_blocks))
             )  # [1, KVH, length, D]
+            mask = (
+                chunk.mask
+                if not window
+                else _window_mask(chunk.context_start, chunk.num_tokens, window, q.device)
+            )
             attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=gqa
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
             )
         out[rows] = attended[0].transpose(0, 1)
     return out
