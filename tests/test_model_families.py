@@ -138,6 +138,7 @@ def test_the_sliding_window_changes_the_tokens(tmp_path, arch):
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "factor"),
         ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
         ({"partial_rotary_factor": 0.5}, "partial rotary"),
+        ({"hidden_act": "gelu"}, "'gelu'"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "low_freq_factor"),
     ],
 )
