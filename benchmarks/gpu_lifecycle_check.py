@@ -13,6 +13,10 @@ Two checks, for a machine with an NVIDIA GPU:
    tokens/s and the median decode step time, from the engine's own step metrics; each eagerly and with
    ``cuda_graphs=True``, with the share of requests whose greedy tokens are the same on both paths (padding
    changes the matmul shapes, so low-precision rounding may differ in a few).
+4. ``"kv_sizing"``: the default model in this process with the KV cache sized to the device, at
+   ``gpu_memory_utilization`` 0.5 and 0.9 (``max_num_seqs=1024`` so that the cap of what the scheduler can fill
+   does not bind): passes when the device's used memory stays within the share asked for (plus 1 GiB: the
+   profile cannot see allocations made later, such as cuBLAS workspaces) and 0.9 gives the larger cache.
 
 The ``"mp"`` check runs first, while this process has not initialised CUDA itself, so that
 ``nvidia-smi`` lists engine processes only. Without CUDA the script prints why and exits 0 (skipped);
@@ -56,8 +60,13 @@ def main() -> int:
     results["mp"] = check_mp(device, args.restarts)  # first: this process has no CUDA context yet
     results["inproc"] = check_inproc(device, args.restarts)
     results["decode"] = time_decode(device, (1, 8) if args.cpu else (1, 8, 32, 128))
+    results["kv_sizing"] = None if args.cpu else check_kv_sizing(device)
     results["gpu"] = None if args.cpu else torch.cuda.get_device_name(0)
-    results["passed"] = results["mp"]["passed"] and results["inproc"]["passed"]
+    results["passed"] = (
+        results["mp"]["passed"]
+        and results["inproc"]["passed"]
+        and (results["kv_sizing"] is None or results["kv_sizing"]["passed"])
+    )
     print(json.dumps(results, indent=2))
     if args.json:
         with open(args.json, "w") as output:
@@ -149,6 +158,36 @@ def check_inproc(device: str, restarts: int) -> dict[str, Any]:
         "leaks": diff.leaks(),
         "passed": allocated_after <= allocated_before and not diff.leaks(),
     }
+
+
+def check_kv_sizing(device: str) -> dict[str, Any]:
+    """The KV cache sized to the device: the memory used stays within gpu_memory_utilization."""
+    import torch
+
+    from enginekit import Engine
+
+    rows: dict[str, Any] = {}
+    for utilization in (0.5, 0.9):
+        with Engine(
+            mode="inproc", device=device, gpu_memory_utilization=utilization, max_num_seqs=1024
+        ) as engine:
+            assert engine.generate("hello", _params())[0].finished
+            free, total = torch.cuda.mem_get_info()
+            stats = engine.get_stats()
+            rows[str(utilization)] = {
+                "kv_cache_gib": round(stats["kv_cache_bytes"] / 2**30, 2),
+                "kv_cache_tokens": stats["kv_cache_tokens"],
+                "used_fraction": round((total - free) / total, 3),
+                "within": total - free <= utilization * total + 2**30,
+            }
+        gc.collect()
+        torch.cuda.empty_cache()
+    rows["passed"] = (
+        rows["0.5"]["within"]
+        and rows["0.9"]["within"]
+        and rows["0.9"]["kv_cache_gib"] > rows["0.5"]["kv_cache_gib"]
+    )
+    return rows
 
 
 def time_decode(device: str, concurrency: tuple[int, ...]) -> dict[str, Any]:

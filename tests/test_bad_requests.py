@@ -18,6 +18,8 @@ MODES = ["inproc", "mp", "async"]
 MAX_MODEL_LEN = 64
 HIDDEN = 128  # the built-in model's
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
+NAN_EMBEDS = torch.zeros(2, HIDDEN).index_fill_(0, torch.tensor([1]), float("nan"))
+INF_EMBEDS = torch.zeros(2, HIDDEN).index_fill_(0, torch.tensor([0]), float("inf"))
 
 # (case, facade prompt, raw prompt token ids, raw prompt embeds, exception, message)
 BAD_PROMPTS = [
@@ -53,6 +55,22 @@ BAD_PROMPTS = [
         torch.zeros(2, 7),
         ValueError,
         rf"prompt_embeds must be a \[2, {HIDDEN}\] tensor, got \[2, 7\]",
+    ),
+    (
+        "NaN prompt_embeds",
+        {"prompt_embeds": NAN_EMBEDS},
+        [0, 0],
+        NAN_EMBEDS,
+        ValueError,
+        r"prompt_embeds must hold finite values; row 1 holds nan or inf",
+    ),
+    (
+        "inf prompt_embeds",
+        {"prompt_embeds": INF_EMBEDS},
+        [0, 0],
+        INF_EMBEDS,
+        ValueError,
+        r"prompt_embeds must hold finite values; row 0 holds nan or inf",
     ),
 ]
 

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from enginekit import Engine, EngineDeadError, SamplingParams
+from process_support import wait_gone
 
 # The contract is "about a second"; the margin absorbs a loaded 2-core CI machine. A call still blocked after
 # this long counts as hung.
@@ -135,6 +136,20 @@ def test_a_signal_to_the_engine_process_fails_the_calls_in_flight_naming_it(engi
         engine.generate("a later call fails the same way", SamplingParams(max_tokens=2))
     engine.restart()
     assert engine.generate("alive again", SamplingParams(max_tokens=3))[0].finished
+
+
+@pytest.mark.parametrize(
+    ("signum", "described"), [(signal.SIGKILL, "killed by SIGKILL"), (signal.SIGTERM, "SIGTERM")]
+)
+def test_an_engine_that_died_idle_names_how_in_every_mode(engine, signum, described):
+    # "async" with no loop running has nobody watching the engine until the next call: that call must still
+    # say how the engine ended, not only that the socket could not reach it.
+    pid = engine.engine_pid
+    os.kill(pid, signum)
+    assert wait_gone([pid], DEATH_DEADLINE_S) == []
+    with pytest.raises(EngineDeadError, match=described):
+        engine.generate("after an idle death", SamplingParams(max_tokens=2))
+    engine.restart()
 
 
 # ---- an executor failure: EXECUTOR_FAILED -> ENGINE_CORE_DEAD -> EngineDeadError -------------------------

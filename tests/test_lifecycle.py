@@ -25,9 +25,11 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+import enginekit
 import process_support
 from enginekit import Engine, EngineDeadError, EngineShutdownError, SamplingParams
 from enginekit.diagnostics import ProcessSnapshot, snapshot, wait_until_clean
@@ -499,6 +501,13 @@ def test_engine_process_exits_when_its_front_end_is_killed_during_model_load(fro
     assert wait_gone(pids) == []
 
 
+def assert_exits_leaving_nothing(script: FrontEnd, pids: list[int]) -> None:
+    assert script.proc.wait(60) == 0, script.stderr
+    assert wait_gone(pids) == []
+    for sign_of_trouble in ("Traceback", "Exception ignored", "dead", "died"):
+        assert sign_of_trouble not in script.stderr, script.stderr
+
+
 def test_interpreter_exit_without_shutdown_releases_every_engine(front_end):
     script = front_end("""
         engines = [Engine("builtin", mode=mode, num_kv_blocks=64) for mode in ("inproc", "mp", "async", "mp")]
@@ -508,10 +517,35 @@ def test_interpreter_exit_without_shutdown_releases_every_engine(front_end):
     """)
     pids = [int(pid) for pid in script.expect("pids")]
     assert len(pids) == 4  # the launcher and three engine processes
-    assert script.proc.wait(60) == 0, script.stderr
-    assert wait_gone(pids) == []
-    for sign_of_trouble in ("Traceback", "Exception ignored", "dead", "died"):
-        assert sign_of_trouble not in script.stderr, script.stderr
+    assert_exits_leaving_nothing(script, pids)
+
+
+def test_interpreter_exit_with_a_bare_client_and_a_dropped_engine_leaves_no_orphan(front_end):
+    # A client made without an Engine, and an engine whose only reference is a cycle (collected only by the
+    # gc, which may never run before exit): both are released by their finalizers, before the launcher goes.
+    script = front_end("""
+        from enginekit.client import make_client
+        from enginekit.config import EngineConfig
+        from enginekit.model.loader import load_model_spec
+        config = EngineConfig.from_options("builtin", num_kv_blocks=64)
+        client = make_client("mp", config, load_model_spec(config.model, config.revision))
+        engine = Engine("builtin", mode="mp", num_kv_blocks=64)
+        engine.generate("bye", SamplingParams(max_tokens=4))
+        engine.cycle = engine
+        del engine
+        print("pids", descendants(), flush=True)
+    """)
+    pids = [int(pid) for pid in script.expect("pids")]
+    assert len(pids) == 3  # the launcher and two engine processes
+    assert_exits_leaving_nothing(script, pids)
+
+
+def test_no_cleanup_runs_in_a_destructor():
+    # Cleanup is a weakref.finalize over a resources object (runtime/exit_hooks.py): its order at exit is
+    # defined, and it never runs half-way through a torn-down interpreter.
+    package = Path(enginekit.__file__).parent
+    offenders = [str(path) for path in package.rglob("*.py") if "def __del__" in path.read_text()]
+    assert offenders == []
 
 
 # ---- teardown -------------------------------------------------------------------------------------------

@@ -159,6 +159,16 @@ def test_a_model_that_is_not_local_says_what_to_pass(model, message, tmp_path, m
         Engine(model, mode="inproc")
 
 
+@pytest.mark.parametrize("model", ["", "  "])
+def test_an_empty_model_name_is_refused_not_read_as_the_current_directory(model, tmp_path, monkeypatch):
+    build_checkpoint(tmp_path)  # a loadable model in the current directory must not be picked up
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"model must not be empty; pass None for the default model or '\.' "
+    ):
+        Engine(model, mode="inproc")
+
+
 def test_without_the_wheel_the_default_model_names_the_install_command(monkeypatch):
     import importlib.util
 

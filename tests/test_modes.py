@@ -8,7 +8,14 @@ import threading
 import pytest
 import torch
 
-from enginekit import Engine, EngineDeadError, EngineShutdownError, SamplingParams, UtilityCallError
+from enginekit import (
+    Engine,
+    EngineDeadError,
+    EngineShutdownError,
+    RequestOutputKind,
+    SamplingParams,
+    UtilityCallError,
+)
 from enginekit.client import SyncMPClient
 from enginekit.config import EngineConfig
 from enginekit.wire.messages import EngineCoreRequest, ShutdownRequest, WakeupRequest
@@ -277,3 +284,39 @@ def test_sync_streams_in_async_mode_never_lose_a_token():
     with Engine("builtin", mode="async") as engine:
         for _ in range(40):
             assert list(engine.stream(PROMPTS[0], params))[-1].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_max_tokens_none_generates_up_to_the_context(mode):
+    with Engine("builtin", mode=mode, max_model_len=40, num_kv_blocks=16) as engine:
+        prompt = engine.tokenizer.encode("twelve bytes")
+        params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+        out = engine.generate(prompt, params)[0].outputs[0]
+        assert len(out.token_ids) == 40 - len(prompt) and out.finish_reason == "length"
+
+
+def test_an_inproc_utility_call_raises_at_its_timeout_while_the_utility_still_runs():
+    with Engine("builtin", mode="inproc", num_kv_blocks=16) as engine:
+        with pytest.raises(TimeoutError, match=r"utility 'sleep' did not answer within 0\.2s"):
+            engine.call_utility("sleep", 3.0, timeout=0.2)
+        # As with an engine process: the caller's deadline holds, the engine is busy until the utility ends.
+        assert any(thread.name == "enginekit-utility" for thread in threading.enumerate())
+        assert engine.ping()
+        assert engine.generate("after", SamplingParams(max_tokens=2))[0].finished
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cumulative_logprob_sums_the_sampled_tokens_logprobs_when_asked(mode):
+    # vLLM's meaning: the sum of the sampled tokens' logprobs when logprobs were requested, else None.
+    with Engine("builtin", mode=mode, num_kv_blocks=16) as engine:
+        asked = SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=0, n=2)
+        for sample in engine.generate("sum me", asked)[0].outputs:
+            sampled = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
+            assert sample.cumulative_logprob == pytest.approx(sum(sampled), abs=1e-5)
+            assert sample.cumulative_logprob < 0
+        delta = SamplingParams(max_tokens=5, temperature=0, logprobs=1, output_kind=RequestOutputKind.DELTA)
+        pieces = [out.outputs[0] for out in engine.stream("sum me", delta)]
+        total = sum(entry[token].logprob for p in pieces for entry, token in zip(p.logprobs, p.token_ids))
+        assert pieces[-1].cumulative_logprob == pytest.approx(total, abs=1e-5)  # the whole sum, as in vLLM
+        plain = engine.generate("sum me", SamplingParams(max_tokens=3))[0].outputs[0]
+        assert plain.cumulative_logprob is None

@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from enginekit import Engine, SamplingParams
 from enginekit.model.kernels import native as native_module
+from enginekit.model.kernels.library import DISABLE_ENV, native_kernels_status
 from enginekit.model.kernels.native import MAX_ROWS, native_layer_ops, native_packed_gemm, native_skinny_gemm
 from enginekit.model.layers.linear import PACKED_MIN_DEPTH, PACKED_MIN_ROWS, linear_kernel
 
@@ -370,3 +372,14 @@ def test_unwritable_cache_builds_privately(tmp_path: Path) -> None:
 def test_source_ships_with_the_package() -> None:
     assert all(source.is_file() for source in native_module.SOURCES)
     assert '"model/kernels/*.c"' in (Path(__file__).parents[1] / "pyproject.toml").read_text()
+
+
+def test_get_stats_says_whether_the_native_kernels_run_and_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reason is logged at INFO, below the default level: get_stats() is where a user sees it.
+    with Engine("builtin", mode="inproc", num_kv_blocks=16) as engine:
+        engine.generate("warm", SamplingParams(max_tokens=2))
+        assert engine.get_stats()["native_kernels"] == native_kernels_status()
+    monkeypatch.setenv(DISABLE_ENV, "0")  # an engine process started now reads it
+    with Engine("builtin", mode="mp", num_kv_blocks=16) as engine:
+        engine.generate("warm", SamplingParams(max_tokens=2))
+        assert engine.get_stats()["native_kernels"] == f"off: {DISABLE_ENV}=0"

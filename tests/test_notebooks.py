@@ -25,7 +25,7 @@ def _code_cells(path: Path) -> list[nbformat.NotebookNode]:
 
 def test_the_notebooks_are_there() -> None:
     names = {path.name for path in NOTEBOOKS}
-    assert {"quickstart.ipynb", "live_viewer.ipynb"} <= names
+    assert {"quickstart.ipynb", "live_viewer.ipynb", "structured_outputs.ipynb"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)

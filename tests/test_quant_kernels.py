@@ -242,3 +242,23 @@ def test_bad_arguments_raise_instead_of_reading_past_the_weight(gemm: str) -> No
 
 def test_quant_gemm_is_native_where_the_library_loads() -> None:
     assert (quant_gemm() is NATIVE) if NATIVE is not None else quant_gemm().name.startswith("portable")
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+def test_an_lm_head_computes_its_largest_outputs_from_the_unquantized_input(rows):
+    from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
+
+    blocks = stored(QType.Q8_0, 512, 256, seed=3)
+    weight = dequantized(blocks, QType.Q8_0, 512, 256)
+    part = StoredWeight(blocks, QType.Q8_0, 512, 256)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    plain = QuantizedWeight([part], NATIVE)(x)
+    head = QuantizedWeight([part], NATIVE, exact_top=8)(x)
+    exact = (x.double() @ weight.double().T).float()
+    top = plain.topk(8, dim=1).indices  # the outputs computed again
+    torch.testing.assert_close(head.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(head.argmax(dim=1), exact.argmax(dim=1))
+    if rows <= 16:  # the int8 path: the other outputs keep its values, which differ from the exact ones
+        rest = torch.ones_like(head, dtype=torch.bool).scatter_(1, top, False)
+        assert torch.equal(head[rest], plain[rest]) and not torch.equal(plain[rest], exact[rest])

@@ -119,9 +119,9 @@ def test_streaming_and_async_chat(engine):
 
 
 def test_chat_answers_with_the_weights_as_stored():
-    # The LM head takes its input unquantized (QuantizedWeight.exact_input): with an int8 input, as the other
-    # projections take it at decode, this model (and llama.cpp on the same file) answers "L'Étoile, la Cité, ...".
+    # The LM head's largest logits are computed again from its unquantized input (QuantizedWeight.exact_top):
+    # with the int8 input alone this model (and llama.cpp on the same file) answers "L'Étoile, la Cité, ...".
     with Engine(mode="inproc", quantization="gguf") as engine:
-        assert engine.client.core.runner.model.lm_head.stored.exact_input
+        assert engine.client.core.runner.model.lm_head.stored.exact_top
         outputs = engine.chat(CONVERSATIONS[:1], SamplingParams(max_tokens=64, temperature=0))
     assert outputs[0].text == "The capital of France is Paris."

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import msgspec
@@ -20,8 +21,9 @@ from enginekit.client.remote import RankWatcher, RemoteRank
 from enginekit.config import EngineConfig
 from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.runtime.launcher import Launcher
-from enginekit.wire.keys import read_keys
-from enginekit.wire.messages import EngineProcArgs, RankExit, RankJoin
+from enginekit.wire.keys import curve_client, read_keys
+from enginekit.wire.messages import EngineProcArgs, JoinRefused, LegacyRankJoin, RankExit, RankJoin
+from enginekit.wire.version import PROTOCOL, SCHEMA
 from hf_checkpoints import build_checkpoint
 from process_support import in_thread, wait_gone, wait_until_generating
 
@@ -158,12 +160,12 @@ def test_a_peer_without_the_keys_gets_no_answer(cluster):
         public, secret = zmq.curve_keypair()
         stranger.curve_serverkey, stranger.curve_publickey, stranger.curve_secretkey = public, public, secret
         stranger.connect(f"tcp://127.0.0.1:{watch_port}")
-        stranger.send(msgspec.msgpack.encode(RankJoin(1, os.getpid(), "stranger")))
+        stranger.send(msgspec.msgpack.encode(RankJoin(PROTOCOL, SCHEMA, 1, os.getpid(), "stranger")))
         assert not stranger.poll(1000)  # the CURVE handshake never completes: nothing in, nothing out
         plain = context.socket(zmq.DEALER)
         plain.setsockopt(zmq.LINGER, 0)
         plain.connect(f"tcp://127.0.0.1:{watch_port}")
-        plain.send(msgspec.msgpack.encode(RankJoin(1, os.getpid(), "plain")))
+        plain.send(msgspec.msgpack.encode(RankJoin(PROTOCOL, SCHEMA, 1, os.getpid(), "plain")))
         assert not plain.poll(500)
     finally:
         context.destroy(linger=0)
@@ -219,6 +221,67 @@ def test_a_remote_rank_that_never_comes_fails_the_start_and_leaves_nothing(tmp_p
         "builtin", mode="mp", address=f"tcp://127.0.0.1:{port}"
     ) as engine:  # the ports are free again
         assert engine.call_utility("ping") == "pong"
+
+
+class _NewerJoin(msgspec.Struct, tag="hello", array_like=True):
+    """The join of a later release: the same first fields, another schema, and a field this one lacks."""
+
+    protocol: int
+    schema: str
+    rank: int
+    pid: int
+    hostname: str
+    new_option: str = "from a later release"
+
+
+def _crafted_peer(keys_path, join, result):
+    """A remote rank of another release, over the real watch socket: sends ``join``, keeps the reply."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not os.path.exists(keys_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    keys = read_keys(keys_path)
+    context = zmq.Context()
+    try:
+        peer = context.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        curve_client(peer, keys)
+        peer.connect(f"tcp://127.0.0.1:{keys.watch_port}")
+        peer.send(msgspec.msgpack.encode(join))
+        if peer.poll(int(JOIN_TIMEOUT_S * 1000)):
+            result.append(msgspec.msgpack.decode(peer.recv(), type=JoinRefused))
+    finally:
+        context.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    ("join", "theirs"),
+    [
+        (
+            _NewerJoin(PROTOCOL, "0" * 12, 1, 4242, "newer-host"),
+            f"wire protocol {PROTOCOL} (schema {'0' * 12})",
+        ),
+        (
+            _NewerJoin(PROTOCOL + 1, SCHEMA, 1, 4242, "newer-host"),
+            f"wire protocol {PROTOCOL + 1} (schema {SCHEMA})",
+        ),
+        (LegacyRankJoin(1, 4242, "older-host"), "wire protocol 1 (schema unversioned)"),
+    ],
+    ids=["newer-schema", "newer-protocol", "unversioned"],
+)
+def test_a_remote_rank_of_another_wire_version_fails_the_start_naming_both_versions(tmp_path, join, theirs):
+    keys, port = tmp_path / "keys.json", free_port_triple()
+    reply: list[JoinRefused] = []
+    peer = threading.Thread(target=_crafted_peer, args=(keys, join, reply), daemon=True)
+    peer.start()
+    ours = f"wire protocol {PROTOCOL} (schema {SCHEMA})"
+    with pytest.raises(EngineStartupError, match="engine rank 1: ") as failure:
+        Engine("builtin", mode="mp", **options(keys, port))
+    peer.join(JOIN_TIMEOUT_S)
+    message = str(failure.value)
+    assert f"remote rank 1 speaks {theirs}, this front end {ours}" in message, message
+    assert failure.value.phase.startswith("join")
+    # The peer was told why, in the one reply every release decodes.
+    assert len(reply) == 1 and theirs in reply[0].reason and ours in reply[0].reason and not reply[0].retry
 
 
 def test_shutdown_with_a_remote_rank_leaves_nothing_behind(tmp_path, reference):
@@ -377,7 +440,11 @@ class _WatchSocket:
         peer = self.context.socket(zmq.DEALER)
         self._peers.append(peer)
         peer.connect(f"tcp://127.0.0.1:{self.port}")
-        peer.send(msgspec.msgpack.encode(RankJoin(rank=rank, pid=os.getpid(), hostname=f"host-{rank}")))
+        peer.send(
+            msgspec.msgpack.encode(
+                RankJoin(PROTOCOL, SCHEMA, rank=rank, pid=os.getpid(), hostname=f"host-{rank}")
+            )
+        )
         return peer
 
     def close(self) -> None:
@@ -458,3 +525,26 @@ def test_a_ranks_exit_code_reaches_its_death_message_when_another_ranks_join_is_
     assert ranks[1].is_alive() and ranks[1].joined
     assert not ranks[0].is_alive()
     assert "exited with code 3" in ranks[0].describe_exit()
+
+
+def test_a_new_config_option_changes_the_wire_schema():
+    # EngineConfig travels whole to a remote rank, so an option one release has and the other lacks must make
+    # their versions differ (and the join refused), while a changed default or docstring must not.
+    import msgspec.inspect
+
+    from enginekit.wire.version import _shape, wire_schema
+
+    class WithOption(EngineConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        new_option: int = 0
+
+    def shape(cls):
+        return _shape(msgspec.inspect.type_info(cls), set())[4]
+
+    class OtherDefault(EngineConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        startup_timeout: float = 1.0
+
+    assert shape(WithOption) != shape(EngineConfig)
+    assert shape(OtherDefault) == shape(EngineConfig)
+    assert [field[0] for field in shape(EngineConfig)] == list(EngineConfig.__struct_fields__)
+    assert msgspec.json.encode(wire_schema()) == msgspec.json.encode(wire_schema())  # stable within a release
+    assert len(SCHEMA) == 12

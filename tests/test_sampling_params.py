@@ -7,9 +7,24 @@ from enginekit import SamplingParams
 
 BAD_VALUES = [
     # (options, exception, message)
-    ({"max_tokens": 0}, ValueError, r"SamplingParams.max_tokens must be at least 1, got 0"),
+    ({"max_tokens": 0}, ValueError, r"SamplingParams.max_tokens must be at least 1 or None, got 0"),
     ({"max_tokens": True}, TypeError, r"SamplingParams.max_tokens must be an integer, got True \(bool\)"),
     ({"max_tokens": 2.5}, TypeError, r"SamplingParams.max_tokens must be an integer, got 2.5 \(float\)"),
+    # What crosses to an engine process must fit msgpack's integers: refused here, in every mode alike.
+    ({"max_tokens": 2**64}, ValueError, r"SamplingParams.max_tokens must fit in a signed 64-bit integer"),
+    ({"top_k": 2**64}, ValueError, r"SamplingParams.top_k must fit in a signed 64-bit integer"),
+    ({"stop_token_ids": [2**64]}, ValueError, r"SamplingParams.stop_token_ids must fit in a signed 64-bit"),
+    (
+        {"repetition_penalty": float("nan")},
+        ValueError,
+        r"repetition_penalty must be a finite number, got nan",
+    ),
+    (
+        {"repetition_penalty": float("inf")},
+        ValueError,
+        r"repetition_penalty must be a finite number, got inf",
+    ),
+    ({"temperature": float("nan")}, ValueError, r"SamplingParams.temperature must be a finite number"),
     ({"temperature": -0.5}, ValueError, r"SamplingParams.temperature must be in \[0, 100\], got -0.5"),
     ({"temperature": True}, TypeError, r"SamplingParams.temperature must be a number, got True \(bool\)"),
     ({"temperature": "hot"}, TypeError, r"SamplingParams.temperature must be a number, got 'hot' \(str\)"),
@@ -76,3 +91,8 @@ def test_stop_accepts_a_single_string_or_a_list():
 def test_greedy_means_temperature_zero():
     assert SamplingParams(temperature=0).is_greedy
     assert not SamplingParams().is_greedy
+
+
+def test_max_tokens_none_means_up_to_the_context():
+    params = SamplingParams(max_tokens=None, min_tokens=5)
+    assert params.max_tokens is None and params.min_tokens == 5

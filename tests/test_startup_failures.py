@@ -16,9 +16,12 @@ import pytest
 from enginekit import Engine, EngineStartupError
 from enginekit.client import SyncMPClient
 from enginekit.config import EngineConfig
+from enginekit.core import engine_core_proc
+from enginekit.core.engine_core_proc import EngineCoreProc
 from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.runtime.engine_process import EngineProcess
 from enginekit.runtime.launcher import Launcher, LauncherError
+from enginekit.wire.messages import EngineProcArgs
 from hf_checkpoints import build_checkpoint, corrupt_safetensors
 
 
@@ -120,3 +123,43 @@ def test_launcher_that_cannot_fork(baseline, monkeypatch):
     ) as info:
         Engine("builtin", mode="mp")
     assert info.value.phase == "spawn"
+
+
+def _construct(args: EngineProcArgs) -> list[BaseException]:
+    """Build an engine core process object here, on a thread; the exception it raised (a hang fails too)."""
+    raised: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            EngineCoreProc(args)
+        except BaseException as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    thread.join(
+        120.0
+    )  # the checks below give up within seconds; this only keeps a hang from blocking the run
+    assert not thread.is_alive(), "the engine core waited for its input thread forever"
+    return raised
+
+
+def test_an_input_thread_that_dies_during_startup_fails_it_at_once(monkeypatch):
+    # The input socket thread connects to the front end before anything else; if it dies first (here: an
+    # address zmq cannot parse), the engine process must fail its start rather than wait for it.
+    monkeypatch.setattr(engine_core_proc, "READY_TIMEOUT_S", 3600.0)  # dead is dead: no deadline needed
+    config = EngineConfig(model="builtin", num_kv_blocks=16)
+    raised = _construct(EngineProcArgs(config, "no-such-transport://x", "no-such-transport://y"))
+    assert [str(error) for error in raised] == ["Input socket thread died during startup"]
+
+
+def test_an_input_thread_that_never_gets_ready_fails_startup_at_the_deadline(monkeypatch):
+    stuck = threading.Event()
+    monkeypatch.setattr(engine_core_proc, "READY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(engine_core_proc.EngineCoreProc, "_input_loop", lambda self: stuck.wait(120.0))
+    config = EngineConfig(model="builtin", num_kv_blocks=16)
+    try:
+        raised = _construct(EngineProcArgs(config, "no-such-transport://x", "no-such-transport://y"))
+    finally:
+        stuck.set()
+    assert [str(error) for error in raised] == ["Input socket thread did not start within 0.5 s"]

@@ -47,7 +47,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_kv_blocks
         KV-cache blocks to allocate; ``None`` sizes the cache from ``kv_cache_memory_bytes``.
     kv_cache_memory_bytes
-        Memory budget of the KV cache when ``num_kv_blocks`` is ``None``.
+        Memory budget of the KV cache when ``num_kv_blocks`` is ``None``. ``None`` sizes it to the machine: on
+        CUDA, ``gpu_memory_utilization`` of the device's memory less what the engine took in a profiling step
+        (and what others held when it started); on CPU, 4 GiB, at most a quarter of the memory available to
+        the process (``/proc/meminfo``'s ``MemAvailable``, bounded by its memory cgroup's limit), shared out
+        between the data-parallel ranks on the machine. Either way no more than ``max_num_seqs`` requests of
+        the longest length can fill. ``get_stats()`` reports the size (``kv_cache_bytes``, ``kv_cache_tokens``).
+    gpu_memory_utilization
+        On CUDA with the cache sized to the machine: the share of the device's memory (0 to 1] this engine
+        may take in all (weights, activations and the KV cache); as vLLM's option of that name.
     max_num_seqs
         Most requests in one step.
     max_num_batched_tokens
@@ -109,6 +117,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_keys
         The file that holds the CURVE keys and ports remote ranks need (mode 0600; copy it to their hosts).
         The front end writes it at startup, keeping the keys of an existing file so that copies stay valid.
+    data_parallel_backend
+        Where the ranks run: ``"mp"`` (processes this front end starts, plus remote ranks started by hand) or
+        ``"ray"`` (every rank a Ray actor in its own placement group, on the cluster this process joined with
+        ``ray.init()`` / ``ray.init(address=...)``, else on a local one the engine starts and stops; ``pip
+        install 'enginekit[ray]'``). Each rank's bundle holds ``num_threads`` CPUs (1 if unset) and, on CUDA, one
+        GPU; the ranks join the front end over CURVE-protected TCP, at the host of ``address`` (port ``0`` or
+        none: free ports), else loopback on a one-node cluster and this node's address on a larger one.
     structured_outputs_backend
         The library that compiles ``StructuredOutputsParams`` and computes their token masks: ``"llguidance"``
         (the default; installed with enginekit) or ``"xgrammar"`` (``pip install 'enginekit[xgrammar]'``). Both
@@ -128,7 +143,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -149,10 +165,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_load_balancing: Literal["internal", "external"] | None = None
     data_parallel_size_local: int | None = None
     data_parallel_keys: str | None = None
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
     cuda_graphs: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
 
     def __post_init__(self) -> None:
+        _require(  # NOTE: an empty path would resolve to the current directory and load whatever lies there
+            self.model is None or self.model.strip() != "",
+            f"model must not be empty; pass None for the default model or '.' for the current directory, "
+            f"got {self.model!r}",
+        )
         _require(
             self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             f"block_size must be a positive power of two, got {self.block_size}",
@@ -161,7 +183,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             self.num_kv_blocks is None or self.num_kv_blocks >= 2,
             f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}",
         )
-        _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes must be positive")
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "kv_cache_memory_bytes must be positive",
+        )
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens >= 1,
@@ -197,6 +226,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             self.data_parallel_load_balancing,
         )
         _require(size >= 1, f"data_parallel_size must be at least 1, got {size}")
+        if self.data_parallel_backend == "ray":
+            self._check_ray()
         if rank is not None and not 0 <= rank < size:
             raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={size}), got {rank}")
         if rank is not None and balancing == "internal":
@@ -236,6 +267,33 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if not self.data_parallel_keys:
             raise ValueError(
                 "remote ranks need data_parallel_keys: the file the front end writes their CURVE keys to"
+            )
+
+    def _check_ray(self) -> None:
+        if (
+            self.data_parallel_rank is not None
+            or self.data_parallel_size_local is not None
+            or self.data_parallel_load_balancing == "external"
+        ):
+            raise ValueError(
+                "data_parallel_backend='ray' places every rank behind this front end (internal load balancing): "
+                "drop data_parallel_rank, data_parallel_size_local and external load balancing"
+            )
+        if self.address is not None and not self.address.startswith("tcp://"):
+            raise ValueError(
+                f"Ray ranks join the front end over TCP: give address='tcp://HOST:PORT', got {self.address!r}"
+            )
+        if self.device is not None and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"Ray places each rank on a GPU of its choosing: give device='cuda', not {self.device!r}"
+            )
+        try:
+            found = importlib.util.find_spec("ray") is not None
+        except ValueError:  # a module named ray without a spec: not the package
+            found = False
+        if not found:
+            raise ImportError(
+                "data_parallel_backend='ray' needs Ray, which is not installed: pip install 'enginekit[ray]'"
             )
 
     @property

@@ -25,6 +25,14 @@ from typing import Any
 _active: list[bool] | None = None  # the outermost section's notes, while its handler is in place
 
 
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, or ``None``."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 @contextlib.contextmanager
 def deferred_interrupts(on_interrupt: Callable[[], None] | None = None) -> Iterator[list[bool]]:
     """Yield a list that gets an item when Ctrl-C arrives (a loop may stop early on it), after calling

@@ -39,6 +39,9 @@ class CompletionOutput:
     logprobs
         Per generated token, ``{token_id: Logprob}`` for the sampled token and the top ``k``; ``None`` unless
         ``SamplingParams(logprobs=k)`` was given.
+    cumulative_logprob
+        The sum of the sampled tokens' log-probabilities (of all of them, in a ``DELTA`` stream too); ``None``
+        unless ``SamplingParams(logprobs=k)`` was given (as in vLLM).
     """
 
     index: int
@@ -47,6 +50,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

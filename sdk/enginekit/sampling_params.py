@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import math
 import numbers
 import operator
 from typing import Any
@@ -54,7 +55,8 @@ class SamplingParams(
     Parameters
     ----------
     max_tokens
-        Most tokens to generate.
+        Most tokens to generate; ``None``: as many as the context has room for (``max_model_len`` less the
+        prompt), as in vLLM.
     temperature
         ``0`` is greedy; higher is more random.
     top_p
@@ -111,7 +113,7 @@ class SamplingParams(
         Keep only the last this many prompt tokens (``-1``: as many as ``max_model_len`` allows).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -138,9 +140,9 @@ class SamplingParams(
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "top_k", "min_tokens", "n"):
+        for name in ("top_k", "min_tokens", "n"):
             self._set(name, _integer(name, getattr(self, name)))
-        for name in ("seed", "logprobs", "prompt_logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 self._set(name, _integer(name, getattr(self, name)))
         for name in (
@@ -170,8 +172,8 @@ class SamplingParams(
             msgspec.structs.force_setattr(self, name, value)
 
     def _check_ranges(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be at least 1 or None, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"SamplingParams.temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -188,7 +190,7 @@ class SamplingParams(
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"SamplingParams.logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(
                 f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
@@ -256,17 +258,20 @@ def _type_error(name: str, value: Any, expected: str) -> TypeError:
 def _integer(name: str, value: Any) -> int:
     if isinstance(value, bool):
         raise _type_error(name, value, "an integer")
-    if type(value) is int:
-        return value
     try:
-        return operator.index(value)  # numpy integers too, never floats
+        value = value if type(value) is int else operator.index(value)  # numpy integers too, never floats
     except TypeError:
         raise _type_error(name, value, "an integer") from None
+    if not -(2**63) <= value < 2**63:  # NOTE: what crosses to the engine process; checked here in every mode
+        raise ValueError(f"SamplingParams.{name} must fit in a signed 64-bit integer, got {value}")
+    return value
 
 
 def _real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _type_error(name, value, "a number")
+    if not math.isfinite(value):
+        raise ValueError(f"SamplingParams.{name} must be a finite number, got {value}")
     return float(value)
 
 

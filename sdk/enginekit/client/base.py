@@ -24,6 +24,8 @@ class EngineCoreClient(ABC):
     mode: EngineMode
     max_model_len: int
     num_kv_blocks: int
+    kv_cache_bytes: int  # every rank's KV cache, as READY reported it
+    kv_cache_tokens: int
     engine_pid: int
 
     @abstractmethod
@@ -90,5 +92,7 @@ def merge_stats(stats: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
     queries = total["prefix_cache_queries"]
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
     total["uptime_s"] = max(rank["uptime_s"] for rank in stats)
+    statuses = {rank.get("native_kernels") for rank in stats}
+    total["native_kernels"] = statuses.pop() if len(statuses) == 1 else "differs by rank (see ranks)"
     total["ranks"] = stats
     return total

@@ -38,10 +38,13 @@ class InprocClient(EngineCoreClient):
         self._failure: str | None = None
         self._undelivered: list[EngineCoreOutputs] = []  # outputs of steps run while a utility call waited
         self._answers: dict[int, UtilityOutput] = {}
+        self._abandoned: set[int] = set()  # calls that timed out: their answers are dropped
         self._call_ids = itertools.count(1)
         self._lock = threading.RLock()
         self.max_model_len = self._core.max_model_len
         self.num_kv_blocks = self._core.num_kv_blocks
+        self.kv_cache_bytes = self._core.kv_size.num_bytes
+        self.kv_cache_tokens = self._core.kv_size.num_tokens
         self.engine_pid = os.getpid()
 
     @property
@@ -102,7 +105,10 @@ class InprocClient(EngineCoreClient):
             if outputs is None:
                 return
             for answer in outputs.utility_outputs:
-                self._answers[answer.call_id] = answer
+                if answer.call_id in self._abandoned:
+                    self._abandoned.discard(answer.call_id)
+                else:
+                    self._answers[answer.call_id] = answer
             if outputs.outputs:
                 outputs.utility_outputs = []
                 self._undelivered.append(outputs)
@@ -131,17 +137,46 @@ class InprocClient(EngineCoreClient):
             raise ValueError(f"rank must be 0 (an in-process engine has one), got {rank!r}")
         call_id = next(self._call_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            self.core.handle(UtilityRequest(call_id, method_name, list(args)))
-            # The engine process answers a Future when it completes; here, steps run until it does.
-            while call_id not in self._answers:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s")
-                self._step()
-            answer = self._answers.pop(call_id)
+        request = UtilityRequest(call_id, method_name, list(args))
+        try:
+            if deadline is None:
+                with self._lock:
+                    self.core.handle(request)
+            else:
+                self._handle_within(request, deadline)
+            with self._lock:
+                # The engine process answers a Future when it completes; here, steps run until it does.
+                while call_id not in self._answers:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError
+                    self._step()
+                answer = self._answers.pop(call_id)
+        except TimeoutError:
+            self._abandoned.add(call_id)  # its answer, if it ever comes, is dropped
+            raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
         if answer.failure_message is not None:
             raise UtilityCallError(answer.failure_message)
         return answer.result
+
+    def _handle_within(self, request: UtilityRequest, deadline: float) -> None:
+        """Run the utility on a thread of its own, so that the caller's timeout holds as it does for an engine
+        process: a utility that blocks (``sleep``) keeps the engine busy, not the caller past its deadline."""
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                with self._lock:
+                    self.core.handle(request)
+            except BaseException as error:
+                failure.append(error)
+
+        worker = threading.Thread(target=run, name="enginekit-utility", daemon=True)
+        worker.start()
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            raise TimeoutError
+        if failure:
+            raise failure[0]
 
     async def call_utility_async(
         self, method_name: str, *args: Any, timeout: float | None = None, rank: int | None = None

@@ -16,6 +16,8 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgspec
@@ -24,14 +26,16 @@ import zmq
 from enginekit.client.balancer import LoadBalancer
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.pending import PendingCalls
+from enginekit.client.ray_ranks import RayCluster, RayRank
 from enginekit.client.receiver import LoopReceiver, ThreadReceiver, WatchedProcess
 from enginekit.client.remote import RankWatcher, RemoteRank
 from enginekit.client.sockets import EngineSockets
 from enginekit.client.startup import EngineRank, check_placement, spawn_engines, wait_for_ready
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineDeadError, EngineShutdownError
-from enginekit.interrupts import awaiting_with_signal_checks
+from enginekit.interrupts import awaiting_with_signal_checks, running_loop
 from enginekit.model.loader import ModelSpec
+from enginekit.runtime import exit_hooks
 from enginekit.runtime.engine_process import EngineProcess
 from enginekit.wire.messages import (
     AbortRequest,
@@ -47,6 +51,35 @@ from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
 logger = logging.getLogger("enginekit.client")
 
 SHUTDOWN_GRACE_S = 5.0
+UNREACHABLE_GRACE_S = 1.0  # how long a peer whose socket is gone may take to finish exiting
+
+
+@dataclass
+class ClientResources:
+    """What a client holds: its engine processes, sockets, receiver and rank watcher. Kept apart from the client
+    so that its ``weakref.finalize`` releases them without referring to the client."""
+
+    engines: list[EngineRank]
+    sockets: EngineSockets | None = None
+    receiver: ThreadReceiver | LoopReceiver | None = None
+    watcher: RankWatcher | None = None
+    ray_cluster: RayCluster | None = None
+    stop_timeout: float = 0.0  # how long the processes get to exit (shutdown sets it; 0: stop them now)
+
+    def close(self) -> None:
+        """Stop receiving, then stop the processes (the receiver watches their pidfds), then close the sockets."""
+        if self.receiver is not None:
+            self.receiver.close()
+        for engine in self.engines:
+            engine.process.stop(
+                self.stop_timeout
+            )  # a remote rank's hang-up is seen by the watcher: stop it after
+        if self.watcher is not None:
+            self.watcher.close()
+        if self.sockets is not None:
+            self.sockets.close()
+        if self.ray_cluster is not None:
+            self.ray_cluster.close()  # a local cluster this front end started
 
 
 class MPClient(EngineCoreClient):
@@ -66,33 +99,31 @@ class MPClient(EngineCoreClient):
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineOutput, copy_tensors=True)  # they reach the user
         self._pending = PendingCalls()
-        ranks, remote = config.data_parallel_ranks, config.data_parallel_remote_ranks
-        self.engines = [
-            EngineRank(
-                rank,
-                RemoteRank(rank, config.data_parallel_keys or "")
-                if rank in remote
-                else EngineProcess(config.start_method),
-            )
-            for rank in ranks
-        ]
+        ranks = config.data_parallel_ranks
+        self.engines: list[EngineRank] = []
         self.balancer = LoadBalancer(ranks) if len(ranks) > 1 else None
-        self.sockets: EngineSockets | None = None
-        self.receiver: ThreadReceiver | LoopReceiver | None = None
-        self.watcher: RankWatcher | None = None
+        # Released by shutdown, or by the finalizer when this client is collected or at exit.
+        self.resources = ClientResources(self.engines)
+        self._finalizer = exit_hooks.register(weakref.finalize(self, self.resources.close))
         try:
-            self.sockets = EngineSockets(config)
-            spawn_engines(config, self.sockets, self.engines)
-            if self.sockets.watch is not None:
+            if config.data_parallel_backend == "ray":
+                self.resources.ray_cluster = cluster = RayCluster(config)
+                self.resources.sockets = sockets = EngineSockets(config, ray_host=cluster.front_end_host)
+            else:
+                self.resources.sockets = sockets = EngineSockets(config)
+            self.engines.extend(EngineRank(rank, self._rank_process(rank)) for rank in ranks)
+            spawn_engines(config, sockets, self.engines)
+            if sockets.watch is not None:
                 remote_ranks = [e.process for e in self.engines if isinstance(e.process, RemoteRank)]
-                self.watcher = RankWatcher(self.sockets.watch, remote_ranks)
-            wait_for_ready(config, self.sockets, self.engines, spec.config if spec is not None else None)
+                self.resources.watcher = RankWatcher(sockets.watch, remote_ranks)
+            wait_for_ready(config, sockets, self.engines, spec.config if spec is not None else None)
             processes = [engine.process for engine in self.engines]
-            self.receiver = self.receiver_type(
-                self.sockets.output, processes, self._handle_frames, self._on_process_exit
+            self.resources.receiver = self.receiver_type(
+                sockets.output, processes, self._handle_frames, self._on_process_exit
             )
         except BaseException:
-            self._close_resources()
+            self._closed = True
+            self._finalizer()
             raise
         ready = self.engines[0].ready
         assert ready is not None
@@ -101,13 +132,35 @@ class MPClient(EngineCoreClient):
             ready.num_gpu_blocks,
             ready.device,
         )
+        # NOTE: every rank's cache, as get_stats() sums them.
+        self.kv_cache_bytes = sum(engine.ready.kv_cache_bytes for engine in self.engines if engine.ready)
+        self.kv_cache_tokens = sum(
+            engine.ready.kv_cache_size_tokens for engine in self.engines if engine.ready
+        )
         self.engine_pids = [engine.ready.pid for engine in self.engines if engine.ready is not None]
         self.engine_pid = self.engine_pids[0]
+
+    def _rank_process(self, rank: int) -> EngineProcess | RemoteRank:
+        """A rank's process: started here, placed by Ray, or started by hand elsewhere."""
+        if self.resources.ray_cluster is not None:
+            assert self.sockets is not None and self.sockets.remote_keys is not None
+            return RayRank(rank, self.resources.ray_cluster, self.sockets.remote_keys)
+        if rank in self.config.data_parallel_remote_ranks:
+            return RemoteRank(rank, self.config.data_parallel_keys or "")
+        return EngineProcess(self.config.start_method)
 
     @property
     def process(self) -> EngineProcess | RemoteRank:
         """The (first) engine process."""
         return self.engines[0].process
+
+    @property
+    def sockets(self) -> EngineSockets | None:
+        return self.resources.sockets
+
+    @property
+    def receiver(self) -> ThreadReceiver | LoopReceiver | None:
+        return self.resources.receiver
 
     @property
     def ranks(self) -> list[int]:
@@ -131,6 +184,16 @@ class MPClient(EngineCoreClient):
                 self.sockets.input.send_multipart(frames, copy=False)
             except zmq.ZMQError as error:
                 self._check_usable()
+                # NOTE: nobody may have watched the engine meanwhile (an "async" engine with no loop running):
+                # say how it ended, as a receiver that saw it would have.
+                # An unreachable peer has closed its socket: it is exiting, and its threads may take a moment
+                # more to finish (the main one is a zombie before the others are gone).
+                gone = next(
+                    (engine for engine in self.engines if engine.process.wait_dead(UNREACHABLE_GRACE_S)), None
+                )
+                if gone is not None:
+                    self._mark_dead(f"{self._who(gone)}the engine process died", gone)
+                    self._check_usable()
                 raise EngineDeadError(f"cannot reach the engine process: {error}") from error
 
     def _engine(self, rank: int | None) -> EngineRank:
@@ -282,7 +345,7 @@ class MPClient(EngineCoreClient):
             )
         else:
             reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
-        if _running_loop() is None:
+        if running_loop() is None:
             self._mark_dead(reason, engine)
         else:  # NOTE: describing the death waits for the exit (up to a second): never on a running loop
             thread = threading.Thread(
@@ -321,24 +384,8 @@ class MPClient(EngineCoreClient):
                     self._send_unchecked(ShutdownRequest(timeout), engine.rank)
         self._closed = True  # from here on, a process exiting is not a death
         self._pending.fail_all(EngineShutdownError("the engine was shut down"))
-        self._close_resources(stop_timeout=timeout + SHUTDOWN_GRACE_S)
-
-    def _close_resources(self, *, stop_timeout: float = 0.0) -> None:
-        """Stop receiving, then stop the processes (the receiver watches their pidfds), then close the sockets."""
-        self._closed = True
-        if self.receiver is not None:
-            self.receiver.close()
-        for engine in self.engines:
-            engine.process.stop(stop_timeout)  # a remote rank's hang-up is seen by the watcher: stop it after
-        if self.watcher is not None:
-            self.watcher.close()
-        if self.sockets is not None:
-            self.sockets.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            with contextlib.suppress(Exception):
-                self.shutdown(timeout=0)
+        self.resources.stop_timeout = timeout + SHUTDOWN_GRACE_S
+        self._finalizer()
 
 
 class SyncMPClient(MPClient):
@@ -367,10 +414,3 @@ def _describe_death(reason: str, process: EngineProcess | RemoteRank) -> EngineD
 def _retrieve(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None

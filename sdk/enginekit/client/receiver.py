@@ -50,7 +50,10 @@ class WatchedProcess(Protocol):
 _READ_SLICE_S = 0.05
 
 
-class ThreadReceiver:
+class _Receiver:
+    """What both receivers hold: the output socket, the processes whose exit they watch, what to do with a
+    message and with an exit, and the batches received and not yet taken."""
+
     def __init__(
         self,
         socket: zmq.Socket,
@@ -63,10 +66,21 @@ class ThreadReceiver:
         self._handle_frames = handle_frames
         self._on_exit = on_exit
         self._batches: collections.deque[EngineCoreOutputs] = collections.deque()
-        self._arrived = threading.Condition()
-        self._waiters: list[asyncio.Future[None]] = []
         self.dead = False
         self._closed = False
+
+    def pop(self) -> EngineCoreOutputs | None:
+        try:
+            return self._batches.popleft()
+        except IndexError:
+            return None
+
+
+class ThreadReceiver(_Receiver):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._arrived = threading.Condition()
+        self._waiters: list[asyncio.Future[None]] = []
         self._wake_read, self._wake_write = os.pipe()
         self._thread = threading.Thread(target=self._run, name="enginekit-client-output", daemon=True)
         self._thread.start()
@@ -115,12 +129,6 @@ class ThreadReceiver:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_wake, waiter)
 
-    def pop(self) -> EngineCoreOutputs | None:
-        try:
-            return self._batches.popleft()
-        except IndexError:
-            return None
-
     def wait(self, timeout: float | None) -> None:
         with self._arrived:
             self._arrived.wait_for(lambda: self._batches or self.dead, timeout)
@@ -152,33 +160,15 @@ class ThreadReceiver:
                 os.close(fd)
 
 
-class LoopReceiver:
-    def __init__(
-        self,
-        socket: zmq.Socket,
-        processes: Sequence[WatchedProcess],
-        handle_frames: HandleFrames,
-        on_exit: Callable[[WatchedProcess], None],
-    ) -> None:
-        self._socket = socket
-        self._processes = processes
-        self._handle_frames = handle_frames
-        self._on_exit = on_exit
-        self._batches: collections.deque[EngineCoreOutputs] = collections.deque()
+class LoopReceiver(_Receiver):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._arrived: asyncio.Event | None = None  # set on the bound loop when a batch is queued
         self._reading = False  # a reader is on the bound loop
         self._watched_fds: list[int] = []  # what the bound loop has a reader on: the socket's and the pidfd
         self._read_lock = threading.Lock()  # one blocking reader at a time
-        self.dead = False
-        self._closed = False
-
-    def pop(self) -> EngineCoreOutputs | None:
-        try:
-            return self._batches.popleft()
-        except IndexError:
-            return None
 
     # ---- the async side -----------------------------------------------------------------------------
     async def wait_async(self) -> None:
@@ -199,7 +189,7 @@ class LoopReceiver:
         if self.dead:
             return self._arrived
         # NOTE: a plain reader, not a zmq.asyncio socket: one callback per wake-up instead of a poll future
-        # and a task switch (a utility round trip took 2-3x as long). The fd is edge-triggered: each callback
+        # and a task switch (which made a utility round trip several times as long). The fd is edge-triggered: each callback
         # drains the socket until it would block, and messages queued before the reader existed are read by
         # the first, scheduled now.
         fd = self._socket.FD

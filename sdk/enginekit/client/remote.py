@@ -2,8 +2,9 @@
 
 A front end with ``data_parallel_size_local < data_parallel_size`` binds a third socket beside its input and
 output ones, the *watch* ROUTER (port + 2, CURVE-protected like them). Each remote rank connects to it and sends
-``RankJoin``; ``RankWatcher`` (a thread that owns the socket) answers with the rank's ``EngineProcArgs`` and
-from then on watches that connection: when it drops — the rank was killed, crashed, or its host went silent
+``RankJoin``, which opens with the wire version it speaks; ``RankWatcher`` (a thread that owns the socket)
+refuses a rank of another version (and fails the start, naming both versions), answers the others with the
+rank's ``EngineProcArgs``, and from then on watches that connection: when it drops — the rank was killed, crashed, or its host went silent
 past the heartbeat timeout — the rank is gone, as a local rank is when its pidfd turns readable.
 
 ``RemoteRank`` stands where a local rank's ``EngineProcess`` stands, with the same surface: its ``pidfd`` is
@@ -27,11 +28,13 @@ from enginekit.runtime.engine_process import readable
 from enginekit.wire.messages import (
     EngineProcArgs,
     JoinAccepted,
+    JoinHeader,
     JoinRefused,
+    LegacyRankJoin,
     RankExit,
     RankJoin,
-    RankMessage,
 )
+from enginekit.wire.version import WireVersion, this_version
 
 if TYPE_CHECKING:
     from zmq.utils.monitor import _MonitorMessage
@@ -127,7 +130,9 @@ class RankWatcher:
         self._by_fd: dict[int, RemoteRank] = {}  # live connections, for hang-ups
         self._by_route: dict[bytes, RemoteRank] = {}  # every accepted join, for messages
         self._wake_read, self._wake_write = os.pipe()
-        self._decoder = msgspec.msgpack.Decoder(RankMessage)
+        # The header of a join first: one of another version decodes no further (wire/version.py).
+        self._decoder = msgspec.msgpack.Decoder(JoinHeader | LegacyRankJoin | RankExit)
+        self._join_decoder = msgspec.msgpack.Decoder(RankJoin)
         self._thread = threading.Thread(target=self._run, name="enginekit-rank-watch", daemon=True)
         self._thread.start()
 
@@ -160,6 +165,8 @@ class RankWatcher:
             message = self._decode(frames)
             if isinstance(message, RankJoin):
                 joins.append((frames, message))
+            elif isinstance(message, JoinRefused):
+                self._reply(frames, message)
             elif message is not None:
                 self._on_exit(frames, message)
         for fd in fds:
@@ -187,19 +194,48 @@ class RankWatcher:
         )
         rank.mark_gone(f"its connection from {rank.hostname} (pid {rank.pid}) {how}")
 
-    def _decode(self, frames: list[zmq.Frame]) -> RankJoin | RankExit | None:
+    def _decode(self, frames: list[zmq.Frame]) -> RankJoin | RankExit | JoinRefused | None:
+        """A message, or the refusal of a join of another wire version (``None``: malformed, ignored)."""
         try:
-            return self._decoder.decode(frames[-1].bytes)
+            message = self._decoder.decode(frames[-1].bytes)
+            if isinstance(message, RankExit):
+                return message
+            theirs = (
+                WireVersion(message.protocol, message.schema)
+                if isinstance(message, JoinHeader)
+                else WireVersion(1, "unversioned")
+            )
+            if theirs != this_version():
+                return self._version_refusal(message.rank, theirs)
+            return self._join_decoder.decode(frames[-1].bytes)
         except msgspec.MsgspecError as error:
             logger.warning("ignored a malformed message on the watch socket: %s", error)
             return None
+
+    def _version_refusal(self, rank_index: int, theirs: WireVersion) -> JoinRefused:
+        """Refuse a rank that speaks another wire version; if it is one of ours still awaited, the start fails
+        with the reason (``wait_for_ready`` sees the rank gone)."""
+        reason = (
+            f"remote rank {rank_index} speaks {theirs}, this front end {this_version()}: run the same "
+            f"enginekit release on every host"
+        )
+        logger.warning("%s", reason)
+        rank = self._ranks.get(rank_index)
+        if rank is not None and not rank.joined:
+            rank.mark_gone(reason)
+        return JoinRefused(reason)
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         message = self._decode(frames)
         if isinstance(message, RankJoin):
             self._on_join(frames, message)
+        elif isinstance(message, JoinRefused):
+            self._reply(frames, message)
         elif message is not None:
             self._on_exit(frames, message)
+
+    def _reply(self, frames: list[zmq.Frame], reply: JoinAccepted | JoinRefused) -> None:
+        self._socket.send_multipart([frames[0], msgspec.msgpack.encode(reply)])
 
     def _on_exit(self, frames: list[zmq.Frame], message: RankExit) -> None:
         failed = self._by_route.get(frames[0].bytes)
@@ -225,7 +261,7 @@ class RankWatcher:
             self._by_route[frames[0].bytes] = rank
             reply = JoinAccepted(rank.args)
             logger.info("remote engine rank %d joined: pid %d on %s", join.rank, join.pid, join.hostname)
-        self._socket.send_multipart([frames[0], msgspec.msgpack.encode(reply)])
+        self._reply(frames, reply)
         for later_frames, later_join in later:  # in the order they came, each after the hang-ups before it
             self._on_join(later_frames, later_join)
 

@@ -24,12 +24,13 @@ import zmq
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineStartupError
 from enginekit.wire.keys import new_keys, read_keys, set_heartbeats, write_keys
+from enginekit.wire.messages import RemoteRankKeys
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
 class EngineSockets:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, ray_host: str | None = None) -> None:
         self.run_dir = tempfile.mkdtemp(prefix="enginekit-")  # mode 0700: private to this user
         self.context = zmq.Context(io_threads=1)
         self.input = self.context.socket(zmq.ROUTER)
@@ -40,8 +41,11 @@ class EngineSockets:
         self.output.setsockopt(zmq.RCVHWM, config.max_pending_outputs)
         self.curve_client_keys: tuple[bytes, bytes, bytes] = (b"", b"", b"")
         self.watch: zmq.Socket | None = None  # remote ranks join and are watched here
+        self.remote_keys: RemoteRankKeys | None = None  # what a rank placed by Ray is handed
         try:
-            if config.address is None or config.address.startswith("ipc://"):
+            if ray_host is not None:
+                self._bind_for_ray(ray_host, config.address)
+            elif config.address is None or config.address.startswith("ipc://"):
                 base = f"ipc://{self.run_dir}/" if config.address is None else config.address
                 self.input_address, self.output_address = base + "input.sock", base + "output.sock"
                 self.input.bind(self.input_address)
@@ -113,6 +117,14 @@ class EngineSockets:
             ports = {name: getattr(fresh, name) for name in ("input_port", "output_port", "watch_port")}
             fresh = msgspec.structs.replace(keys, host=announced, **ports)
         keys = fresh
+        self._bind_watched(host, keys)
+        try:
+            write_keys(keys_path, keys)
+        except OSError as error:
+            raise EngineStartupError(f"cannot write data_parallel_keys: {error}", phase="spawn") from error
+
+    def _bind_watched(self, host: str, keys: RemoteRankKeys) -> None:
+        """The input, output and watch sockets at the keys' ports, protected by their CURVE keys."""
         self.watch = self.context.socket(zmq.ROUTER)
         self.watch.setsockopt(zmq.LINGER, 0)
         set_heartbeats(self.watch)
@@ -131,10 +143,20 @@ class EngineSockets:
         self.input.bind(self.input_address)
         self.output.bind(self.output_address)
         self.watch.bind(f"tcp://{host}:{keys.watch_port}")
-        try:
-            write_keys(keys_path, keys)
-        except OSError as error:
-            raise EngineStartupError(f"cannot write data_parallel_keys: {error}", phase="spawn") from error
+
+    def _bind_for_ray(self, host: str, address: str | None) -> None:
+        """Ranks placed by Ray join like remote ranks, with keys handed to them (no file): fresh keys, and
+        the ports of ``address`` (input, output, watch) or free ones."""
+        if not zmq.has("curve"):
+            raise EngineStartupError(
+                "Ray ranks need CURVE to protect their TCP sockets, and this libzmq has none", phase="spawn"
+            )
+        port = int((address or "").rpartition(":")[2] or 0)
+        if not port:
+            port = _free_port_triple(host)
+        keys = new_keys(host, port)
+        self._bind_watched(host, keys)
+        self.remote_keys = keys
 
     def close(self) -> None:
         for socket in (self.input, self.output, self.watch):
@@ -142,6 +164,28 @@ class EngineSockets:
                 socket.close(linger=0)
         self.context.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _free_port_triple(host: str) -> int:
+    """A port whose next two are free as well, on ``host`` (a race with other binders fails the bind)."""
+    for _ in range(100):
+        with socket_module.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base > 65000:
+            continue
+        held: list[socket_module.socket] = []
+        try:
+            for port in (base, base + 1, base + 2):
+                held.append(socket_module.socket())
+                held[-1].bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in held:
+                probe.close()
+    raise EngineStartupError(f"no three free ports in a row on {host}", phase="spawn")
 
 
 def _curve_server(sockets: tuple[zmq.Socket, ...], public: bytes, secret: bytes) -> None:

@@ -62,21 +62,48 @@ def spawn_engines(config: EngineConfig, sockets: EngineSockets, engines: list[En
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config one rank runs with: its own GPU, and its share of the CPU's threads.
+    """The config one rank runs with: its own GPU (``rank_device``), and its share of the CPU's threads.
 
-    A remote rank runs the config as given: its host has its own devices and cores."""
+    A remote rank (and a rank Ray placed) runs the config as given: its host has its own devices and cores."""
     # NOTE: with external load balancing, the other ranks share the machine too.
     num_ranks = local_rank_count(config)
-    if num_ranks == 1 or rank in config.data_parallel_remote_ranks:
+    if num_ranks <= 1 or rank in config.data_parallel_remote_ranks:
         return config
     changes: dict[str, object] = {}
     device = config.device or ("cuda" if _cuda_available() else "cpu")
     if device == "cuda":
-        changes["device"] = f"cuda:{rank}"
+        changes["device"] = rank_device(config, rank, _visible_cuda_devices())
     if config.num_threads is None and not device.startswith("cuda"):
         # NOTE: the cores are shared out; a rank with several runs fewer while the others keep them busy.
         changes["num_threads"] = max(1, usable_cores() // num_ranks)
     return config.replace(**changes) if changes else config
+
+
+def rank_device(config: EngineConfig, rank: int, visible: int) -> str:
+    """The CUDA device of data-parallel ``rank`` among the ``visible`` ones (the placement rules; see
+    docs/architecture.md, "GPU placement").
+
+    - Internal load balancing (this front end starts every local rank): rank r runs on ``cuda:r`` and needs
+      ``data_parallel_size_local`` (or ``data_parallel_size``) visible devices: vLLM's rule for ranks started
+      together (local rank r takes the r-th slice of the visible devices).
+    - External load balancing (``data_parallel_rank=r``, one front end per rank): a process that sees exactly one
+      device runs on it, ``cuda:0``: the usual setup of ``CUDA_VISIBLE_DEVICES=r`` per process (as vLLM's external
+      load balancing is launched), or one rank per host. A process that sees every rank's device runs rank r on
+      ``cuda:r``. Any other count is ambiguous and refused.
+    """
+    external = config.data_parallel_rank is not None
+    if external and visible == 1:
+        return "cuda:0"
+    size = local_rank_count(config)
+    if visible >= size:
+        return f"cuda:{rank}"
+    name = "data_parallel_size_local" if config.data_parallel_remote_ranks else "data_parallel_size"
+    if external:
+        raise ValueError(
+            f"data_parallel_rank={rank} of {name}={size} with {visible} visible CUDA devices: give each rank's "
+            f"process one device (CUDA_VISIBLE_DEVICES={rank}), or let it see all {size} (rank r runs on cuda:r)"
+        )
+    raise ValueError(f"{name}={size} needs {size} CUDA devices (rank r runs on cuda:r), {visible} visible")
 
 
 def check_placement(config: EngineConfig) -> None:
@@ -87,15 +114,12 @@ def check_placement(config: EngineConfig) -> None:
     name = "data_parallel_size_local" if config.data_parallel_remote_ranks else "data_parallel_size"
     device = config.device or ("cuda" if _cuda_available() else "cpu")
     if device.startswith("cuda"):
-        import torch
-
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device != "cuda":
             raise ValueError(f"{name}={size} places rank r on cuda:r: give device='cuda', not {device!r}")
-        if visible < size:
-            raise ValueError(
-                f"{name}={size} needs {size} CUDA devices (rank r runs on cuda:r), {visible} visible"
-            )
+        visible = _visible_cuda_devices()
+        for rank in config.data_parallel_ranks:
+            if rank not in config.data_parallel_remote_ranks:
+                rank_device(config, rank, visible)
     elif size > usable_cores():
         raise ValueError(
             f"{name}={size} needs a CPU core per rank, and this process may use {usable_cores()}"
@@ -103,12 +127,20 @@ def check_placement(config: EngineConfig) -> None:
 
 
 def local_rank_count(config: EngineConfig) -> int:
-    """The ranks that share this machine: every rank, less those that run elsewhere."""
+    """The ranks that share this machine: every rank, less those that run elsewhere (all of them on Ray)."""
+    if config.data_parallel_backend == "ray":
+        return 0
     return config.data_parallel_size - len(config.data_parallel_remote_ranks)
 
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _visible_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _cuda_available() -> bool:

@@ -26,12 +26,19 @@ from enginekit.core.batching import build_batch
 from enginekit.core.detokenizer import IncrementalDetokenizer
 from enginekit.core.kv_cache import KVCacheManager
 from enginekit.core.request import Request
-from enginekit.core.resources import release_device_memory, resolve_device, size_kv_cache
+from enginekit.core.resources import (
+    kv_cache_budget,
+    profile_cuda_kv_budget,
+    release_device_memory,
+    resolve_device,
+    size_kv_cache,
+)
 from enginekit.core.scheduler import Scheduler
 from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.core.validation import RequestLimits, validate_request
 from enginekit.model.batch import TokenBitmask
+from enginekit.model.kernels.library import native_kernels_status
 from enginekit.model.loader import ModelSpec, load_model, load_model_spec
 from enginekit.model.runner import ModelRunner
 from enginekit.model.text.vocabulary import bad_words_token_ids
@@ -112,11 +119,18 @@ class EngineCore:
         spec = spec or load_model_spec(config.model, config.revision)
         self.model_config = model_config = spec.config
         self.tokenizer = spec.tokenizer
-        self.num_kv_blocks, self.max_model_len = size_kv_cache(config, model_config, self.dtype)
-        self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
+        cuda_at_start = self._cuda_memory() if self._profiles_cuda() else None
         model = load_model(
             spec, device=self.device, dtype=self.dtype, seed=config.seed, quantization=config.quantization
         )
+        budget = kv_cache_budget(config, model_config, self.device, self.dtype)
+        if cuda_at_start is not None:
+            budget = profile_cuda_kv_budget(
+                config, model, model_config, self.device, self.dtype, *cuda_at_start
+            )
+        self.kv_size = size_kv_cache(config, model_config, self.dtype, budget)
+        self.num_kv_blocks, self.max_model_len = self.kv_size.num_blocks, self.kv_size.max_model_len
+        self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
         self.runner: ModelRunner = ModelRunner(  # None only after a failed start
             model,
             model_config,
@@ -149,6 +163,19 @@ class EngineCore:
             model_config.vocab_size,
             list(model_config.eos_token_ids),
         )
+
+    def _profiles_cuda(self) -> bool:
+        """Whether the KV cache is sized by profiling: on CUDA, unless a block count or byte budget is given."""
+        config = self.config
+        return (
+            self.device.type == "cuda"
+            and config.num_kv_blocks is None
+            and config.kv_cache_memory_bytes is None
+        )
+
+    def _cuda_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of this engine's device, before the model loads."""
+        return torch.cuda.mem_get_info(self.device)
 
     # ---- the dispatch point -------------------------------------------------------------------------
     def handle(self, message: Any) -> None:
@@ -330,6 +357,8 @@ class EngineCore:
             "num_waiting_requests": len(self.scheduler.waiting),
             "kv_cache_usage": kv.usage,
             "num_kv_blocks": kv.pool.num_blocks,
+            "kv_cache_bytes": self.kv_size.num_bytes,
+            "kv_cache_tokens": self.kv_size.num_tokens,
             "num_free_kv_blocks": kv.pool.num_free_blocks,
             "prefix_cache_queries": kv.num_prefix_queries,
             "prefix_cache_hits": kv.num_prefix_hits,
@@ -341,6 +370,7 @@ class EngineCore:
             "num_generated_tokens": self.outputs.num_generated_tokens,
             "uptime_s": time.monotonic() - self.start_time,
             "data_parallel_rank": self.engine_index,
+            "native_kernels": native_kernels_status(),
             **self.structured.stats(),
         }
 

@@ -49,6 +49,7 @@ logger = logging.getLogger("enginekit.engine_process")
 
 READY_TIMEOUT_S = 10.0
 GIL_YIELD_S = 0.001
+SIGNAL_CHECK_S = 0.1  # how long an idle loop may sleep through a signal delivered to another thread
 COPY_MAX_BYTES = 64 * 1024  # output messages up to this size are copied into zmq, larger ones sent zero-copy
 _STOP = object()  # tells the output thread to finish
 
@@ -62,6 +63,7 @@ class EngineCoreProc(EngineCore):
         self.max_output_queue_depth = 0  # deepest the output queue has been (back-pressure check)
         self._debug_kill_io: str | None = None
         self.closing = False  # set when the process tears down: IO threads then die quietly
+        self.shutdown_state = ShutdownState.RUNNING  # read by an IO thread that dies before the core is built
         self._startup_reports: queue.SimpleQueue[PhaseReport | ReadyMessage | None] = queue.SimpleQueue()
         self._startup_flushed = threading.Event()
         self._input_thread_ready = threading.Event()
@@ -92,14 +94,26 @@ class EngineCoreProc(EngineCore):
             else None
         )
         self.report_phase("handshake")
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._input_thread_ready.wait(0.1):
-            if time.monotonic() > deadline and not self.input_thread.is_alive():
-                raise RuntimeError("Input socket thread died during startup")
+        try:
+            self._wait_for_input_thread()
+        except RuntimeError:
+            self.close_io()
+            terminate_context(self._zmq)
+            raise
         # NOTE: the startup heap (model, tokenizer, modules) lives until exit: keep it out of GC scans.
         gc.collect()
         gc.freeze()
         self._startup_reports.put_nowait(self._ready_message())  # the input thread sends it
+
+    def _wait_for_input_thread(self) -> None:
+        """The input thread connects to the front end (and then sends the startup reports): fail the start at
+        once if it died before, or if it has not connected within ``READY_TIMEOUT_S``."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._input_thread_ready.wait(0.1):
+            if not self.input_thread.is_alive():
+                raise RuntimeError("Input socket thread died during startup")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Input socket thread did not start within {READY_TIMEOUT_S} s")
 
     def report_phase(self, phase: str) -> None:
         """Tell the front end which startup phase we are in (it names it if startup fails)."""
@@ -109,7 +123,8 @@ class EngineCoreProc(EngineCore):
         return ReadyMessage(
             max_model_len=self.max_model_len,
             num_gpu_blocks=self.num_kv_blocks,
-            kv_cache_size_tokens=self.num_kv_blocks * self.config.block_size,
+            kv_cache_size_tokens=self.kv_size.num_tokens,
+            kv_cache_bytes=self.kv_size.num_bytes,
             block_size=self.config.block_size,
             pid=os.getpid(),
             device=str(self.device),
@@ -127,13 +142,23 @@ class EngineCoreProc(EngineCore):
         if not self.has_work():
             if self.thread_governor is not None:
                 self.thread_governor.pause()  # what others do while we wait says nothing of sharing the cores
-            self.handle(self.input_queue.get(block=True))
+            self.handle(self._wait_for_input())
         while True:
             try:
                 message = self.input_queue.get_nowait()
             except queue.Empty:
                 return
             self.handle(message)
+
+    def _wait_for_input(self) -> Any:
+        # NOTE: a signal sent to this process may be delivered to any of its threads (zmq's, torch's, the IO
+        # threads); Python runs the handler on the main thread only once that thread runs bytecode again, and a
+        # main thread blocked in an untimed get would sleep through a SIGTERM until the next message.
+        while True:
+            try:
+                return self.input_queue.get(timeout=SIGNAL_CHECK_S)
+            except queue.Empty:
+                pass
 
     def _process_engine_step(self) -> None:
         while True:
@@ -237,8 +262,8 @@ class EngineCoreProc(EngineCore):
     def _input_loop(self) -> None:
         socket = self._socket(zmq.DEALER)
         socket.setsockopt(zmq.IDENTITY, self.args.identity)
-        socket.connect(self.args.input_address)
         try:
+            socket.connect(self.args.input_address)
             self._input_thread_ready.set()
             if self._send_startup_reports(socket):
                 self._serve_input(socket)
@@ -274,8 +299,8 @@ class EngineCoreProc(EngineCore):
     def _output_loop(self) -> None:
         socket = self._socket(zmq.PUSH)
         socket.setsockopt(zmq.SNDHWM, self.args.config.max_pending_outputs)
-        socket.connect(self.args.output_address)
         try:
+            socket.connect(self.args.output_address)
             self._serve_output(socket)
         finally:
             socket.close()  # lingers until queued messages are sent
@@ -322,18 +347,29 @@ def _decode(decoder: MsgpackDecoder, frames: list[Any]) -> Any:
         return invalid
 
 
+class _AddHeader(msgspec.Struct, tag="add", array_like=True):
+    """The leading fields of an ``EngineCoreRequest``, each kept undecoded: what an ADD that failed to decode
+    still tells (its id, and the sampling parameters that may say why)."""
+
+    request_id: Any
+    prompt_token_ids: Any = msgspec.UNSET
+    sampling_params: Any = msgspec.UNSET
+
+
 def _invalid_add(frames: list[Any], error: Exception) -> InvalidRequest | None:
     try:
-        raw = msgspec.msgpack.decode(frames[0])
+        header = msgspec.msgpack.decode(frames[0], type=_AddHeader)
     except Exception:
         return None
-    if not (isinstance(raw, list) and len(raw) >= 2 and raw[0] == "add" and isinstance(raw[1], str)):
+    if not isinstance(header.request_id, str):
         return None
-    cause = sampling_params_error(raw[3]) if len(raw) >= 4 else None
+    cause = (
+        sampling_params_error(header.sampling_params) if header.sampling_params is not msgspec.UNSET else None
+    )
     if cause is None:
         cause = ValueError(f"malformed request: {error}")
     kind = "TypeError" if isinstance(cause, TypeError) else "ValueError"
-    return InvalidRequest(raw[1], RequestError(kind, str(cause)))
+    return InvalidRequest(header.request_id, RequestError(kind, str(cause)))
 
 
 def terminate_context(context: zmq.Context, timeout: float = 5.0) -> None:

@@ -163,7 +163,9 @@ class StepOutputs:
             return FinishReason.STOP, token_id
         if request.grammar is not None and request.grammar.ready_matcher.is_terminated():
             return FinishReason.STOP, None  # the structured output is complete: nothing more can follow
-        if num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            params.max_tokens is not None and num_output >= params.max_tokens
+        ) or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 

@@ -65,6 +65,10 @@ def check_prompt_embeds(embeds: Any, hidden_size: int, *, num_tokens: int | None
         raise ValueError(f"prompt_embeds must be a [{rows}, {hidden_size}] tensor, got {shape}")
     if not embeds.is_floating_point():
         raise ValueError(f"prompt_embeds must hold floating-point values, got {embeds.dtype}")
+    finite = torch.isfinite(embeds).all(dim=1)  # one pass over the prompt; NaN rows would give token 0s
+    if not bool(finite.all()):
+        row = int((~finite).nonzero()[0, 0])
+        raise ValueError(f"prompt_embeds must hold finite values; row {row} holds nan or inf")
 
 
 def sampling_params_error(raw: Any) -> BaseException | None:

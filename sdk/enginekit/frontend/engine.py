@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,6 +25,7 @@ from enginekit.frontend.chat import render_chat
 from enginekit.frontend.output_processor import RequestState, watched
 from enginekit.frontend.output_router import OutputRouter, Watcher, submit
 from enginekit.frontend.prompts import RequestBuilder
+from enginekit.frontend.resources import EngineResources
 from enginekit.logs import show_logs
 from enginekit.model.loader import ModelSpec, load_model_spec
 from enginekit.model.text.tokenizer import Tokenizer
@@ -69,7 +70,9 @@ class Engine:
         self.config = EngineConfig.from_options(model, **options)
         self.mode: EngineMode = resolve_mode(mode)
         self._spec: ModelSpec | None = None
-        self._client: EngineCoreClient | None = None
+        # What shutdown releases, apart from the engine: collecting the engine, or the exit, releases it too.
+        self._resources = EngineResources()
+        self._finalizer = exit_hooks.register(weakref.finalize(self, self._resources.close, 0.0))
         self._start()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -78,15 +81,14 @@ class Engine:
         self._spec = self._spec_for(self.config)
         check_startup(self.config, self._spec.config)
         show_logs(self.config.log_level)
-        self._client = make_client(self.mode, self.config, self._spec)
-        self._router = OutputRouter(self._client)
+        self._resources.client = self._client = make_client(self.mode, self.config, self._spec)
+        self._router = self._resources.router = OutputRouter(self._client)
         tokenizer = self._spec.tokenizer  # NOTE: not self: a cycle would keep `del engine` from shutting down
         self._decode = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
         self.max_model_len = self._client.max_model_len
         model = self._spec.config
         limits = RequestLimits(model.vocab_size, model.hidden_size, self.max_model_len)
         self._requests = RequestBuilder(self._spec, limits)
-        exit_hooks.register(self)
         logger.info("engine started: mode=%s pid=%s", self.mode, self._client.engine_pid)
 
     def _spec_for(self, config: EngineConfig) -> ModelSpec:
@@ -120,14 +122,8 @@ class Engine:
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine and release everything it holds; safe to call twice, and from another thread."""
-        client, self._client = self._client, None
-        if client is None:
-            return
-        exit_hooks.unregister(self)
-        self._router.fail_all(
-            EngineShutdownError("the engine was shut down; call engine.restart() to start it again")
-        )
-        client.shutdown(timeout)
+        self._client = None
+        self._resources.close(timeout)
 
     def restart(self, *, mode: EngineMode | None = None, **options: Any) -> None:
         """Shut down (also after the engine died) and start again, optionally in another mode or config.
@@ -163,11 +159,6 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # NOTE: never raise from a finalizer
-            if getattr(self, "_client", None) is not None:
-                self.shutdown()
 
     def __repr__(self) -> str:
         state = "running" if self.is_running else "stopped"

@@ -58,7 +58,13 @@ class RequestState:
         messages: list | None = None,
     ) -> None:
         completions = [
-            CompletionOutput(i, "", [], logprobs=[] if params.logprobs is not None else None)
+            CompletionOutput(
+                i,
+                "",
+                [],
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
             for i in range(params.n)
         ]
         metrics = RequestMetrics(arrival_time or time.time())
@@ -116,6 +122,8 @@ class RequestState:
             completion.logprobs.extend(
                 self._logprobs(delta.logprob_values, delta.logprob_token_ids, delta.logprob_ranks)
             )
+            if completion.cumulative_logprob is not None:  # the sampled token is the first column
+                completion.cumulative_logprob += sum(delta.logprob_values[:, 0].tolist())
         if delta.prompt_logprob_values is not None and output.prompt_logprobs is None:
             rows = self._logprobs(
                 delta.prompt_logprob_values, delta.prompt_logprob_token_ids, delta.prompt_logprob_ranks
@@ -161,7 +169,13 @@ class RequestState:
             logprobs = list(c.logprobs[tokens:]) if c.logprobs is not None else None
             completions.append(
                 CompletionOutput(
-                    c.index, c.text[chars:], c.token_ids[tokens:], c.finish_reason, c.stop_reason, logprobs
+                    c.index,
+                    c.text[chars:],
+                    c.token_ids[tokens:],
+                    c.finish_reason,
+                    c.stop_reason,
+                    logprobs,
+                    c.cumulative_logprob,
                 )
             )
             if delta:

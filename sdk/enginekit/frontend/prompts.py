@@ -76,6 +76,8 @@ def prepare_request(
         keep = limits.max_model_len - 1 if keep == -1 else keep
         token_ids = token_ids[-keep:]
         embeds = embeds[-keep:] if embeds is not None else None
+    if params.max_tokens is None:  # vLLM's meaning: as many as the context has room for
+        params = msgspec.structs.replace(params, max_tokens=max(1, limits.max_model_len - len(token_ids)))
     request = EngineCoreRequest(request_id, token_ids, params, arrival_time, embeds)
     validate_request(request, limits)
     return request, text
@@ -174,6 +176,8 @@ class RequestBuilder:
         tokenizer, now, prepared = self.spec.tokenizer, time.time(), []
         for item, item_params, rid in zip(items, all_params, ids):
             request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+            if item_params.max_tokens is None:  # the output shows the limit the request got
+                item_params = request.sampling_params
             only_end = item_params.output_kind is RequestOutputKind.FINAL_ONLY
             request.final_only = only_end if final_only is None else final_only
             conversation = item.messages if isinstance(item, ChatPrompt) else None

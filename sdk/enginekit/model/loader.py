@@ -40,6 +40,7 @@ from enginekit.model.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 logger = logging.getLogger("enginekit.model")
 
+LM_HEAD_EXACT_TOP = 64  # logits computed again from the unquantized input (QuantizedWeight.exact_top)
 LAYOUT_VERSION = "fused-1"  # bump when the cached layout of the weights changes
 _W = TypeVar(
     "_W", torch.Tensor, torch.Tensor | StoredTensor
@@ -382,7 +383,7 @@ def _join(parts: list, *, embedding: bool = False):
 
     Stored parts of one type form one product: a view of the file where they lie there back to back in this
     order, else a copy of their rows (llama.cpp's rotary permutation of q and k undone on the way), since one
-    product of the joined rows costs less than one per part (q/k/v of the default model at one row: 1.3x). Parts
+    product of the joined rows costs less than one per part (docs/benchmarks.md). Parts
     of different types stay separate products. (``stored_tensor_names`` keeps a fused group whole: all stored,
     or all float.)"""
     if all(isinstance(part, torch.Tensor) for part in parts):
@@ -439,11 +440,12 @@ def _use_stored(
             layer.use_stored(weight)
         else:
             assert isinstance(layer, Linear) and isinstance(weight, QuantizedWeight)
-            weight.exact_input = name == "lm_head.weight"  # see QuantizedWeight
+            if name == "lm_head.weight":  # see QuantizedWeight
+                weight = QuantizedWeight(weight.parts, exact_top=LM_HEAD_EXACT_TOP)
             layer.use_stored(weight)
     embedding = stored.get("embed_tokens.weight")
     if config.tie_word_embeddings and isinstance(embedding, StoredWeight):
-        module.lm_head.use_stored(QuantizedWeight([embedding], exact_input=True))
+        module.lm_head.use_stored(QuantizedWeight([embedding], exact_top=LM_HEAD_EXACT_TOP))
 
 
 def _describe_stored(stored: dict[str, StoredWeight | QuantizedWeight]) -> str:

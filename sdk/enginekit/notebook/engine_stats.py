@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from enginekit.interrupts import running_loop
+
 if TYPE_CHECKING:
     from enginekit.frontend.engine import Engine
 
@@ -52,7 +54,7 @@ class EngineStats:
             await asyncio.wait([self._task], timeout=timeout)
 
     def _ask(self, engine: Engine, blocking: bool) -> None:
-        if not blocking and _running_loop() is not None:
+        if not blocking and running_loop() is not None:
             self._ask_in_task(engine)
             return
         try:
@@ -77,10 +79,3 @@ class EngineStats:
         else:
             self.latest, self.error = task.result(), None
         self._on_late_answer()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None

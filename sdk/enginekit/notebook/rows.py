@@ -50,7 +50,9 @@ class RequestRow:
     @property
     def max_tokens(self) -> int | None:
         """The most tokens the request may generate (all samples together), when its settings are known."""
-        return self.params.max_tokens * self.params.n if self.params is not None else None
+        if self.params is None or self.params.max_tokens is None:
+            return None
+        return self.params.max_tokens * self.params.n
 
     @property
     def finish_reason(self) -> str | None:

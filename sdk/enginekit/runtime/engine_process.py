@@ -181,6 +181,9 @@ class EngineProcess:
             except ValueError:
                 name = f"signal {-code}"
             return f"the engine process (pid {self.pid}) was killed by {name}"
+        if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):  # how it exits after stopping for a signal
+            name = signal.Signals(code - 128).name
+            return f"the engine process (pid {self.pid}) exited with code {code}: it stopped for {name}"
         return f"the engine process (pid {self.pid}) exited with code {code}"
 
     def error_tail(self) -> str:

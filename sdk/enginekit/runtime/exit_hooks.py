@@ -1,7 +1,10 @@
-"""At interpreter exit: shut every live engine down, then the launcher — in that order, in one hook.
+"""At interpreter exit: release what every live engine and client holds, then the launcher — in that order.
 
-Engines are held only weakly. One hook for both keeps the order fixed whatever else registered exit hooks
-(the engines' run folders are removed before the launcher goes).
+Engines and clients put their resources in an object of their own and register a ``weakref.finalize`` over
+it here, in place of a ``__del__``: it runs once, when its owner is collected, when its owner shuts down
+(which calls it), or at exit, whichever comes first. Those registered here run from this module's one exit hook
+rather than ``weakref``'s, so the order is fixed whatever else registered exit hooks: newest first (an engine
+before the client it made), then the launcher (the engines' run folders are removed before it goes).
 """
 
 from __future__ import annotations
@@ -9,37 +12,32 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from typing import Protocol
 
-
-class _Engine(Protocol):
-    """What the hook needs of an engine (the front end's ``Engine``, which this layer does not import)."""
-
-    def shutdown(self, timeout: float | None = None) -> None: ...
-
-
-_engines: weakref.WeakSet[_Engine] = weakref.WeakSet()
+_finalizers: list[weakref.finalize] = []
 _lock = threading.Lock()
 _registered = False
 
 
-def register(engine: _Engine) -> None:
+def register(finalizer: weakref.finalize) -> weakref.finalize:
+    """Run ``finalizer`` (if it has not run yet) at exit, from this module's hook; returns it."""
     global _registered
+    finalizer.atexit = False
     with _lock:
         if not _registered:
             atexit.register(_at_exit)
             _registered = True
-        _engines.add(engine)
-
-
-def unregister(engine: _Engine) -> None:
-    _engines.discard(engine)
+        _finalizers[:] = [f for f in _finalizers if f.alive]
+        _finalizers.append(finalizer)
+    return finalizer
 
 
 def _at_exit() -> None:
-    for engine in list(_engines):
+    with _lock:
+        finalizers = _finalizers[::-1]
+        _finalizers.clear()
+    for finalizer in finalizers:
         try:
-            engine.shutdown(timeout=0)
+            finalizer()
         except Exception:  # NOTE: at exit, one broken engine must not keep the others alive
             pass
     from enginekit.runtime.launcher import Launcher

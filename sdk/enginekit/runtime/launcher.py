@@ -67,7 +67,7 @@ IMPORT_TIME_PREFIXES = (
 # one op and the next, the Python between two steps included, and an idle engine still leaves its cores. A
 # passive worker, woken by a futex at every op, cost a third of the real model's speed on an idle machine; a
 # short spin (10000, about 0.3 ms) still let workers fall asleep inside a step, and the background engine ran
-# the real model at 0.73x of an in-process one at 8 concurrent, against 0.97x with the long spin. Beside a busy
+# the real model well below an in-process one at 8 concurrent, against about as fast with the long spin. Beside a busy
 # process spinning would stall every op; there the engine runs fewer threads (``core/threads.py``), and one
 # thread has no barrier to spin at. It does not starve a notebook's kernel or browser (docs/benchmarks.md, the
 # modes section). See docs/benchmarks.md, the thread section. A user's setting of any of these variables wins.

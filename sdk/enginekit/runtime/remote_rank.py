@@ -10,8 +10,10 @@ The rank loads the model the front end names; where that path does not exist on 
 names the same model's copy there. Its READY carries the model's config, and the front end fails the start
 if it is not the one it tokenizes for.
 
-The rank connects a *watch* socket to the front end and sends ``RankJoin``; the front end answers with the
-engine's arguments (its config, the addresses, this rank's index), and the rank runs the same engine process
+The rank connects a *watch* socket to the front end and sends ``RankJoin``, which opens with the wire version
+it speaks (``wire/version.py``): a front end of another version refuses it, naming both versions, and fails its
+start; the rank then exits with code 2. (A front end from before the wire had a version ignores the join: the
+rank waits, and the front end's start times out.) Otherwise the front end answers with the engine's arguments (its config, the addresses, this rank's index), and the rank runs the same engine process
 a local rank runs (``run_engine_core``). The watch connection is the rank's liveness, both ways: the front end
 marks the engine dead when it drops (a kill, a crash, a lost host: ZeroMQ heartbeats catch a silent peer),
 and the rank shuts its engine down when the front end goes. Then, and after the front end shut it down (a
@@ -52,6 +54,7 @@ from enginekit.wire.messages import (
     RemoteRankKeys,
     ShutdownRequest,
 )
+from enginekit.wire.version import this_version
 
 logger = logging.getLogger("enginekit.remote_rank")
 
@@ -87,8 +90,10 @@ class RemoteRankServer:
         device: str | None = None,
         model: str | None = None,
         once: bool = False,
+        keys: RemoteRankKeys | None = None,
     ) -> None:
-        self.keys_path, self.rank, self.host = keys_path, rank, host
+        # ``keys`` in hand (a rank placed by Ray is handed them) stand for the file at ``keys_path``.
+        self.keys_path, self.rank, self.host, self.keys = keys_path, rank, host, keys
         self.num_threads, self.device, self.model, self.once = num_threads, device, model, once
         self.stopped = False  # a signal asked this process to stop for good
         self._engine: EngineCoreProc | None = None
@@ -130,6 +135,8 @@ class RemoteRankServer:
             self._engine.signal_shutdown(signum, frame)
 
     def _wait_for_keys(self) -> RemoteRankKeys | None:
+        if self.keys is not None:
+            return None if self.stopped else self.keys
         announced = False
         while not self.stopped:
             if os.path.exists(self.keys_path):
@@ -157,7 +164,10 @@ class RemoteRankServer:
         set_heartbeats(watch)
         monitor = watch.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         watch.connect(f"tcp://{self._host(keys)}:{keys.watch_port}")
-        join = msgspec.msgpack.encode(RankJoin(self.rank, os.getpid(), socket_module.gethostname()))
+        version = this_version()
+        join = msgspec.msgpack.encode(
+            RankJoin(version.protocol, version.schema, self.rank, os.getpid(), socket_module.gethostname())
+        )
         logger.info("rank %d: joining the front end at %s:%d", self.rank, self._host(keys), keys.watch_port)
         decoder = msgspec.msgpack.Decoder(JoinReply)
         poller = zmq.Poller()

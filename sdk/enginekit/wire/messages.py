@@ -12,8 +12,9 @@ ROUTER -> DEALER (input)        front end -> engine          ``EngineRequest``: 
 PUSH -> PULL (output)           engine -> front end          ``EngineOutput``: outputs, dead
 DEALER -> ROUTER (handshake)    engine -> front end          ``StartupReport``: phase, ready
 stdin pipe                      front end -> engine process  ``EngineProcArgs`` (length-prefixed, once)
-DEALER -> ROUTER (watch)        remote rank <-> front end    ``RankMessage``: join, exit; ``JoinReply``:
-                                                             accepted, refused
+DEALER -> ROUTER (watch)        remote rank <-> front end    ``RankMessage``: hello (the join, with the
+                                                             wire version), exit; ``JoinReply``: accepted,
+                                                             refused
 keys file                       front end -> remote rank     ``RemoteRankKeys`` (JSON, copied by the user)
 unix socketpair                 front end <-> launcher       ``LauncherRequest`` / ``LauncherReply``
 ==============================  ===========================  =============================================
@@ -43,8 +44,10 @@ __all__ = [
     "FinishReason",
     "InvalidRequest",
     "JoinAccepted",
+    "JoinHeader",
     "JoinRefused",
     "JoinReply",
+    "LegacyRankJoin",
     "PhaseReport",
     "RankExit",
     "RankJoin",
@@ -225,6 +228,7 @@ class ReadyMessage(msgspec.Struct, tag="ready", **_MESSAGE):
     pid: int
     device: str
     engine_index: int = 0
+    kv_cache_bytes: int = 0  # the KV tensors' size: blocks x bytes per block
     # The loaded model's config (``ModelConfig``'s fields): the front end checks it is the model it tokenizes for.
     model: dict[str, Any] | None = None
 
@@ -273,12 +277,34 @@ class RemoteRankKeys(msgspec.Struct, forbid_unknown_fields=True):
     curve_client_secret: str
 
 
-class RankJoin(msgspec.Struct, tag="join", **_REQUEST):
-    """A remote rank asks for its arguments, on the watch socket, whose connection then tells its liveness."""
+class RankJoin(msgspec.Struct, tag="hello", **_REQUEST):
+    """A remote rank asks for its arguments, on the watch socket, whose connection then tells its liveness.
 
+    It opens with the wire version the rank speaks (``wire/version.py``): the front end reads those first
+    three fields alone (``JoinHeader``) and refuses a peer of another version before decoding the rest. They
+    must never change."""
+
+    protocol: int
+    schema: str
     rank: int
     pid: int
     hostname: str
+
+
+class JoinHeader(msgspec.Struct, tag="hello", array_like=True):
+    """The first fields of any release's ``RankJoin``: decodes whatever follows them (another version's)."""
+
+    protocol: int
+    schema: str
+    rank: int
+
+
+class LegacyRankJoin(msgspec.Struct, tag="join", array_like=True):
+    """The join of the releases before the wire had a version (protocol 1): recognised, to refuse it clearly."""
+
+    rank: int
+    pid: int = 0
+    hostname: str = ""
 
 
 class RankExit(msgspec.Struct, tag="exit", **_REQUEST):
@@ -296,6 +322,8 @@ class JoinAccepted(msgspec.Struct, tag="accepted", **_MESSAGE):
 
 
 class JoinRefused(msgspec.Struct, tag="refused", **_MESSAGE):
+    """The one reply every release decodes (a peer of another version gets it): never change it."""
+
     reason: str
     retry: bool = False  # the rank may ask again later (the front end is busy with another incarnation)
 

@@ -48,17 +48,29 @@ class NativeUnavailable(Exception):
     """Why the native kernels are not used here; the message is logged."""
 
 
+_status: list[str] = []  # what native_library() found in this process: "on" or "off: <why>"
+
+
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The native library, built on the first call in a process (later calls return the same one), or ``None``
-    with the reason logged."""
+    with the reason logged and kept for ``native_kernels_status``."""
     try:
         lib = _load()
     except NativeUnavailable as reason:
         logger.info("native kernels not used: %s", reason)
+        _status.append(f"off: {reason}")
         return None
     logger.info("native kernels loaded from %s", lib._name)
+    _status.append("on")
     return lib
+
+
+def native_kernels_status() -> str:
+    """Whether this process computes with the native kernels: ``"on"``, ``"off: <why>"``, or ``"not loaded"``
+    (nothing asked for them: a model on CUDA, or none loaded yet). ``get_stats()`` reports it, since the log
+    line saying why is at INFO."""
+    return _status[0] if _status else "not loaded"
 
 
 def _load() -> ctypes.CDLL:

@@ -45,7 +45,7 @@ NATIVE_TYPES = frozenset(
 Isa = Literal["scalar", "avx2", "avx512_vnni"]
 Path = Literal["auto", "int8", "float", "panels"]
 ISAS: dict[Isa, int] = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # enginekit_quant_isa in quant_gemm.c
-FLOAT_PATH_MAX_ROWS = 16  # INT8_MAX_ROWS in quant_gemm.c: past it, the panels (exact input) anyway
+INT8_MAX_ROWS = 16  # as in quant_gemm.c: up to this many rows the input is quantized to int8, past it not
 ISA_NAMES: dict[int, Isa] = {code: name for name, code in ISAS.items()}
 PATHS = {"auto": 0, "int8": 1, "float": 2, "panels": 3}
 
@@ -90,10 +90,7 @@ class QuantGemm:
         qtype: int,
         out_features: int,
         in_features: int,
-        *,
-        exact_input: bool = False,
     ) -> torch.Tensor:
-        """``exact_input``: never quantize ``x`` (the portable form never does)."""
         _check_input(x, in_features)
         return F.linear(x, self.dequantize(blocks, qtype, out_features, in_features))
 
@@ -141,17 +138,12 @@ class NativeQuantGemm(QuantGemm):
         out_features: int,
         in_features: int,
         *,
-        exact_input: bool = False,
         isa: Isa | None = None,
         path: Path = "auto",
         threads: int | None = None,
     ) -> torch.Tensor:
-        """``exact_input``: never the int8 path, whose quantized input costs about 1% of a product's precision
-        (the float path where ``path`` is ``"auto"``, else the panels for many rows)."""
         if not self.supports(qtype):
             return super().__call__(x, blocks, qtype, out_features, in_features)
-        if exact_input and path == "auto" and x.shape[0] <= FLOAT_PATH_MAX_ROWS:
-            path = "float"
         block_size, type_size = _format(qtype)
         return self._gemm(
             x=x,

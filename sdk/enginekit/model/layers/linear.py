@@ -44,16 +44,11 @@ class Linear(nn.Linear):
         return self.kernel(input, self.weight, self.bias)
 
 
-# Measured with torch 2.13 on 2 cores, 1-128 rows: in the whole 135M model oneDNN made the projections 1.35-1.5x
-# faster; on the tiny test models' weights (under 400k elements) it was 0.15-0.7x of F.linear, its fixed cost
-# per call (40-50 us) dominating. With many rows that cost is amortised: at 129-2048 rows oneDNN was 1.1-1.3x
-# F.linear on 16k-330k-element weights (the default model's 576x576 output projection among them), 0.6-1.0x
-# below 2**25 multiply-adds per call.
+# The thresholds below come from measurements (docs/benchmarks_gemm.md, benchmarks/bench_gemm.py): oneDNN's fixed
+# cost per call loses to F.linear on small weights and small calls; the packed GEMM pays off from about 96 rows
+# on inputs at least 256 wide.
 ONEDNN_MIN_WEIGHT_NUMEL = 1 << 19
 ONEDNN_MIN_WORK = 1 << 25  # rows x weight elements
-# From this many rows the native packed GEMM runs a call: on the default model's weights (2 threads, an AVX2 CPU)
-# it overtakes the skinny GEMM's tiles at 81-95 rows (150 against 140 GFLOP/s at 96, 153 against 146 at 128).
-# With inputs under 256 wide (the tiny test models' 128) its short inner loop loses to oneDNN at 512-2,048 rows.
 PACKED_MIN_ROWS = 96
 PACKED_MIN_DEPTH = 256  # input features
 
@@ -67,21 +62,19 @@ def linear_kernel(
     On CPU in float32 it picks per call, by the input's rows and the weight's size:
 
     - **``PACKED_MIN_ROWS`` (96) rows or more, inputs ``PACKED_MIN_DEPTH`` (256) wide or more** (a prefill step,
-      the largest decode steps): the native packed GEMM of ``packed_gemm.c``, 1.2-1.3x oneDNN's linear at
-      256-2,048 rows on the default model's weights;
+      the largest decode steps): the native packed GEMM of ``packed_gemm.c``;
     - **otherwise 1 to ``MAX_ROWS`` (128) rows** (a decode step): the native skinny GEMM of ``skinny_gemm.c``.
-      Up to 8 rows it reads each weight once for all the rows, at 75-90% of the CPU's read bandwidth, where
-      torch's kernels reach 50-70% at one row and slow down with every row added; past that its
-      register-blocked tiles run 1.1-1.5x oneDNN's linear on an AVX2 CPU;
+      Up to 8 rows it reads each weight once for all the rows; past that it runs register-blocked tiles;
     - past those, and where the native library cannot be built or loaded (``enginekit.model.kernels.native`` then
       returns ``None``), **weights of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more, or calls of
       ``ONEDNN_MIN_WORK`` multiply-adds or more**: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the kernel
-      torch's own compiler emits for a CPU linear). It reads the same ``[out, in]`` weights in place and is
-      1.35-1.5x faster than ``F.linear`` (MKL's GEMM, which repacks the weights on every call) for the model's
-      shapes at 1 to 128 rows (see docs/benchmarks.md), used when this torch build has it and it agrees with
-      ``F.linear`` on a probe. Its fixed cost per call (about 40-50 us here) loses to ``F.linear`` on smaller
-      weights;
+      torch's own compiler emits for a CPU linear). It reads the same ``[out, in]`` weights in place, and is
+      used when this torch build has it and it agrees with ``F.linear`` on a probe. Its fixed cost per call
+      loses to ``F.linear`` on smaller weights;
     - otherwise ``F.linear``, which is also the kernel on other devices and dtypes.
+
+    The figures behind each choice, and how they compare with oneDNN and MKL given weights packed once, are on
+    docs/benchmarks_gemm.md (``benchmarks/bench_gemm.py``).
     """
     if device.type != "cpu" or dtype != torch.float32:
         return "F.linear", F.linear

@@ -12,7 +12,7 @@ many queries.
 
 The gathered contexts go into the step's ``gather_buffer`` when it has one: one buffer, reused by every layer
 and every chunk, instead of two fresh multi-megabyte tensors per layer. A fresh tensor that large comes from
-``mmap`` and is touched page by page; with two torch threads that cost 4-7x the gather itself at 128 decodes.
+``mmap`` and is touched page by page, which cost more than the gather itself at 128 decodes.
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ import torch.nn.functional as F
 from enginekit.model.kernels.native import LayerOps
 
 # Prefill chunks that end within this many tokens of their sequence's start attend through the native call (each
-# query over its own context), the others through SDPA (which reuses each key across many queries). Against
-# SDPA per chunk, the native call took 0.45-0.52x the time for fresh chunks of 16-128 tokens, 0.77x at 512, 1.07x
-# at 1024; 0.88x for 64 tokens after 300 cached, 1.15x after 2,000 (9 heads and 3 KV heads of 64, 2 threads, an
-# AVX2 CPU).
+# query over its own context), the others through SDPA (which reuses each key across many queries): past about
+# this many tokens SDPA per chunk was faster (docs/benchmarks.md).
 NATIVE_PREFILL_TOKENS = 512
 
 
@@ -151,7 +149,7 @@ def paged_attention(
         out, chunks = torch.empty_like(q) if meta.prefills else None, meta.prefills
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     # One row per block (block_size * KVH * D values): a context is gathered with one index_select per K and
-    # V, a plain copy of whole rows (4-5x faster than advanced indexing of [2, blocks, ...]).
+    # V, a plain copy of whole rows (faster than advanced indexing of [2, blocks, ...]).
     k_blocks, v_blocks = (kv_cache[kv].view(-1, meta.block_size * num_kv_heads * head_dim) for kv in (0, 1))
     gqa = q.shape[1] != num_kv_heads
     if ops is None and meta.num_decode:
@@ -171,7 +169,7 @@ def paged_attention(
         out[:num_decode] = attended.squeeze(2)
     assert out is not None  # None only in a step of decodes alone, returned above
     # Prefill inputs get a batch dimension of one: torch's CPU flash kernel takes only 4-D inputs, and 3-D ones
-    # fall back to the math path (2-4x slower at 64-token chunks, measured with torch 2.13 on 2 cores).
+    # fall back to the slower math path.
     for chunk in chunks:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

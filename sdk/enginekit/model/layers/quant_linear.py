@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from enginekit.model.kernels.native import QuantGemm, quant_gemm
+from enginekit.model.kernels.quant_gemm import INT8_MAX_ROWS
 
 
 class StoredWeight(NamedTuple):
@@ -25,12 +26,9 @@ class StoredWeight(NamedTuple):
     out_features: int
     in_features: int
 
-    def matmul(self, x: torch.Tensor, gemm: QuantGemm, exact_input: bool = False) -> torch.Tensor:
-        """``x @ weight.T`` for float32 ``x`` ``[M, in_features]``: float32 ``[M, out_features]``;
-        ``exact_input``: ``x`` is never quantized to int8."""
-        return gemm(
-            x, self.blocks, self.quant_type, self.out_features, self.in_features, exact_input=exact_input
-        )
+    def matmul(self, x: torch.Tensor, gemm: QuantGemm) -> torch.Tensor:
+        """``x @ weight.T`` for float32 ``x`` ``[M, in_features]``: float32 ``[M, out_features]``."""
+        return gemm(x, self.blocks, self.quant_type, self.out_features, self.in_features)
 
     def rows(self, ids: torch.Tensor, gemm: QuantGemm) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized to float32 ``[len(ids), in_features]`` (an embedding lookup:
@@ -47,31 +45,42 @@ class QuantizedWeight:
     """A projection's weight as stored, in one or more ``parts`` whose outputs follow each other (a fused q/k/v or
     gate/up whose pieces are of different types stays several products); its product is theirs side by side.
 
-    ``exact_input`` keeps the input in float32 at every row count, for the LM head: a decode step's input
-    quantized to int8 (as the other projections take it, and as llama.cpp does) moves its logits by about 1%,
-    enough to flip a greedy choice of a small model (SmolLM2-135M answers "What is the capital of France?" with
-    "L'Étoile, la Cité, ..." that way, in llama.cpp too), while it shifts the hidden states of the others
-    within what the following norms absorb."""
+    ``exact_top`` (the LM head): the ``exact_top`` largest outputs of each row computed again from the input
+    unquantized. At a decode step (up to ``INT8_MAX_ROWS`` rows) the kernels quantize the input to int8, as
+    llama.cpp does, which moves each output by about 1% of its size: the hidden states of the next layer absorb
+    that, but a logit is a choice, and it flips greedy choices of a small model (SmolLM2-135M answers "What is
+    the capital of France?" with "L'Étoile, la Cité, ..." that way, in llama.cpp too). The candidates' rows cost
+    ``M x exact_top`` dot products; computing the whole head without int8 would cost three times the step's
+    largest product. The other logits keep the int8 product's values (sampling at a temperature sees them)."""
 
     def __init__(
-        self, parts: Sequence[StoredWeight], gemm: QuantGemm | None = None, *, exact_input: bool = False
+        self, parts: Sequence[StoredWeight], gemm: QuantGemm | None = None, *, exact_top: int = 0
     ) -> None:
         if not parts or len({part.in_features for part in parts}) != 1:
             raise ValueError("a quantized weight needs one or more parts of the same input width")
+        if exact_top and len(parts) != 1:
+            raise ValueError("exact_top needs a weight of one part")
         self.parts = tuple(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(part.out_features for part in parts)
         self.gemm = gemm or quant_gemm()
-        self.exact_input = exact_input
+        self.exact_top = min(exact_top, self.out_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        outs = [part.matmul(x, self.gemm, self.exact_input) for part in self.parts]
+        outs = [part.matmul(x, self.gemm) for part in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self.exact_top and 0 < x.shape[0] <= INT8_MAX_ROWS:
+            self._recompute_top(x, out)
         if bias is not None:
             out += bias
         return out.view(*shape[:-1], self.out_features)
+
+    def _recompute_top(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        top = out.topk(self.exact_top, dim=1).indices  # [M, exact_top]
+        rows = self.parts[0].rows(top, self.gemm).view(*top.shape, self.in_features)
+        out.scatter_(1, top, torch.einsum("mtk,mk->mt", rows, x))
 
     @property
     def nbytes(self) -> int:

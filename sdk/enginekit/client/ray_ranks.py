@@ -1,0 +1,177 @@
+"""Data-parallel ranks placed by Ray (``data_parallel_backend="ray"``): remote ranks the front end starts itself.
+
+Each rank gets a placement group of one bundle (its CPUs, and a GPU on CUDA) on the user's Ray cluster — the
+one this process is connected to (``ray.init()`` or ``ray.init(address=...)`` before the engine starts), else a
+local one the engine starts and shuts down with itself. In that bundle an actor (``runtime/ray_rank.py``) runs
+the remote rank's join path: it connects to the front end's watch socket with the CURVE keys it was handed,
+receives its ``EngineProcArgs`` and runs the engine over the same ZeroMQ sockets a remote rank uses. So a
+``RayRank`` is a ``RemoteRank`` (its liveness is the watch connection: a killed actor, a lost node) that also
+owns its actor and placement group, and removes both when it stops.
+"""
+
+# Ray is optional (the `ray` extra): where it is not installed, its imports are not errors.
+# pyright: reportMissingImports=false
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import msgspec
+
+from enginekit.client.remote import RemoteRank
+from enginekit.config import EngineConfig
+from enginekit.errors import EngineStartupError
+from enginekit.runtime.launcher import engine_environ
+from enginekit.runtime.ray_rank import RayRankActor
+from enginekit.wire.messages import EngineProcArgs, RemoteRankKeys
+
+logger = logging.getLogger("enginekit.client")
+
+INSTALL_HINT = "data_parallel_backend='ray' needs Ray: pip install 'enginekit[ray]'"
+LOOPBACK = "127.0.0.1"
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as error:
+        raise ImportError(INSTALL_HINT) from error
+    return ray
+
+
+class RayCluster:
+    """The Ray cluster a front end places its ranks on; a local one it started is shut down by ``close``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.ray = import_ray()
+        self.config = config
+        self.started = False
+        if not self.ray.is_initialized():
+            # NOTE: ray.init() joins the cluster RAY_ADDRESS names, if any, else starts a local one.
+            try:
+                self.ray.init(log_to_driver=config.log_level != "warning")
+            except Exception as error:
+                with contextlib.suppress(Exception):
+                    self.ray.shutdown()
+                raise EngineStartupError(
+                    f"data_parallel_backend='ray': Ray did not start: {error} (a busy machine can make a new "
+                    "local cluster miss Ray's own startup deadlines; connect to a running one with "
+                    "ray.init(address=...) before the engine starts)",
+                    phase="ray cluster",
+                ) from error
+            self.started = True
+        try:
+            self.gpu = self._wants_gpu()
+            self.front_end_host = self._front_end_host()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wants_gpu(self) -> bool:
+        device = self.config.device
+        if device is None:
+            return self.ray.cluster_resources().get("GPU", 0) >= self.config.data_parallel_size
+        return device == "cuda"
+
+    def _front_end_host(self) -> str:
+        """Where the ranks reach this front end: the host of ``address``, else loopback on a one-node
+        cluster, else this node's address."""
+        if self.config.address is not None:
+            return self.config.address.removeprefix("tcp://").rpartition(":")[0] or LOOPBACK
+        alive = [node for node in self.ray.nodes() if node.get("Alive")]
+        return LOOPBACK if len(alive) <= 1 else self.ray.util.get_node_ip_address()
+
+    def bundle(self) -> dict[str, float]:
+        """One rank's resources: ``num_threads`` CPUs (1 if unset), and a GPU on CUDA."""
+        bundle: dict[str, float] = {"CPU": float(self.config.num_threads or 1)}
+        if self.gpu:
+            bundle["GPU"] = 1.0
+        return bundle
+
+    def close(self) -> None:
+        if self.started:
+            self.started = False
+            with contextlib.suppress(Exception):
+                self.ray.shutdown()
+
+
+class RayRank(RemoteRank):
+    """A rank in a Ray actor: watched like a remote rank; it owns the actor and its placement group."""
+
+    def __init__(self, rank: int, cluster: RayCluster, keys: RemoteRankKeys) -> None:
+        super().__init__(rank, "")
+        self.cluster = cluster
+        self.keys = keys
+        self.phase = "placement (a Ray placement group for the rank)"
+        self.group: Any = None
+        self.actor: Any = None
+        self.serving: Any = None  # the actor's serve() call: done when the actor ended or died
+
+    def start(self, args: EngineProcArgs) -> None:
+        super().start(args)
+        ray = self.cluster.ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = self.cluster.bundle()
+        self.group = placement_group([bundle], strategy="PACK")
+        timeout = args.config.startup_timeout
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout)
+        if not ready:
+            raise EngineStartupError(
+                f"engine rank {self.rank}: the Ray cluster found no room for its bundle {bundle} within "
+                f"startup_timeout={timeout}s (available: {ray.available_resources()})",
+                phase=self.phase,
+            )
+        self.phase = "join (a Ray actor joining the front end)"
+        # NOTE: the OpenMP defaults a local engine gets must be set before torch loads in the worker.
+        environ = {
+            name: value for name, value in engine_environ({}).items() if name not in ray_environ_exclusions()
+        }
+        actor_class = ray.remote(RayRankActor)
+        self.actor = actor_class.options(
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=0),
+            runtime_env={"env_vars": environ},
+        ).remote(self.rank)
+        threads = args.config.num_threads or int(bundle["CPU"])
+        self.serving = self.actor.serve.remote(msgspec.json.encode(self.keys), threads, args.config.log_level)
+
+    def is_alive(self) -> bool:
+        if super().is_alive() and not self.joined and self.serving is not None:
+            done, _ = self.cluster.ray.wait([self.serving], timeout=0)
+            if done:  # the actor ended before it joined: its error is the startup's
+                self._error_tail = self._actor_error()
+                self.mark_gone("its Ray actor ended before it joined the front end")
+        return super().is_alive()
+
+    def _actor_error(self) -> str:
+        try:
+            code = self.cluster.ray.get(self.serving, timeout=0)
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return f"the actor's engine exited with code {code}"
+
+    def stop(self, timeout: float) -> None:
+        """Wait for the hang-up like a remote rank, then remove the actor and its placement group."""
+        super().stop(timeout)
+        ray = self.cluster.ray
+        if self.actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.actor, no_restart=True)
+            self.actor = None
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.group)
+            self.group = None
+
+
+def ray_environ_exclusions() -> set[str]:
+    """Nothing is excluded today; kept as the one place to drop a variable Ray must not see."""
+    return set()

@@ -1,0 +1,214 @@
+"""The KV cache sized to the machine: the CPU default under a memory limit, the cgroup and meminfo readings, the
+CUDA budget's arithmetic, and the size reported by READY and get_stats()."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from enginekit import Engine, EngineConfig
+from enginekit.core import resources
+from enginekit.core.resources import (
+    CPU_KV_CACHE_BYTES,
+    cpu_kv_cache_default,
+    cuda_kv_cache_budget,
+    host_memory_available,
+    kv_block_bytes,
+    size_kv_cache,
+)
+from enginekit.errors import EngineStartupError
+from enginekit.model.builtin import BUILTIN_CONFIG
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+def _meminfo(root, available_kib: int) -> None:
+    (root / "meminfo").write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {available_kib} kB\n")
+
+
+def test_meminfo_alone_without_a_cgroup(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    _meminfo(proc, 8 * 1024 * 1024)
+    (proc / "self" / "cgroup").write_text("0::/\n")
+    (tmp_path / "cg").mkdir()  # v2 root with no memory.max: no limit
+    assert host_memory_available(str(proc), str(tmp_path / "cg")) == 8 * GiB
+
+
+def test_cgroup_v2_limit_bounds_the_available_memory(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    _meminfo(proc, 8 * 1024 * 1024)
+    (proc / "self" / "cgroup").write_text("0::/user.slice/job\n")
+    job = tmp_path / "cg" / "user.slice" / "job"
+    job.mkdir(parents=True)
+    (job / "memory.max").write_text(f"{2 * GiB}\n")
+    (job / "memory.current").write_text(f"{512 * MiB}\n")
+    (tmp_path / "cg" / "user.slice" / "memory.max").write_text("max\n")
+    (tmp_path / "cg" / "user.slice" / "memory.current").write_text(f"{3 * GiB}\n")
+    assert host_memory_available(str(proc), str(tmp_path / "cg")) == 2 * GiB - 512 * MiB
+
+
+def test_cgroup_v1_parent_limit_in_a_container(tmp_path):
+    """In a container the memory mount is the container's own cgroup, while /proc/self/cgroup names the host's
+    path: the tail found under the mount is ours, and a parent's tighter limit counts."""
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    _meminfo(proc, 8 * 1024 * 1024)
+    (proc / "self" / "cgroup").write_text("4:memory:/host/container/child\n1:cpu:/\n")
+    mount = tmp_path / "cg" / "memory"
+    child = mount / "child"
+    child.mkdir(parents=True)
+    (mount / "memory.limit_in_bytes").write_text(f"{1 * GiB}\n")
+    (mount / "memory.usage_in_bytes").write_text(f"{768 * MiB}\n")
+    (child / "memory.limit_in_bytes").write_text(f"{9223372036854771712}\n")  # v1's "no limit"
+    (child / "memory.usage_in_bytes").write_text(f"{100 * MiB}\n")
+    assert host_memory_available(str(proc), str(tmp_path / "cg")) == 256 * MiB
+
+
+def test_cpu_default_is_bounded_by_available_memory_and_shared_by_ranks():
+    config = EngineConfig(max_num_seqs=1024)
+    block = kv_block_bytes(config, BUILTIN_CONFIG, torch.float32)
+    assert cpu_kv_cache_default(config, BUILTIN_CONFIG, torch.float32, 64 * GiB) == CPU_KV_CACHE_BYTES
+    assert cpu_kv_cache_default(config, BUILTIN_CONFIG, torch.float32, 2 * GiB) == GiB // 2
+    two_ranks = EngineConfig(max_num_seqs=1024, data_parallel_size=2)
+    assert cpu_kv_cache_default(two_ranks, BUILTIN_CONFIG, torch.float32, 2 * GiB) == GiB // 4
+    # Never more than max_num_seqs requests of the longest length fill.
+    few = EngineConfig(max_num_seqs=2, max_model_len=256)
+    assert cpu_kv_cache_default(few, BUILTIN_CONFIG, torch.float32, 64 * GiB) == 2 * (256 // 16) * block
+
+
+def test_a_machine_with_too_little_memory_refuses_to_start(monkeypatch):
+    monkeypatch.setattr(resources, "host_memory_available", lambda: 4096)
+    with pytest.raises(EngineStartupError, match=r"KV cache's budget .* sized to this machine\) holds less"):
+        Engine("builtin", mode="inproc")
+
+
+def test_cuda_budget_arithmetic():
+    """vLLM's rule: utilization x total, less others' memory at start, the engine's peak and its non-torch use."""
+    budget = cuda_kv_cache_budget(
+        total=80 * GiB, free_at_start=78 * GiB, peak_allocated=16 * GiB, non_torch=GiB, utilization=0.9
+    )
+    assert budget == int(80 * GiB * 0.9) - 2 * GiB - 16 * GiB - GiB
+    crowded = cuda_kv_cache_budget(
+        total=80 * GiB, free_at_start=10 * GiB, peak_allocated=16 * GiB, non_torch=0, utilization=0.9
+    )
+    assert crowded < 0
+    with pytest.raises(EngineStartupError, match="holds less than the 2 KV blocks"):
+        size_kv_cache(EngineConfig(), BUILTIN_CONFIG, torch.bfloat16, crowded)
+
+
+def test_explicit_budget_and_block_count_win():
+    config = EngineConfig(kv_cache_memory_bytes=64 * MiB)
+    size = size_kv_cache(
+        config,
+        BUILTIN_CONFIG,
+        torch.float32,
+        resources.kv_cache_budget(config, BUILTIN_CONFIG, torch.device("cpu"), torch.float32),
+    )
+    assert size.num_bytes == 64 * MiB and size.num_tokens == size.num_blocks * 16
+    fixed = EngineConfig(num_kv_blocks=10)
+    assert resources.kv_cache_budget(fixed, BUILTIN_CONFIG, torch.device("cpu"), torch.float32) is None
+    assert size_kv_cache(fixed, BUILTIN_CONFIG, torch.float32, None).num_blocks == 10
+
+
+def test_ready_and_stats_report_the_size_in_bytes_and_tokens():
+    with Engine("builtin", mode="mp", kv_cache_memory_bytes=8 * MiB) as engine:
+        stats = engine.get_stats()
+        assert stats["kv_cache_bytes"] == 8 * MiB == engine._client.kv_cache_bytes
+        assert stats["kv_cache_tokens"] == stats["num_kv_blocks"] * 16 == engine._client.kv_cache_tokens
+
+
+CGROUP_V1 = "/sys/fs/cgroup/memory"
+
+CHILD = """
+import json, sys
+from enginekit import Engine
+from enginekit.core.resources import host_memory_available
+available = host_memory_available()
+ranks = int(sys.argv[2])
+with Engine("builtin", mode=sys.argv[1], data_parallel_size=ranks) as engine:
+    stats = engine.get_stats()
+    print(json.dumps({"available": available, "bytes": stats["kv_cache_bytes"], "tokens": stats["kv_cache_tokens"],
+                      "ready_bytes": engine._client.kv_cache_bytes,
+                      "rank_bytes": [rank["kv_cache_bytes"] for rank in stats.get("ranks", [stats])]}))
+"""
+
+
+def _writable_memory_cgroup() -> bool:
+    try:
+        probe = os.path.join(CGROUP_V1, f"enginekit-probe-{uuid.uuid4().hex[:8]}")
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not _writable_memory_cgroup(), reason="needs a writable cgroup v1 memory controller (root)"
+)
+@pytest.mark.parametrize(("mode", "ranks"), [("inproc", 1), ("mp", 1), ("mp", 2)])
+def test_kv_cache_under_a_real_cgroup_memory_limit(mode, ranks):
+    """A real cgroup (v1 memory controller) with a 1 GiB limit: the engine, started inside it (the mp engine
+    process and its launcher too, forked from there), sizes its cache from what the limit leaves; two
+    data-parallel ranks share that out."""
+    group = os.path.join(CGROUP_V1, f"enginekit-test-{uuid.uuid4().hex[:8]}")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as file:
+            file.write(str(GiB))
+        command = f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1" {mode} {ranks}'
+        result = subprocess.run(
+            ["sh", "-c", command, sys.executable, CHILD], capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr
+        seen = json.loads(result.stdout.strip().splitlines()[-1])
+    finally:
+        _remove_cgroup(group)
+    # Without the limit this machine's default would be the builtin model's useful maximum (1 GiB).
+    assert 0 < seen["available"] < GiB
+    assert seen["bytes"] <= GiB // 4
+    assert seen["bytes"] == seen["ready_bytes"] == sum(seen["rank_bytes"])
+    assert all(size <= GiB // 4 // ranks for size in seen["rank_bytes"])
+    assert (
+        seen["tokens"] * kv_block_bytes(EngineConfig(), BUILTIN_CONFIG, torch.float32) // 16 == seen["bytes"]
+    )
+
+
+def _remove_cgroup(group: str) -> None:
+    """Remove the test's cgroup once its last process (a launcher that exits after its front end) is gone."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.rmdir(group)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_the_profiling_step_runs_the_largest_step_through_the_model():
+    """The step CUDA sizing measures, run on CPU: every prompt of the largest batch is prefilled and sampled."""
+    from enginekit.model.loader import load_model, load_model_spec
+
+    spec = load_model_spec("builtin")
+    model = load_model(spec, device=torch.device("cpu"), dtype=torch.float32, seed=0, quantization="auto")
+    config = EngineConfig(max_num_batched_tokens=300, max_num_seqs=7)
+    assert resources.run_profile_step(config, model, spec.config, torch.device("cpu"), torch.float32) == 300
+
+
+def test_a_budget_sized_to_the_machine_stops_at_what_can_be_filled():
+    config = EngineConfig(max_num_seqs=4, max_model_len=512)
+    useful = resources.useful_kv_cache_bytes(config, BUILTIN_CONFIG, torch.float32)
+    assert useful == 4 * (512 // 16) * kv_block_bytes(config, BUILTIN_CONFIG, torch.float32)
+    assert cpu_kv_cache_default(config, BUILTIN_CONFIG, torch.float32, 1024 * GiB) == useful
