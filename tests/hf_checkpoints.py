@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-Arch = Literal["llama", "qwen2", "mistral", "qwen3", "phi3"]
+Arch = Literal["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2"]
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -45,6 +45,7 @@ DEFAULT_ROPE_THETA = {
     "llama": 500000.0,
     "qwen2": 1000000.0,
     "mistral": 1000000.0,
+    "gemma2": 10000.0,
     "qwen3": 1000000.0,
     "phi3": 10000.0,
 }
@@ -176,11 +177,25 @@ def _make_config(
             original_max_position_embeddings=original,
             pad_token_id=eos_id,
         )
+    if arch == "gemma2":  # soft-capping low enough to bite at these sizes; even layers slide
+        from transformers import Gemma2Config
+
+        return Gemma2Config(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=24,
+            sliding_window=sliding_window or 4096,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            pad_token_id=eos_id,
+        )
     raise ValueError(f"unknown arch {arch!r}; expected 'llama', 'qwen2' or 'mistral'")
 
 
 def _model_class(arch: Arch):
     from transformers import (
+        Gemma2ForCausalLM,
         LlamaForCausalLM,
         MistralForCausalLM,
         Phi3ForCausalLM,
@@ -194,6 +209,7 @@ def _model_class(arch: Arch):
         "mistral": MistralForCausalLM,
         "qwen3": Qwen3ForCausalLM,
         "phi3": Phi3ForCausalLM,
+        "gemma2": Gemma2ForCausalLM,
     }
     return classes[arch]
 

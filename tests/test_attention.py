@@ -17,14 +17,24 @@ BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def dense_attention(q, k, v, context_start, window=0):
+def dense_attention(q, k, v, context_start, window=0, softcap=0.0):
     """Causal attention of new queries ``q`` [n, H, D] over a whole context ``k``/``v`` [length, KVH, D]; with a
-    ``window``, each query over the last ``window`` tokens up to its own."""
+    ``window``, each query over the last ``window`` tokens up to its own; with a ``softcap``, the scaled scores
+    capped at ``softcap * tanh(s / softcap)``."""
     n, length = q.shape[0], k.shape[0]
     query = torch.arange(context_start, context_start + n)[:, None]
     mask = torch.arange(length)[None, :] <= query
     if window:
         mask &= torch.arange(length)[None, :] > query - window
+    if softcap:
+        keys = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(0, 1)
+        scores = (
+            torch.tanh(q.transpose(0, 1) @ keys.transpose(1, 2) * q.shape[-1] ** -0.5 / softcap) * softcap
+        )
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        return (weights @ v.repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(0, 1)).transpose(
+            0, 1
+        )
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
     )
@@ -47,11 +57,13 @@ def layout(lengths, new_tokens, generator):
     return cache, tables, contexts
 
 
-@pytest.mark.parametrize("window", [0, 5], ids=["full", "window5"])
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(0, 0.0), (5, 0.0), (5, 2.0)], ids=["full", "window5", "capped"]
+)
 @pytest.mark.parametrize(
     ("with_buffer", "native"), [(False, None), (True, None), (True, "every row"), (True, "decodes")]
 )
-def test_paged_attention_equals_dense_attention_per_sequence(with_buffer, native, window):
+def test_paged_attention_equals_dense_attention_per_sequence(with_buffer, native, window, softcap):
     """Through torch (the KV cache written by paged_attention) and through the native layer operations (written
     beforehand, as ``LayerOps.rope_write_cache`` does): every row attending in place in one call, or the decodes
     in place and the prefill chunks through SDPA (as chunks that end past ``NATIVE_PREFILL_TOKENS`` do)."""
@@ -101,11 +113,11 @@ def test_paged_attention_equals_dense_attention_per_sequence(with_buffer, native
         cache[0, slots], cache[1, slots] = k, v
         if native == "every row":  # nothing is gathered: stale rows would poison the output were they read
             meta.gather_buffer = None
-    out = paged_attention(q, k, v, cache, meta, DIM**-0.5, ops, window)
+    out = paged_attention(q, k, v, cache, meta, DIM**-0.5, ops, window, softcap)
 
     row = 0
     for context, length, new in zip(contexts, lengths, new_tokens):
-        expected = dense_attention(q[row : row + new], context[0], context[1], length - new, window)
+        expected = dense_attention(q[row : row + new], context[0], context[1], length - new, window, softcap)
         torch.testing.assert_close(out[row : row + new], expected)
         row += new
 
@@ -113,11 +125,11 @@ def test_paged_attention_equals_dense_attention_per_sequence(with_buffer, native
 def test_the_runner_gathers_into_one_buffer_grown_only_when_a_step_needs_more(monkeypatch):
     buffers = []
 
-    def attention(q, k, v, kv_cache, meta, scale, ops, window=0):
+    def attention(q, k, v, kv_cache, meta, scale, ops, window=0, softcap=0.0):
         assert ops is None
         if meta.num_decode:
             buffers.append(meta.gather_buffer)
-        return paged_attention(q, k, v, kv_cache, meta, scale, window=window)
+        return paged_attention(q, k, v, kv_cache, meta, scale, window=window, softcap=softcap)
 
     monkeypatch.setattr(llama, "paged_attention", attention)
     with Engine("builtin", mode="inproc", block_size=BLOCK, num_kv_blocks=512, max_model_len=256) as engine:

@@ -54,6 +54,10 @@ CASES = {
     # block size) on qwen2's second layer while its first attends fully
     "mistral-window": ("mistral", {"sliding_window": 8}),
     "qwen2-window": ("qwen2", {"sliding_window": 12}),
+    # Gemma 2: (1 + weight) and sandwich norms, scaled embeddings, GeLU-tanh, soft-capping, query_pre_attn_scalar;
+    # layer 0 slides over 8 tokens, layer 1 attends fully
+    "gemma2": ("gemma2", {"sliding_window": 8}),
+    "gemma2-tied-gqa1": ("gemma2", {"sliding_window": 12, "num_kv_heads": 4, "tie_word_embeddings": True}),
 }
 
 
@@ -96,8 +100,9 @@ def test_longrope_sequences_past_the_original_length_share_no_blocks_with_shorte
         ("qwen3", {"head_dim": 32, "rope_parameters": LLAMA3}, LENGTHS[""]),
         ("phi3", {"rope_parameters": LONGROPE, "seed": 1}, LENGTHS["phi3.5-longrope"]),
         ("qwen2", {"sliding_window": 12}, LENGTHS[""]),
+        ("gemma2", {"sliding_window": 8}, LENGTHS[""]),
     ],
-    ids=["qwen3", "phi3", "qwen2-window"],
+    ids=["qwen3", "phi3", "qwen2-window", "gemma2"],
 )
 def test_background_process_matches_transformers(tmp_path, arch, options, lengths):
     path = build_checkpoint(tmp_path / arch, arch, **options)
@@ -133,6 +138,7 @@ def test_the_sliding_window_changes_the_tokens(tmp_path, arch):
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "factor"),
         ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
         ({"partial_rotary_factor": 0.5}, "partial rotary"),
+        ({"hidden_act": "gelu"}, "'gelu'"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "low_freq_factor"),
     ],
 )
@@ -143,6 +149,20 @@ def test_unsupported_options_are_refused_by_name(tmp_path, change, named):
     with pytest.raises(EngineStartupError, match=r"supported|needs") as error:
         Engine(str(path), mode="inproc")
     assert named in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "option", ["attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"]
+)
+def test_each_gemma2_option_changes_the_tokens(tmp_path, option):
+    """The gemma2 parity cases would pass with an option ignored if it did not change the tokens."""
+    path = build_checkpoint(tmp_path / "gemma2", "gemma2", sliding_window=8)
+    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"])
+    expected = hf_greedy(path, batch, MAX_TOKENS)
+    config = json.loads((path / "config.json").read_text())
+    config[option] = None if option != "query_pre_attn_scalar" else config["head_dim"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert hf_greedy(path, batch, MAX_TOKENS) != expected
 
 
 def test_an_unknown_layer_type_is_refused_by_name(tmp_path):

@@ -22,6 +22,12 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True):
     # the checkpoint stores q/k/v as one ``self_attn.qkv_proj`` and gate/up as one ``mlp.gate_up_proj`` (in the
     # decoder's own order: q, k, v rows; gate rows, then up rows); in GGUF ``attn_qkv`` and ``ffn_up``
     fused_checkpoint: bool = False
+    # Gemma's pieces: every RMS norm scales by (1 + weight) (a Hugging Face checkpoint stores the offset from 1);
+    # norms also after attention (``post_attention_layernorm``) and around the MLP (``pre_feedforward_layernorm``,
+    # ``post_feedforward_layernorm``), each output normed before its residual add; embeddings times sqrt(hidden)
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -36,6 +42,16 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         attention_bias=True,
         sliding_window="flag",
     ),
+    # Gemma 2: GeLU-tanh MLP, attention-logit and final-logit soft-capping, query_pre_attn_scalar and the
+    # sliding/global layer_types come from its config.json
+    Architecture(
+        name="gemma2",
+        hf_classes=("Gemma2ForCausalLM",),
+        sliding_window="always",
+        norm_plus_one=True,
+        sandwich_norms=True,
+        scale_embeddings=True,
+    ),
     Architecture(name="qwen3", hf_classes=("Qwen3ForCausalLM",), gguf_names=("qwen3",), qk_norm=True),
     Architecture(
         name="phi3",
@@ -48,6 +64,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
 
 # The rope types whose tables we compute (``layers/rotary.py``), as transformers names them.
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+# The MLP activations, as transformers names them (``hidden_act``; Gemma's ``hidden_activation``).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def by_hf_class(classes: list[str]) -> Architecture | None:

@@ -29,6 +29,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # longrope's per-frequency factors, head_dim / 2 each: the short ones within original_max_position_embeddings
     rope_short_factors: tuple[float, ...] = ()
     rope_long_factors: tuple[float, ...] = ()
+    hidden_act: str = "silu"  # the MLP's activation, one of ``architectures.ACTIVATIONS``
+    norm_plus_one: bool = False  # see ``Architecture``: the loader adds the 1 to the stored norm weights
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    attention_scale: float = (
+        0.0  # the attention scores' scale (Gemma: query_pre_attn_scalar ** -0.5); 0: head_dim ** -0.5
+    )
+    attn_logit_softcap: float = 0.0  # scaled scores capped at c * tanh(s / c); 0: not capped
+    final_logit_softcap: float = 0.0  # the same for the logits
     # each layer's sliding attention window (0: full attention), one per layer; empty: every layer attends fully
     layer_windows: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()

@@ -37,8 +37,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, config.window_of(layer))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # sandwich norms (Gemma): post_attention_layernorm norms the attention's output, these the MLP's input
+        # and output
+        self.sandwich = config.sandwich_norms
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden, rotary, kv_cache, meta):
+        if self.sandwich:
+            attended = self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, meta)
+            hidden = hidden + self.post_attention_layernorm(attended)
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, meta)
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
 
@@ -86,8 +96,13 @@ class Decoder(nn.Module):
         hidden = self.embed_tokens(input_ids)
         for row, embeds in input_embeds or ():
             hidden[row : row + embeds.shape[0]] = embeds.to(hidden.dtype)
+        if self.config.scale_embeddings:  # by sqrt(hidden) rounded to the model's dtype, as transformers does
+            hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         rotary = self.rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, rotary, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices])
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if cap := self.config.final_logit_softcap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

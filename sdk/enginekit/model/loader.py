@@ -292,6 +292,11 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             "self_attn.k_proj.bias": (kv_size,),
             "self_attn.v_proj.bias": (kv_size,),
         }
+    if config.sandwich_norms:
+        layer |= {
+            "pre_feedforward_layernorm.weight": (hidden,),
+            "post_feedforward_layernorm.weight": (hidden,),
+        }
     if config.qk_norm:
         layer |= {
             "self_attn.q_norm.weight": (config.head_dim,),
@@ -356,8 +361,12 @@ def _fuse(
         state[f"{dst}mlp.down_proj.weight"] = _join([weights[f"{src}mlp.down_proj.weight"]])
         norms = ["input_layernorm", "post_attention_layernorm"]
         norms += ["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else []
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if config.sandwich_norms else []
         for norm in norms:
             state[f"{dst}{norm}.weight"] = weights[f"{src}{norm}.weight"]
+    if config.norm_plus_one:  # stored as the offset from 1 (see Architecture.norm_plus_one)
+        for name in [name for name in state if name.endswith("norm.weight")]:
+            state[name] = state[name] + 1
     return {
         name: tensor.contiguous() if isinstance(tensor, torch.Tensor) else tensor
         for name, tensor in state.items()

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from enginekit.errors import EngineStartupError
-from enginekit.model.architectures import ARCHITECTURES, ROPE_TYPES, Architecture, by_hf_class
+from enginekit.model.architectures import ACTIVATIONS, ARCHITECTURES, ROPE_TYPES, Architecture, by_hf_class
 from enginekit.model.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = {c: a.name for a in ARCHITECTURES for c in a.hf_classes}
@@ -59,6 +59,14 @@ def read_hf_config(folder: Path) -> ModelConfig:
         raw, config_path, head_dim, max_positions
     )
     num_layers = required.int("num_hidden_layers")
+    # Gemma names its activation hidden_activation (and keeps a hidden_act it does not use)
+    hidden_act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if hidden_act not in ACTIVATIONS:
+        raise EngineStartupError(
+            f"unsupported activation {hidden_act!r} in {config_path}; supported: {', '.join(ACTIVATIONS)}",
+            phase="model load",
+        )
+    query_scalar = raw.get("query_pre_attn_scalar")
     return ModelConfig(
         architecture=arch,
         vocab_size=required.int("vocab_size"),
@@ -66,6 +74,13 @@ def read_hf_config(folder: Path) -> ModelConfig:
         intermediate_size=required.int("intermediate_size"),
         num_layers=num_layers,
         layer_windows=_layer_windows(raw, spec, num_layers, config_path),
+        hidden_act=hidden_act,
+        norm_plus_one=spec.norm_plus_one,
+        sandwich_norms=spec.sandwich_norms,
+        scale_embeddings=spec.scale_embeddings,
+        attention_scale=float(query_scalar) ** -0.5 if query_scalar else 0.0,
+        attn_logit_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
+        final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0),
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,

@@ -119,6 +119,7 @@ PAGED_ATTENTION = Entry(
         Size("table_width"),
         Scalar("scale", ctypes.c_float),
         Scalar("window", ctypes.c_long),
+        Scalar("softcap", ctypes.c_float),
         THREADS,
     ),
     ctypes.c_int,

@@ -191,7 +191,8 @@ AVX2 static inline void accumulate_values(float *acc, float correction, const fl
 /* Paged attention of single query tokens, each over its own context in the cache, read in place: the decodes of
  * a step, and the tokens of its prefill chunks (a chunk's token at position p attends to the first p + 1 tokens of
  * its sequence, its own included, all already written). With a sliding `window` (0: none) a query attends only to
- * the last `window` tokens of its context (its own included), as a sliding-window layer does.
+ * the last `window` tokens of its context (its own included), as a sliding-window layer does. A `softcap` above 0
+ * caps each scaled score s at softcap * tanh(s / softcap) (attention-logit soft-capping).
  *
  * q: [rows, heads, d], rows `q_stride` floats apart; caches: [slots, kv_heads, d], slot = block * block_size +
  * offset; tables: block ids, `table_stride` apart, row `table_rows[r]` of them for query r (NULL: row r); lens:
@@ -205,7 +206,7 @@ AVX2 int enginekit_paged_attention(const float *q, long q_stride, const float *k
                                    const long *tables, long table_stride, const long *table_rows, const long *lens,
                                    float *out, long batch, long heads, long kv_heads, long d, long block_size,
                                    long num_slots, long table_count, long table_width, float scale, long window,
-                                   int threads) {
+                                   float softcap, int threads) {
   long group = heads / kv_heads, work = 0, num_blocks = num_slots / block_size;
   long span = block_size < MAX_SPAN ? block_size : MAX_SPAN; /* tokens scored at once: all or part of a block */
   for (long b = 0; b < batch; b++) {
@@ -235,6 +236,8 @@ AVX2 int enginekit_paged_attention(const float *q, long q_stride, const float *k
       for (long g = 0; g < group; g++) {
         float *acc_h = acc + g * d;
         score_span(qs + g * d, keys, kv_heads * d, d, scale, count, scores);
+        if (softcap > 0)
+          for (long t = 0; t < count; t++) scores[t] = softcap * tanhf(scores[t] / softcap);
         float block_max = -INFINITY;
         for (long t = 0; t < count; t++) block_max = scores[t] > block_max ? scores[t] : block_max;
         float new_max = block_max > running_max[g] ? block_max : running_max[g];

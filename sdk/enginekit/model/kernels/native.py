@@ -189,6 +189,7 @@ class LayerOps:
         scale: float,
         table_rows: torch.Tensor | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Attention of single query tokens (``q`` ``[N, H, D]``, heads and values contiguous), each over its own
         context in the contiguous paged ``kv_cache`` ``[2, slots, KVH, D]``, read in place: ``[N, H, D]``.
@@ -197,7 +198,7 @@ class LayerOps:
         token to the tokens up to its own. ``block_tables`` ``[rows, blocks]`` (rows contiguous),
         ``context_lens`` and ``table_rows`` are int64, and every key and value attended to is already in the
         cache. With a sliding ``window`` (0: none) query ``i`` attends only to the last ``window`` of those
-        tokens."""
+        tokens; a ``softcap`` above 0 caps each scaled score ``s`` at ``softcap * tanh(s / softcap)``."""
         return self._attention(
             q=q,
             kv_cache=kv_cache,
@@ -207,6 +208,7 @@ class LayerOps:
             block_size=block_size,
             scale=scale,
             window=window,
+            softcap=softcap,
             threads=self._threads(),
         )
 

@@ -74,6 +74,22 @@ def _gather(blocks: torch.Tensor, table: torch.Tensor, buffer: torch.Tensor | No
     return torch.index_select(blocks, 0, table, out=buffer[kv, : table.shape[0]])
 
 
+def _attend(query, keys, values, mask, scale: float, gqa: bool, softcap: float) -> torch.Tensor:
+    """SDPA with a boolean ``mask`` (or none), or (``softcap`` above 0) the same attention with the scaled scores
+    capped at ``softcap * tanh(s / softcap)``."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        group = query.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.tanh((query @ keys.transpose(-1, -2)) * (scale / softcap)) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values
+
+
 def _window_mask(context_start: int, num_tokens: int, window: int, device: torch.device) -> torch.Tensor:
     """``[num_tokens, context_start + num_tokens]``: the chunk's token at position ``p`` attends to positions
     ``p - window + 1 .. p``."""
@@ -103,11 +119,14 @@ def paged_attention(
     scale: float,
     ops: LayerOps | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of the step's new tokens; writes their keys and values to the cache first, unless ``ops`` (the
     native layer operations) is given: then they are already there (``LayerOps.rope_write_cache``), and the
     decodes and short prefill chunks attend in place, in one call (``LayerOps.paged_attention``). With a sliding
-    ``window`` (0: none) each token attends only to the last ``window`` tokens up to its own."""
+    ``window`` (0: none) each token attends only to the last ``window`` tokens up to its own; a ``softcap``
+    above 0 caps the scaled scores at ``softcap * tanh(s / softcap)`` (the torch path then runs its own
+    attention: SDPA has no soft-capping)."""
     if ops is not None:  # the decodes and the short prefill chunks, in one call
         assert meta.query_tables is not None and meta.query_lens is not None  # built whenever ops is
         out = ops.paged_attention(
@@ -119,6 +138,7 @@ def paged_attention(
             scale,
             meta.query_table_rows,
             window,
+            softcap,
         )
         chunks = [chunk for chunk in meta.prefills if not chunk.native]
         if not chunks:  # most steps
@@ -143,9 +163,7 @@ def paged_attention(
             for kv, blocks in enumerate((k_blocks, v_blocks))
         )  # [B, KVH, length, D]
         mask = meta.decode_mask if not window else _decode_window_mask(meta, window, q.device)
-        attended = F.scaled_dot_product_attention(
-            q[:num_decode].unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
+        attended = _attend(q[:num_decode].unsqueeze(2), keys, values, mask, scale, gqa, softcap)
         if out is None:  # a pure decode step: its output is the whole result
             return attended.squeeze(2)
         out[:num_decode] = attended.squeeze(2)
@@ -155,7 +173,7 @@ def paged_attention(
     for chunk in chunks:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if chunk.context_start == 0 and not window:
+        if chunk.context_start == 0 and not window and not softcap:
             attended = F.scaled_dot_product_attention(
                 query,
                 k[rows].transpose(0, 1).unsqueeze(0),
@@ -164,16 +182,15 @@ def paged_attention(
                 scale=scale,
                 enable_gqa=gqa,
             )
-        elif (
-            chunk.context_start == 0
-        ):  # a fresh chunk, sliding window: its own keys and values, a banded mask
-            attended = F.scaled_dot_product_attention(
+        elif chunk.context_start == 0:  # a fresh chunk, windowed or capped: its own keys and values
+            attended = _attend(
                 query,
                 k[rows].transpose(0, 1).unsqueeze(0),
                 v[rows].transpose(0, 1).unsqueeze(0),
-                attn_mask=_window_mask(0, chunk.num_tokens, window, q.device),
-                scale=scale,
-                enable_gqa=gqa,
+                _window_mask(0, chunk.num_tokens, window or chunk.num_tokens, q.device),
+                scale,
+                gqa,
+                softcap,
             )
         else:
             length = chunk.context_start + chunk.num_tokens
@@ -190,8 +207,6 @@ def paged_attention(
                 if not window
                 else _window_mask(chunk.context_start, chunk.num_tokens, window, q.device)
             )
-            attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
+            attended = _attend(query, keys, values, mask, scale, gqa, softcap)
         out[rows] = attended[0].transpose(0, 1)
     return out
