@@ -100,7 +100,7 @@ BAD_CONTROLS = [
     ({"logit_bias": {"7": 1.0}}, TypeError, r"logit_bias must be a dict of token id \(an integer\) -> bias"),
     ({"logit_bias": [1]}, TypeError, r"logit_bias must be a dict of token id -> bias"),
     ({"logit_bias": {-1: 1.0}}, ValueError, r"logit_bias keys must be non-negative token ids, got -1"),
-    ({"logit_bias": {1: float("nan")}}, ValueError, r"logit_bias of token 1 is not a number"),
+    ({"logit_bias": {1: float("nan")}}, ValueError, r"logit_bias must be a finite number"),
     ({"allowed_token_ids": []}, ValueError, r"allowed_token_ids is empty"),
     (
         {"allowed_token_ids": [3, -1]},

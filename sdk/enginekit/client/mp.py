@@ -16,7 +16,6 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -104,7 +103,7 @@ class MPClient(EngineCoreClient):
         self.balancer = LoadBalancer(ranks) if len(ranks) > 1 else None
         # Released by shutdown, or by the finalizer when this client is collected or at exit.
         self.resources = ClientResources(self.engines)
-        self._finalizer = exit_hooks.register(weakref.finalize(self, self.resources.close))
+        self._finalizer = exit_hooks.register(self, self.resources.close)
         try:
             if config.data_parallel_backend == "ray":
                 self.resources.ray_cluster = cluster = RayCluster(config)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -72,7 +71,7 @@ class Engine:
         self._spec: ModelSpec | None = None
         # What shutdown releases, apart from the engine: collecting the engine, or the exit, releases it too.
         self._resources = EngineResources()
-        self._finalizer = exit_hooks.register(weakref.finalize(self, self._resources.close, 0.0))
+        self._finalizer = exit_hooks.register(self, self._resources.close, 0.0)
         self._start()
 
     # ---- lifecycle ----------------------------------------------------------------------------------

@@ -10,31 +10,43 @@ before the client it made), then the launcher (the engines' run folders are remo
 from __future__ import annotations
 
 import atexit
+import itertools
 import threading
 import weakref
+from collections.abc import Callable
 
-_finalizers: list[weakref.finalize] = []
-_lock = threading.Lock()
+# NOTE: keyed so that a finalizer leaves as it runs (at shutdown or collection), not at the next registration: a
+# dead one kept until then would be freed inside a later engine's start (a user's gc.freeze() count would drop).
+_finalizers: dict[int, weakref.finalize] = {}
+_keys = itertools.count()
+_lock = threading.RLock()  # NOTE: reentrant: a collection inside a locked section may run a finalizer
 _registered = False
 
 
-def register(finalizer: weakref.finalize) -> weakref.finalize:
-    """Run ``finalizer`` (if it has not run yet) at exit, from this module's hook; returns it."""
+def register(owner: object, release: Callable[..., object], *args: object) -> weakref.finalize:
+    """``weakref.finalize(owner, release, *args)``, run (if it has not run yet) at exit from this module's hook;
+    returns it. ``release`` must not refer to ``owner``."""
     global _registered
+    key = next(_keys)
+    finalizer = weakref.finalize(owner, _run, key, release, args)
     finalizer.atexit = False
     with _lock:
         if not _registered:
             atexit.register(_at_exit)
             _registered = True
-        _finalizers[:] = [f for f in _finalizers if f.alive]
-        _finalizers.append(finalizer)
+        _finalizers[key] = finalizer
     return finalizer
+
+
+def _run(key: int, release: Callable[..., object], args: tuple[object, ...]) -> None:
+    with _lock:
+        _finalizers.pop(key, None)
+    release(*args)
 
 
 def _at_exit() -> None:
     with _lock:
-        finalizers = _finalizers[::-1]
-        _finalizers.clear()
+        finalizers = list(_finalizers.values())[::-1]
     for finalizer in finalizers:
         try:
             finalizer()
