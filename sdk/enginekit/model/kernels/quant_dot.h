@@ -3,8 +3,8 @@
  *   NAME(x)    x with the set's suffix,
  *   DOT_U      the int32 sums of four products each, of unsigned weight bytes (0-63) and signed input bytes,
  *   DOT_S      the same of signed weight bytes (-128-127), `corr` the input's correction for DOT_S.
- * Each weight block is decoded in registers straight from its stored bytes (no copy), then multiplied into one
- * or four quantized input rows. The 4- and 5-bit types are decoded unsigned (0-15, 0-31) and their offset (-8,
+ * Each weight block is decoded in registers straight from its stored bytes (no copy), four weight rows at a time,
+ * then multiplied into up to MAX_INPUTS quantized input rows (see NAME(group)). The 4- and 5-bit types are decoded unsigned (0-15, 0-31) and their offset (-8,
  * -16) folded into the block's minimum, so they need no sign handling; Q8_0 and Q6_K are signed.
  */
 
@@ -17,8 +17,8 @@ ISA static inline float NAME(half)(const uint8_t *p) {
 
 /* 32 four-bit values: the low nibbles of qs[0..15], then their high nibbles. */
 ISA static inline __m256i NAME(nibbles)(const uint8_t *qs) {
-  __m128i v = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0f);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+  __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs)); /* the upper half shifted by 4 */
+  return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 
 /* 16 in byte i where bit i of qh is set, else 0: the fifth bit of Q5_0 / Q5_1 values. */
@@ -32,114 +32,213 @@ ISA static inline __m256i NAME(fifth_bits)(const uint8_t *p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit_of), _mm256_set1_epi8(16));
 }
 
-/* One decoded weight block (values w, scales ws per four values, minimum wm) into C input rows from r0. */
-ISA static inline __attribute__((always_inline)) void NAME(accumulate)(int C, int is_signed, int has_min, __m256i w,
-                                                                        __m256 ws, float wm, const quantized *a,
-                                                                        long r0, long b, __m256 *acc, float *mins) {
+/* ---- Four weight rows at a time. Each block of the four rows is decoded once and multiplied into C input rows
+ * (up to MAX_INPUTS): the four rows' products with one input block reduced by two horizontal adds to one vector
+ * [rows 0-3 over values 0-15, rows 0-3 over values 16-31], whose lanes each take their own scale (Q6_K's two
+ * scales per 32 values included), summed into one accumulator per input row; the minimums' share is summed four
+ * rows at once into another. Per block and input row that is two multiply-adds for four weight rows, on
+ * independent accumulators, with the blocks' float16 fields converted four rows at a time. */
+
+/* The four rows' sums of w[r] x over values 0-15 (lanes 0-3) and over values 16-31 (lanes 4-7), as floats (exact:
+ * at most 16 x 128 x 127 in magnitude). */
+ISA static inline __attribute__((always_inline)) __m256 NAME(dot4)(int is_signed, const __m256i *w, __m256i x,
+                                                                    const int32_t *corr) {
+  __m256i d[4];
+  for (int r = 0; r < 4; r++) d[r] = is_signed ? DOT_S(w[r], x, corr) : DOT_U(w[r], x);
+  return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3])));
+}
+
+/* Four decoded weight blocks w (scales ws laid out as dot4's lanes, minimums wm per row) into C input rows from
+ * r0, block b. */
+ISA static inline __attribute__((always_inline)) void NAME(multiply)(int C, int is_signed, int has_min,
+                                                                      const __m256i *w, __m256 ws, __m128 wm,
+                                                                      const quantized *a, long r0, long b,
+                                                                      __m256 *acc, __m128 *macc) {
   for (int c = 0; c < C; c++) {
     long block = (r0 + c) * a->blocks + b;
-    __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + QK * block)), dot;
-    if (is_signed) dot = DOT_S(w, x, a->corr + LANES * block);
-    else dot = DOT_U(w, x);
-    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, _mm256_loadu_ps(a->lanes + LANES * block)),
-                             acc[c]);
-    if (has_min) mins[c] += wm * a->sums[block];
+    __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + QK * block));
+    __m256 dots = NAME(dot4)(is_signed, w, x, a->corr + LANES * block);
+    acc[c] = _mm256_fmadd_ps(dots, _mm256_mul_ps(ws, _mm256_broadcast_ss(a->lanes + LANES * block)), acc[c]);
+    if (has_min) macc[c] = _mm_fmadd_ps(wm, _mm_broadcast_ss(a->sums + block), macc[c]);
   }
 }
 
-/* One stored weight row of `type` against C (1 or 4) quantized input rows from r0, into y[0], y[ldy], ... (type
- * and C constant at each call, so each use compiles to its own straight loop). */
-ISA static inline __attribute__((always_inline)) void NAME(rows)(int type, int C, const uint8_t *row, long k,
-                                                                  const quantized *a, long r0, float *y, long ldy) {
-  __m256 acc[4];
-  float mins[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f);
+/* The 32-bit words at p[0..3] as the four lanes of a vector. */
+ISA static inline __m128i NAME(words)(const uint8_t *const *p) {
+  uint32_t v[4];
+  for (int r = 0; r < 4; r++) memcpy(&v[r], p[r], sizeof v[r]);
+  return _mm_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
+}
+
+/* The bytes of four rows, eight per row (row r in bytes[r]), regrouped by position: byte j of rows 0-3 at 4j. */
+ISA static inline void NAME(transpose8)(const uint64_t *bytes, uint8_t *out) {
+  __m128i a = _mm_set_epi64x((long long)bytes[1], (long long)bytes[0]);
+  __m128i b = _mm_set_epi64x((long long)bytes[3], (long long)bytes[2]);
+  a = _mm_unpacklo_epi8(a, _mm_unpackhi_epi64(a, a)); /* rows 0, 1 interleaved */
+  b = _mm_unpacklo_epi8(b, _mm_unpackhi_epi64(b, b)); /* rows 2, 3 */
+  _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi16(a, b));
+  _mm_storeu_si128((__m128i *)(out + 16), _mm_unpackhi_epi16(a, b));
+}
+
+/* Weight rows rows[0..3] of `type` against C quantized input rows from r0, into y[c * ldy + r] for the first
+ * `valid` rows (type and C constant at each call, so each use compiles to its own straight loop). */
+ISA static inline __attribute__((always_inline)) void NAME(group)(int type, int C, const uint8_t *const *rows,
+                                                                   const uint8_t *ahead, long k, const quantized *a,
+                                                                   long r0, float *y, long ldy, int valid) {
+  __m256 acc[MAX_INPUTS];
+  __m128 macc[MAX_INPUTS];
+  for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps(), macc[c] = _mm_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f), evens = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+  const __m256i odds = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+  const uint8_t *p[4];
+  __m256i w[4];
+  int has_min = type != Q8_0 && type != Q6_K;
   if (type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
     long bytes = format_of(type).bytes;
     for (long b = 0; b < k / QK; b++) {
-      const uint8_t *p = row + b * bytes;
-      float d = NAME(half)(p), m = 0.0f;
-      __m256i w;
-      if (type == Q8_0) w = _mm256_loadu_si256((const __m256i *)(p + 2));
-      else if (type == Q4_0) w = NAME(nibbles)(p + 2), m = d * -8.0f;
-      else if (type == Q4_1) w = NAME(nibbles)(p + 4), m = NAME(half)(p + 2);
-      else if (type == Q5_0) w = _mm256_or_si256(NAME(nibbles)(p + 6), NAME(fifth_bits)(p + 2)), m = d * -16.0f;
-      else w = _mm256_or_si256(NAME(nibbles)(p + 8), NAME(fifth_bits)(p + 4)), m = NAME(half)(p + 2);
-      NAME(accumulate)(C, type == Q8_0, type != Q8_0, w, _mm256_set1_ps(d), m, a, r0, b, acc, mins);
+      for (int r = 0; r < 4; r++) p[r] = rows[r] + b * bytes;
+      for (long o = 0; o < 4 * bytes; o += 64) _mm_prefetch((const char *)ahead + 4 * b * bytes + o, _MM_HINT_T0);
+      __m128i fields = NAME(words)(p); /* d (and m) of each row */
+      if (type != Q4_1 && type != Q5_1) fields = _mm_and_si128(fields, _mm_set1_epi32(0xffff));
+      __m256 dm = _mm256_cvtph_ps(fields);
+      __m256 ws = _mm256_permutevar8x32_ps(dm, evens);
+      __m128 wm = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(dm, odds));
+      if (type == Q4_0) wm = _mm_mul_ps(_mm256_castps256_ps128(ws), _mm_set1_ps(-8.0f));
+      if (type == Q5_0) wm = _mm_mul_ps(_mm256_castps256_ps128(ws), _mm_set1_ps(-16.0f));
+      for (int r = 0; r < 4; r++) {
+        if (type == Q8_0) w[r] = _mm256_loadu_si256((const __m256i *)(p[r] + 2));
+        else if (type == Q4_0) w[r] = NAME(nibbles)(p[r] + 2);
+        else if (type == Q4_1) w[r] = NAME(nibbles)(p[r] + 4);
+        else if (type == Q5_0) w[r] = _mm256_or_si256(NAME(nibbles)(p[r] + 6), NAME(fifth_bits)(p[r] + 2));
+        else w[r] = _mm256_or_si256(NAME(nibbles)(p[r] + 8), NAME(fifth_bits)(p[r] + 4));
+      }
+      NAME(multiply)(C, type == Q8_0, has_min, w, ws, wm, a, r0, b, acc, macc);
     }
   } else if (type == Q4_K || type == Q5_K) {
     long bytes = format_of(type).bytes;
     for (long sb = 0; sb < k / 256; sb++) {
-      const uint8_t *p = row + sb * bytes, *qs = p + (type == Q4_K ? 16 : 48);
-      float d = NAME(half)(p), dmin = NAME(half)(p + 2);
-      uint8_t scale[8], min[8];
-      k_scales(p + 4, scale, min);
-      __m256i high = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+      for (int r = 0; r < 4; r++) p[r] = rows[r] + sb * bytes;
+      __m256 dm = _mm256_cvtph_ps(NAME(words)(p)); /* d and dmin of each row */
+      __m128 d = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(dm, evens));
+      __m128 dmin = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(dm, odds));
+      uint64_t scale[4], min[4];
+      for (int r = 0; r < 4; r++) { /* k_scales, four sub-blocks to a 32-bit word */
+        uint32_t s[3];
+        memcpy(s, p[r] + 4, sizeof s);
+        scale[r] = (s[0] & 0x3f3f3f3fu) | (uint64_t)((s[2] & 0x0f0f0f0fu) | ((s[0] >> 2) & 0x30303030u)) << 32;
+        min[r] = (s[1] & 0x3f3f3f3fu) | (uint64_t)(((s[2] >> 4) & 0x0f0f0f0fu) | ((s[1] >> 2) & 0x30303030u)) << 32;
+      }
+      uint8_t scales[32], mins[32];
+      NAME(transpose8)(scale, scales);
+      NAME(transpose8)(min, mins);
       for (int s = 0; s < 8; s++) {
-        __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * (s / 2)));
-        w = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(w, 4) : w, low);
-        if (type == Q5_K) {
-          __m256i bit = _mm256_set1_epi8((char)(1 << s));
-          w = _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit),
-                                                  _mm256_set1_epi8(16)));
+        for (long o = 0; o < bytes / 2; o += 64)
+          _mm_prefetch((const char *)ahead + 4 * sb * bytes + s * bytes / 2 + o, _MM_HINT_T0);
+        uint32_t sc, mn;
+        memcpy(&sc, scales + 4 * s, sizeof sc);
+        memcpy(&mn, mins + 4 * s, sizeof mn);
+        __m128 ds = _mm_mul_ps(d, _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)sc))));
+        __m128 wm = _mm_xor_ps(_mm_mul_ps(dmin, _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)mn)))),
+                               _mm_set1_ps(-0.0f));
+        for (int r = 0; r < 4; r++) {
+          const uint8_t *qs = p[r] + (type == Q4_K ? 16 : 48) + 32 * (s / 2);
+          __m256i v = _mm256_loadu_si256((const __m256i *)qs);
+          w[r] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+          if (type == Q5_K) {
+            __m256i bit = _mm256_set1_epi8((char)(1 << s)), high = _mm256_loadu_si256((const __m256i *)(p[r] + 16));
+            w[r] = _mm256_or_si256(w[r], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(high, bit), bit),
+                                                          _mm256_set1_epi8(16)));
+          }
         }
-        NAME(accumulate)(C, 0, 1, w, _mm256_set1_ps(d * (float)scale[s]), -(dmin * (float)min[s]), a, r0, 8 * sb + s,
-                         acc, mins);
+        NAME(multiply)(C, 0, 1, w, _mm256_set_m128(ds, ds), wm, a, r0, 8 * sb + s, acc, macc);
       }
     }
   } else { /* Q6_K */
     for (long sb = 0; sb < k / 256; sb++) {
-      const uint8_t *p = row + sb * 210;
-      float d = NAME(half)(p + 208);
+      for (int r = 0; r < 4; r++) p[r] = rows[r] + sb * 210;
+      uint16_t h[4];
+      for (int r = 0; r < 4; r++) memcpy(&h[r], p[r] + 208, sizeof h[r]);
+      __m128 d = _mm_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], 0, 0, 0, 0));
+      __m256 d8 = _mm256_set_m128(d, d);
+      int8_t scales[64]; /* scale j (of values 16j to 16j + 15) of rows 0-3 at 4j */
+      {
+        __m128i s0 = _mm_loadu_si128((const __m128i *)(p[0] + 192));
+        __m128i s1 = _mm_loadu_si128((const __m128i *)(p[1] + 192));
+        __m128i s2 = _mm_loadu_si128((const __m128i *)(p[2] + 192));
+        __m128i s3 = _mm_loadu_si128((const __m128i *)(p[3] + 192));
+        __m128i lo01 = _mm_unpacklo_epi8(s0, s1), hi01 = _mm_unpackhi_epi8(s0, s1);
+        __m128i lo23 = _mm_unpacklo_epi8(s2, s3), hi23 = _mm_unpackhi_epi8(s2, s3);
+        _mm_storeu_si128((__m128i *)scales, _mm_unpacklo_epi16(lo01, lo23));
+        _mm_storeu_si128((__m128i *)(scales + 16), _mm_unpackhi_epi16(lo01, lo23));
+        _mm_storeu_si128((__m128i *)(scales + 32), _mm_unpacklo_epi16(hi01, hi23));
+        _mm_storeu_si128((__m128i *)(scales + 48), _mm_unpackhi_epi16(hi01, hi23));
+      }
       for (int s = 0; s < 8; s++) {
         int half = s / 4, quarter = s % 4;
-        __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * half + 32 * (quarter % 2)));
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
-        ql = _mm256_and_si256(quarter / 2 ? _mm256_srli_epi16(ql, 4) : ql, low);
-        qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * quarter)), _mm256_set1_epi8(3));
-        __m256i w = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
-        __m256 ws = _mm256_set_m128(_mm_set1_ps(d * (float)(int8_t)p[192 + 2 * s + 1]),
-                                    _mm_set1_ps(d * (float)(int8_t)p[192 + 2 * s]));
-        NAME(accumulate)(C, 1, 0, w, ws, 0.0f, a, r0, 8 * sb + s, acc, mins);
+        for (long o = 0; o < 105; o += 64) _mm_prefetch((const char *)ahead + 840 * sb + 105 * s + o, _MM_HINT_T0);
+        __m256 ws = _mm256_mul_ps(
+            d8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 8 * s)))));
+        for (int r = 0; r < 4; r++) {
+          __m256i ql = _mm256_loadu_si256((const __m256i *)(p[r] + 64 * half + 32 * (quarter % 2)));
+          __m256i qh = _mm256_loadu_si256((const __m256i *)(p[r] + 128 + 32 * half));
+          ql = _mm256_and_si256(quarter / 2 ? _mm256_srli_epi16(ql, 4) : ql, low);
+          qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * quarter), _mm256_set1_epi8(3));
+          w[r] = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
+        }
+        NAME(multiply)(C, 1, 0, w, ws, _mm_setzero_ps(), a, r0, 8 * sb + s, acc, macc);
       }
     }
   }
-  for (int c = 0; c < C; c++) y[c * ldy] = hsum8(acc[c]) + mins[c];
+  for (int c = 0; c < C; c++) {
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc[c]), _mm256_extractf128_ps(acc[c], 1));
+    if (has_min) sum = _mm_add_ps(sum, macc[c]);
+    float out[4];
+    _mm_storeu_ps(out, sum);
+    for (int r = 0; r < valid; r++) y[c * ldy + r] = out[r];
+  }
 }
 
-#define DEFINE_ROWS(T)                                                                                          \
-  ISA static void NAME(rows_##T)(int C, const uint8_t *row, long k, const quantized *a, long r0, float *y,     \
-                                 long ldy) {                                                                    \
-    if (C == 4) NAME(rows)(T, 4, row, k, a, r0, y, ldy);                                                        \
-    else NAME(rows)(T, 1, row, k, a, r0, y, ldy);                                                               \
+#define DEFINE_GROUP(T)                                                                                         \
+  ISA static void NAME(group_##T)(int C, const uint8_t *const *rows, const uint8_t *ahead, long k,              \
+                                  const quantized *a, long r0, float *y, long ldy, int valid) {                 \
+    switch (C) {                                                                                                \
+      case 4: NAME(group)(T, 4, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
+      case 3: NAME(group)(T, 3, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
+      case 2: NAME(group)(T, 2, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
+      default: NAME(group)(T, 1, rows, ahead, k, a, r0, y, ldy, valid); break;                                  \
+    }                                                                                                           \
   }
-DEFINE_ROWS(Q8_0)
-DEFINE_ROWS(Q4_0)
-DEFINE_ROWS(Q4_1)
-DEFINE_ROWS(Q5_0)
-DEFINE_ROWS(Q5_1)
-DEFINE_ROWS(Q4_K)
-DEFINE_ROWS(Q5_K)
-DEFINE_ROWS(Q6_K)
-#undef DEFINE_ROWS
+DEFINE_GROUP(Q8_0)
+DEFINE_GROUP(Q4_0)
+DEFINE_GROUP(Q4_1)
+DEFINE_GROUP(Q5_0)
+DEFINE_GROUP(Q5_1)
+DEFINE_GROUP(Q4_K)
+DEFINE_GROUP(Q5_K)
+DEFINE_GROUP(Q6_K)
+#undef DEFINE_GROUP
 
-/* The stored weight row of `type` against input rows r0 .. r0 + rows - 1 (four at a time, then one by one). */
-ISA static void NAME(int8_rows)(int type, const uint8_t *row, long k, const quantized *a, long r0, long rows, float *y,
-                                long ldy) {
-  for (long i = 0; i < rows;) {
-    int C = rows - i >= 4 ? 4 : 1;
+/* Stored weight rows r .. r + 3 (those below n) of `type`, `row_bytes` apart from w, against all m quantized input
+ * rows (MAX_INPUTS at a time, then the rest together), into y[i * n + r ...]. */
+ISA static void NAME(int8_rows)(int type, const uint8_t *w, long row_bytes, long n, long r, long k, const quantized *a,
+                                long m, float *y) {
+  const uint8_t *rows[4];
+  int valid = n - r < 4 ? (int)(n - r) : 4;
+  for (int i = 0; i < 4; i++) rows[i] = w + (i < valid ? r + i : r) * row_bytes; /* missing rows: repeat row r */
+  const uint8_t *ahead = w + (r + PREFETCH_ROWS) * row_bytes; /* read PREFETCH_ROWS rows ahead (never faults) */
+  for (long i = 0; i < m; i += MAX_INPUTS) {
+    int C = m - i < MAX_INPUTS ? (int)(m - i) : MAX_INPUTS;
+    float *out = y + i * n + r;
     switch (type) {
-      case Q8_0: NAME(rows_Q8_0)(C, row, k, a, r0 + i, y + i * ldy, ldy); break;
-      case Q4_0: NAME(rows_Q4_0)(C, row, k, a, r0 + i, y + i * ldy, ldy); break;
-      case Q4_1: NAME(rows_Q4_1)(C, row, k, a, r0 + i, y + i * ldy, ldy); break;
-      case Q5_0: NAME(rows_Q5_0)(C, row, k, a, r0 + i, y + i * ldy, ldy); break;
-      case Q5_1: NAME(rows_Q5_1)(C, row, k, a, r0 + i, y + i * ldy, ldy); break;
-      case Q4_K: NAME(rows_Q4_K)(C, row, k, a, r0 + i, y + i * ldy, ldy); break;
-      case Q5_K: NAME(rows_Q5_K)(C, row, k, a, r0 + i, y + i * ldy, ldy); break;
-      default: NAME(rows_Q6_K)(C, row, k, a, r0 + i, y + i * ldy, ldy); break;
+      case Q8_0: NAME(group_Q8_0)(C, rows, ahead, k, a, i, out, n, valid); break;
+      case Q4_0: NAME(group_Q4_0)(C, rows, ahead, k, a, i, out, n, valid); break;
+      case Q4_1: NAME(group_Q4_1)(C, rows, ahead, k, a, i, out, n, valid); break;
+      case Q5_0: NAME(group_Q5_0)(C, rows, ahead, k, a, i, out, n, valid); break;
+      case Q5_1: NAME(group_Q5_1)(C, rows, ahead, k, a, i, out, n, valid); break;
+      case Q4_K: NAME(group_Q4_K)(C, rows, ahead, k, a, i, out, n, valid); break;
+      case Q5_K: NAME(group_Q5_K)(C, rows, ahead, k, a, i, out, n, valid); break;
+      default: NAME(group_Q6_K)(C, rows, ahead, k, a, i, out, n, valid); break;
     }
-    i += C;
   }
 }
 

@@ -33,7 +33,9 @@ enum { OK = 0, BAD_TYPE = -1, BAD_SHAPE = -2, NO_MEMORY = -3, BAD_ISA = -4, BAD_
 #define LANES 8                       /* scales per unpacked block: one per four values, as the dot products sum them */
 #define INT8_MAX_ROWS 16              /* the int8 path up to this many rows, the panel path past it */
 #define FLOAT_MAX_ROWS 8              /* F16/BF16: the float path up to this many rows */
-#define ROWS_PER_TASK 4               /* weight rows per parallel task */
+#define ROWS_PER_TASK 4               /* weight rows per parallel task (a multiple of 4: the int8 path's group) */
+#define PREFETCH_ROWS 8               /* the int8 path asks for the weight this many rows ahead */
+#define MAX_INPUTS 4                  /* the int8 path: input rows multiplied by each decoded weight block */
 #define PARALLEL_MIN_BYTES (1L << 16) /* weight bytes below which a call runs on the calling thread */
 
 typedef struct {
@@ -353,20 +355,21 @@ static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long 
   long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
   for (long t = 0; t < tasks; t++) {
+    long end = (t + 1) * ROWS_PER_TASK < n ? (t + 1) * ROWS_PER_TASK : n;
+    if (isa != ISA_SCALAR) {
+      for (long r = t * ROWS_PER_TASK; r < end; r += 4) {
+        if (isa == ISA_AVX512_VNNI) int8_rows_vnni(type, w, row_bytes, n, r, k, &a, m, y);
+        else int8_rows_avx2(type, w, row_bytes, n, r, k, &a, m, y);
+      }
+      continue;
+    }
     char *mine = memory + input + row * omp_get_thread_num();
     int8_t *wq = (int8_t *)mine;
     float *wl = (float *)(mine + k), *wm = wl + blocks * LANES;
-    for (long r = t * ROWS_PER_TASK; r < n && r < (t + 1) * ROWS_PER_TASK; r++) {
-      const uint8_t *stored = w + r * row_bytes;
-      if (isa == ISA_AVX512_VNNI) {
-        int8_rows_vnni(type, stored, k, &a, 0, m, y + r, n);
-      } else if (isa == ISA_AVX2) {
-        int8_rows_avx2(type, stored, k, &a, 0, m, y + r, n);
-      } else {
-        unpack_row(type, stored, k, wq, wl, wm);
-        for (long i = 0; i < m; i += 4)
-          int8_rows_scalar(wq, wl, wm, has_min, &a, i, m - i < 4 ? (int)(m - i) : 4, y + i * n + r, n);
-      }
+    for (long r = t * ROWS_PER_TASK; r < end; r++) {
+      unpack_row(type, w + r * row_bytes, k, wq, wl, wm);
+      for (long i = 0; i < m; i += 4)
+        int8_rows_scalar(wq, wl, wm, has_min, &a, i, m - i < 4 ? (int)(m - i) : 4, y + i * n + r, n);
     }
   }
   free(memory);
