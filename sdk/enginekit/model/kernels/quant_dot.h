@@ -45,7 +45,9 @@ ISA static inline __attribute__((always_inline)) __m256 NAME(dot4)(int is_signed
                                                                     const int32_t *corr) {
   __m256i d[4];
   for (int r = 0; r < 4; r++) d[r] = is_signed ? DOT_S(w[r], x, corr) : DOT_U(w[r], x);
-  return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3])));
+  __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(d[0], d[1]), _mm256_unpackhi_epi32(d[0], d[1]));
+  __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2], d[3]), _mm256_unpackhi_epi32(d[2], d[3]));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1)));
 }
 
 /* Four decoded weight blocks w (scales ws laid out as dot4's lanes, minimums wm per row) into C input rows from
