@@ -288,6 +288,42 @@ static void quantize_rows(const float *x, long m, long k, const quantized *a) {
     }
 }
 
+/* quantize_rows with AVX2, the same results: the same float operations per value (max, multiply, clamp, round to
+ * nearest even), integer sums exact. */
+AVX2 static void quantize_rows_avx2(const float *x, long m, long k, const quantized *a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (long r = 0; r < m; r++)
+    for (long b = 0; b < k / QK; b++) {
+      const float *v = x + r * k + b * QK;
+      long block = r * a->blocks + b;
+      __m256 values[4], largest = _mm256_setzero_ps();
+      for (int i = 0; i < 4; i++) {
+        values[i] = _mm256_loadu_ps(v + 8 * i);
+        largest = _mm256_max_ps(_mm256_andnot_ps(sign, values[i]), largest); /* a NaN value leaves it, as fmaxf */
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      float d = _mm_cvtss_f32(h) / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+      __m256i q[4];
+      for (int i = 0; i < 4; i++) { /* fmaxf(v * inverse, -127) is -127 for NaN, as max_ps with -127 second */
+        __m256 scaled = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(values[i], _mm256_set1_ps(inverse)), low), high);
+        q[i] = _mm256_cvtps_epi32(scaled);
+      }
+      __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      bytes = _mm256_permutevar8x32_epi32(bytes, order);
+      _mm256_storeu_si256((__m256i *)(a->q + block * QK), bytes);
+      __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+      _mm256_storeu_si256((__m256i *)(a->corr + block * LANES), _mm256_mullo_epi32(fours, _mm256_set1_epi32(-128)));
+      _mm256_storeu_ps(a->lanes + block * LANES, _mm256_set1_ps(d));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(fours), _mm256_extracti128_si256(fours, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      a->sums[block] = d * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
 /* The minimums' share of a dot product: sum over blocks of the weight's min x the input block's scaled sum. */
 static inline float min_share(const float *mins, const float *sums, long blocks) {
   float total = 0.0f;
@@ -351,7 +387,8 @@ static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long 
   quantized a = {(int8_t *)memory, (float *)(memory + m * k), NULL, NULL, blocks};
   a.corr = (int32_t *)(a.lanes + m * blocks * LANES);
   a.sums = (float *)(a.corr + m * blocks * LANES);
-  quantize_rows(x, m, k, &a);
+  if (isa == ISA_SCALAR) quantize_rows(x, m, k, &a);
+  else quantize_rows_avx2(x, m, k, &a);
   long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
   for (long t = 0; t < tasks; t++) {
