@@ -52,6 +52,8 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, meta)
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
 
+    __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"
+
 
 class Decoder(nn.Module):
     """Decoder over a flat batch of new tokens; returns logits only for the rows asked for."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import gguf
@@ -94,6 +95,17 @@ class QuantGemm:
         _check_input(x, in_features)
         return F.linear(x, self.dequantize(blocks, qtype, out_features, in_features))
 
+    def bind(
+        self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``product(x)``: this object's product of ``x`` with one weight, its description looked up once (a
+        decode step calls each weight's product once per layer, where the lookups would cost as much as the
+        call's checks)."""
+        _check_blocks(blocks, qtype, out_features, in_features)
+        return functools.partial(
+            self.__call__, blocks=blocks, qtype=qtype, out_features=out_features, in_features=in_features
+        )
+
 
 class NativeQuantGemm(QuantGemm):
     """The native form (``quant_gemm.c``): the stored bytes streamed once per call, no dequantized copy kept.
@@ -129,6 +141,30 @@ class NativeQuantGemm(QuantGemm):
             type_size=type_size,
             threads=self._threads(),
         )
+
+    def bind(
+        self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        if not self.supports(qtype):
+            return super().bind(blocks, qtype, out_features, in_features)
+        _check_blocks(blocks, qtype, out_features, in_features)
+        block_size, type_size = _format(qtype)
+        gemm, threads = self._gemm, self._threads
+        fixed = {
+            "blocks": blocks,
+            "qtype": int(qtype),
+            "N": out_features,
+            "K": in_features,
+            "block_size": block_size,
+            "type_size": type_size,
+            "isa": ISAS[self.best_isa],
+            "path": PATHS["auto"],
+        }
+
+        def product(x: torch.Tensor) -> torch.Tensor:  # every argument still checked by the entry point
+            return gemm(x=x, threads=threads(), **fixed)
+
+        return product
 
     def __call__(
         self,
