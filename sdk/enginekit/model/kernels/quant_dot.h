@@ -1,11 +1,13 @@
 /* The int8 path's kernels for one instruction set, included by quant_gemm.c once per set, with
- *   ISA        the function attribute (AVX2_F16C or AVX512_VNNI),
- *   NAME(x)    x with the set's suffix,
- *   DOT_U      the int32 sums of four products each, of unsigned weight bytes (0-63) and signed input bytes,
- *   DOT_S      the same of signed weight bytes (-128-127), `corr` the input's correction for DOT_S.
+ *   ISA         the function attribute (AVX2_F16C or AVX512_VNNI),
+ *   NAME(x)     x with the set's suffix,
+ *   TRANSPOSED  defined for AVX-512 VNNI: the weight blocks transposed, vpdpbusd per lane and row (see multiply),
+ *   DOT_U       otherwise: the int32 sums of four products each, of unsigned weight bytes (0-63) and signed input
+ *               bytes, and DOT_S the same of signed weight bytes (-128-127).
  * Each weight block is decoded in registers straight from its stored bytes (no copy), four weight rows at a time,
- * then multiplied into up to MAX_INPUTS quantized input rows (see NAME(group)). The 4- and 5-bit types are decoded unsigned (0-15, 0-31) and their offset (-8,
- * -16) folded into the block's minimum, so they need no sign handling; Q8_0 and Q6_K are signed.
+ * then multiplied into up to MAX_INPUTS quantized input rows (see NAME(group)). The 4- and 5-bit types are decoded
+ * unsigned (0-15, 0-31) and their offset (-8, -16) folded into the block's minimum, so they need no sign handling;
+ * Q8_0 and Q6_K are signed.
  */
 
 /* The float32 value of a float16 (exact, subnormals included). */
@@ -39,16 +41,17 @@ ISA static inline __m256i NAME(fifth_bits)(const uint8_t *p) {
  * rows at once into another. Per block and input row that is two multiply-adds for four weight rows, on
  * independent accumulators, with the blocks' float16 fields converted four rows at a time. */
 
+#ifndef TRANSPOSED
 /* The four rows' sums of w[r] x over values 0-15 (lanes 0-3) and over values 16-31 (lanes 4-7), as floats (exact:
  * at most 16 x 128 x 127 in magnitude). */
-ISA static inline __attribute__((always_inline)) __m256 NAME(dot4)(int is_signed, const __m256i *w, __m256i x,
-                                                                    const int32_t *corr) {
+ISA static inline __attribute__((always_inline)) __m256 NAME(dot4)(int is_signed, const __m256i *w, __m256i x) {
   __m256i d[4];
-  for (int r = 0; r < 4; r++) d[r] = is_signed ? DOT_S(w[r], x, corr) : DOT_U(w[r], x);
+  for (int r = 0; r < 4; r++) d[r] = is_signed ? DOT_S(w[r], x) : DOT_U(w[r], x);
   __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(d[0], d[1]), _mm256_unpackhi_epi32(d[0], d[1]));
   __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2], d[3]), _mm256_unpackhi_epi32(d[2], d[3]));
   return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1)));
 }
+#endif
 
 /* Four decoded weight blocks w (scales ws laid out as dot4's lanes, minimums wm per row) into C input rows from
  * r0, block b. */
@@ -56,10 +59,27 @@ ISA static inline __attribute__((always_inline)) void NAME(multiply)(int C, int 
                                                                       const __m256i *w, __m256 ws, __m128 wm,
                                                                       const quantized *a, long r0, long b,
                                                                       __m256 *acc, __m128 *macc) {
+#ifdef TRANSPOSED /* the four rows' blocks transposed: t[j] = [rows 0-3 four values j | rows 0-3 four values j + 4] */
+  __m256i lo01 = _mm256_unpacklo_epi32(w[0], w[1]), hi01 = _mm256_unpackhi_epi32(w[0], w[1]);
+  __m256i lo23 = _mm256_unpacklo_epi32(w[2], w[3]), hi23 = _mm256_unpackhi_epi32(w[2], w[3]);
+  __m256i t[4] = {_mm256_unpacklo_epi64(lo01, lo23), _mm256_unpackhi_epi64(lo01, lo23),
+                  _mm256_unpacklo_epi64(hi01, hi23), _mm256_unpackhi_epi64(hi01, hi23)};
+  if (is_signed) /* vpdpbusd takes the weights unsigned: w + 128, and the input's corr takes 128 x its sums off */
+    for (int j = 0; j < 4; j++) t[j] = _mm256_xor_si256(t[j], _mm256_set1_epi8((char)0x80));
+#endif
   for (int c = 0; c < C; c++) {
     long block = (r0 + c) * a->blocks + b;
     __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + QK * block));
-    __m256 dots = NAME(dot4)(is_signed, w, x, a->corr + LANES * block);
+#ifdef TRANSPOSED /* four values j (j + 4) of the input in every lane of the lower (upper) half, against t[j] */
+    __m256i sum = is_signed ? _mm256_loadu_si256((const __m256i *)(a->corr + LANES * block)) : _mm256_setzero_si256();
+    __m256i other = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[1], _mm256_shuffle_epi32(x, 0x55));
+    sum = _mm256_dpbusd_epi32(sum, t[0], _mm256_shuffle_epi32(x, 0x00)); /* two chains: half the latency */
+    other = _mm256_dpbusd_epi32(other, t[3], _mm256_shuffle_epi32(x, 0xff));
+    sum = _mm256_dpbusd_epi32(sum, t[2], _mm256_shuffle_epi32(x, 0xaa));
+    __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, other));
+#else
+    __m256 dots = NAME(dot4)(is_signed, w, x);
+#endif
     acc[c] = _mm256_fmadd_ps(dots, _mm256_mul_ps(ws, _mm256_broadcast_ss(a->lanes + LANES * block)), acc[c]);
     if (has_min) macc[c] = _mm_fmadd_ps(wm, _mm_broadcast_ss(a->sums + block), macc[c]);
   }

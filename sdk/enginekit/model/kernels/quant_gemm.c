@@ -196,8 +196,8 @@ static void dequantize_row(int type, const uint8_t *row, float *y, long k) {
 
 /* ---- The int8 path. A weight row unpacked: per block of 32 values, q[32] (int8), lanes[8] (the scale of each
  * four values) and min, the value being lanes[i / 4] * q[i] + min. An input row quantized: per block q[32] (int8),
- * lanes[8] (its scale, eight times), sums (scale x the sum of q) and corr[8] (-128 x each four values' sum, for
- * vpdpbusd, which takes the weights unsigned: q + 128). */
+ * lanes[8] (its scale, eight times), sums (scale x the sum of q) and corr[8] (-128 x the sum of the 16 values of
+ * its half, lanes 0-3 the first; for vpdpbusd, which takes the weights unsigned: q + 128). */
 
 typedef struct {
   int8_t *q;
@@ -282,7 +282,8 @@ static void quantize_rows(const float *x, long m, long k, const quantized *a) {
       }
       for (int l = 0; l < LANES; l++) {
         a->lanes[block * LANES + l] = d;
-        a->corr[block * LANES + l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+        a->corr[block * LANES + l] = 0;
+        for (int i = 16 * (l / 4); i < 16 * (l / 4) + 16; i++) a->corr[block * LANES + l] -= 128 * q[i];
       }
       a->sums[block] = d * (float)sum;
     }
@@ -315,7 +316,9 @@ AVX2 static void quantize_rows_avx2(const float *x, long m, long k, const quanti
       bytes = _mm256_permutevar8x32_epi32(bytes, order);
       _mm256_storeu_si256((__m256i *)(a->q + block * QK), bytes);
       __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-      _mm256_storeu_si256((__m256i *)(a->corr + block * LANES), _mm256_mullo_epi32(fours, _mm256_set1_epi32(-128)));
+      __m256i halves = _mm256_add_epi32(fours, _mm256_shuffle_epi32(fours, 0x4e));
+      halves = _mm256_add_epi32(halves, _mm256_shuffle_epi32(halves, 0xb1)); /* each half's sum in its four lanes */
+      _mm256_storeu_si256((__m256i *)(a->corr + block * LANES), _mm256_mullo_epi32(halves, _mm256_set1_epi32(-128)));
       _mm256_storeu_ps(a->lanes + block * LANES, _mm256_set1_ps(d));
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(fours), _mm256_extracti128_si256(fours, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
@@ -349,14 +352,15 @@ static void int8_rows_scalar(const int8_t *wq, const float *wl, const float *wm,
   }
 }
 
-/* The fused kernels of quant_dot.h, once for AVX2 (vpmaddubsw: |w| times x with w's sign, pairs then fours summed)
- * and once for AVX-512 VNNI (vpdpbusd on 256-bit vectors; signed weights as w + 128, from -128 x the input's four
- * value sums). */
+/* The fused kernels of quant_dot.h, once for AVX2 (vpmaddubsw: |w| times x with w's sign, pairs then fours summed;
+ * each weight row's products reduced across lanes) and once for AVX-512 VNNI (vpdpbusd on 256-bit vectors, the
+ * weight blocks transposed so that each lane sums one row's products; signed weights as w + 128, corrected by
+ * the input's corr). */
 #define ISA AVX2_F16C
 #define NAME(x) x##_avx2
 #define WITH_DEQUANTIZE
 #define DOT_U(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
-#define DOT_S(w, x, corr) \
+#define DOT_S(w, x) \
   _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1))
 #include "quant_dot.h"
 #undef ISA
@@ -366,14 +370,11 @@ static void int8_rows_scalar(const int8_t *wq, const float *wl, const float *wm,
 #undef WITH_DEQUANTIZE
 #define ISA AVX512_VNNI
 #define NAME(x) x##_vnni
-#define DOT_U(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
-#define DOT_S(w, x, corr)                                                                                     \
-  _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(corr)), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x)
+#define TRANSPOSED
 #include "quant_dot.h"
 #undef ISA
 #undef NAME
-#undef DOT_U
-#undef DOT_S
+#undef TRANSPOSED
 
 static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads,
                      int isa) {
