@@ -160,6 +160,22 @@ def test_product_matches_the_dequantized_weight_on_every_isa_and_path(qtype: QTy
 
 
 @needs_native
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q5_K, QType.Q6_K], ids=lambda t: t.name)
+def test_int8_path_at_every_row_count_up_to_sixteen(qtype: QType) -> None:
+    """The int8 path multiplies each decoded group of weight rows into the input rows four or eight at a time, then
+    the rest together: every count of rows a decode step can have, and a number of outputs that leaves a partial
+    group of weight rows."""
+    out_features, in_features = 38, 256
+    blocks = stored(qtype, out_features, in_features, seed=5)
+    weight = dequantized(blocks, qtype, out_features, in_features)
+    x = torch.randn(16, in_features, generator=torch.Generator().manual_seed(6))
+    for isa in NATIVE.isas():
+        for rows in range(1, 17):
+            result = NATIVE(x[:rows], blocks, qtype, out_features, in_features, isa=isa, path="int8")
+            _check_product(result, x[:rows], weight, int8=True)
+
+
+@needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 def test_threads_and_an_odd_width_of_blocks_change_nothing(threads: int) -> None:
     """Tasks split over threads, and a row of an odd number of blocks (the AVX-512 path's half-vector tail)."""

@@ -1,11 +1,12 @@
 /* The int8 path's kernels for one instruction set, included by quant_gemm.c once per set, with
  *   ISA         the function attribute (AVX2_F16C or AVX512_VNNI),
+ *   INPUTS      the most input rows multiplied by each decoded block (4 or 8: what the set's registers hold),
  *   NAME(x)     x with the set's suffix,
  *   TRANSPOSED  defined for AVX-512 VNNI: the weight blocks transposed, vpdpbusd per lane and row (see multiply),
  *   DOT_U       otherwise: the int32 sums of four products each, of unsigned weight bytes (0-63) and signed input
  *               bytes, and DOT_S the same of signed weight bytes (-128-127).
  * Each weight block is decoded in registers straight from its stored bytes (no copy), four weight rows at a time,
- * then multiplied into up to MAX_INPUTS quantized input rows (see NAME(group)). The 4- and 5-bit types are decoded
+ * then multiplied into up to INPUTS quantized input rows (see NAME(group)). The 4- and 5-bit types are decoded
  * unsigned (0-15, 0-31) and their offset (-8, -16) folded into the block's minimum, so they need no sign handling;
  * Q8_0 and Q6_K are signed.
  */
@@ -34,11 +35,11 @@ ISA static inline __m256i NAME(fifth_bits)(const uint8_t *p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit_of), _mm256_set1_epi8(16));
 }
 
-/* ---- Four weight rows at a time. Each block of the four rows is decoded once and multiplied into C input rows
- * (up to MAX_INPUTS): the four rows' products with one input block reduced by two horizontal adds to one vector
- * [rows 0-3 over values 0-15, rows 0-3 over values 16-31], whose lanes each take their own scale (Q6_K's two
- * scales per 32 values included), summed into one accumulator per input row; the minimums' share is summed four
- * rows at once into another. Per block and input row that is two multiply-adds for four weight rows, on
+/* ---- Four weight rows at a time. Each block of the four rows is decoded once and multiplied into C input rows (up to
+ * INPUTS): the four rows' products with one input block summed (lanes reduced by unpacks, or the blocks transposed for
+ * vpdpbusd) into one vector [rows 0-3 over values 0-15, rows 0-3 over values 16-31], whose lanes each take their own
+ * scale (Q6_K's two scales per 32 values included), summed into one accumulator per input row; the minimums' share is
+ * summed four rows at once into another. Per block and input row that is two multiply-adds for four weight rows, on
  * independent accumulators, with the blocks' float16 fields converted four rows at a time. */
 
 #ifndef TRANSPOSED
@@ -107,8 +108,8 @@ ISA static inline void NAME(transpose8)(const uint64_t *bytes, uint8_t *out) {
 ISA static inline __attribute__((always_inline)) void NAME(group)(int type, int C, const uint8_t *const *rows,
                                                                    const uint8_t *ahead, long k, const quantized *a,
                                                                    long r0, float *y, long ldy, int valid) {
-  __m256 acc[MAX_INPUTS];
-  __m128 macc[MAX_INPUTS];
+  __m256 acc[8];
+  __m128 macc[8];
   for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps(), macc[c] = _mm_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0f), evens = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
   const __m256i odds = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
@@ -224,6 +225,10 @@ ISA static inline __attribute__((always_inline)) void NAME(group)(int type, int 
   ISA static void NAME(group_##T)(int C, const uint8_t *const *rows, const uint8_t *ahead, long k,              \
                                   const quantized *a, long r0, float *y, long ldy, int valid) {                 \
     switch (C) {                                                                                                \
+      case 8: NAME(group)(T, 8, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
+      case 7: NAME(group)(T, 7, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
+      case 6: NAME(group)(T, 6, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
+      case 5: NAME(group)(T, 5, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
       case 4: NAME(group)(T, 4, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
       case 3: NAME(group)(T, 3, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
       case 2: NAME(group)(T, 2, rows, ahead, k, a, r0, y, ldy, valid); break;                                   \
@@ -241,15 +246,15 @@ DEFINE_GROUP(Q6_K)
 #undef DEFINE_GROUP
 
 /* Stored weight rows r .. r + 3 (those below n) of `type`, `row_bytes` apart from w, against all m quantized input
- * rows (MAX_INPUTS at a time, then the rest together), into y[i * n + r ...]. */
+ * rows (INPUTS at a time, then the rest together), into y[i * n + r ...]. */
 ISA static void NAME(int8_rows)(int type, const uint8_t *w, long row_bytes, long n, long r, long k, const quantized *a,
                                 long m, float *y) {
   const uint8_t *rows[4];
   int valid = n - r < 4 ? (int)(n - r) : 4;
   for (int i = 0; i < 4; i++) rows[i] = w + (i < valid ? r + i : r) * row_bytes; /* missing rows: repeat row r */
   const uint8_t *ahead = w + (r + PREFETCH_ROWS) * row_bytes; /* read PREFETCH_ROWS rows ahead (never faults) */
-  for (long i = 0; i < m; i += MAX_INPUTS) {
-    int C = m - i < MAX_INPUTS ? (int)(m - i) : MAX_INPUTS;
+  for (long i = 0; i < m; i += INPUTS) {
+    int C = m - i < INPUTS ? (int)(m - i) : INPUTS;
     float *out = y + i * n + r;
     switch (type) {
       case Q8_0: NAME(group_Q8_0)(C, rows, ahead, k, a, i, out, n, valid); break;

@@ -2,17 +2,17 @@
  * its n rows of blocks, byte for byte as in the file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16).
  *
  * A decode step of a few rows is bound by the bytes it streams, so the weight is read once, in its stored form:
- * - the int8 path (block types, up to 16 rows): each input row is quantized once per call to int8 blocks of 32
- *   with one float scale each, as ggml does for its dot products. Weight rows go four at a time: each block of the
- *   four is decoded in registers straight from its stored bytes and multiplied into up to four input rows with
+ * - the int8 path (block types, up to 16 rows): each input row is quantized once per call to int8 blocks of 32 with one
+ *   float scale each, as ggml does for its dot products. Weight rows go four at a time: each block of the four is
+ *   decoded in registers straight from its stored bytes and multiplied into up to eight input rows (four on AVX2) with
  *   integer dot products (AVX-512 VNNI's vpdpbusd on the four blocks transposed, so that each lane sums one row's
- *   products; else AVX2's vpmaddubsw, each row's sums reduced across lanes by unpacks), giving one vector of the
- *   four rows' sums over each half block, scaled in float with the four rows' scales converted at once; the
- *   minimums' share is summed four rows at once in a vector. Independent accumulators (one per input row) keep
- *   the multiply-adds from waiting on each other, and the weight is prefetched PREFETCH_ROWS rows ahead (four
- *   interleaved row streams defeat the hardware prefetcher). Against one row at a time with one accumulator this
- *   measured 1.4-1.9x at one input row and 1.4-2.0x at eight (benchmarks/quant_kernels_ab.py). Quantizing the
- *   input costs a relative error of about 1/254 of a block's largest value per value (see docs/architecture.md);
+ *   products; else AVX2's vpmaddubsw, each row's sums reduced across lanes by unpacks), giving one vector of the four
+ *   rows' sums over each half block, scaled in float with the four rows' scales converted at once; the minimums' share
+ *   is summed four rows at once in a vector. Independent accumulators (one per input row) keep the multiply-adds from
+ *   waiting on each other, and the weight is prefetched PREFETCH_ROWS rows ahead (four interleaved row streams defeat
+ *   the hardware prefetcher). Against one row at a time with one accumulator this measured 1.4-1.9x at one input row
+ *   and 1.5-2.5x at eight (benchmarks/quant_kernels_ab.py). Quantizing the input costs a relative error of about 1/254
+ *   of a block's largest value per value (see docs/architecture.md);
  * - the float path (F16 and BF16 at a few rows; every type without AVX2): each weight row dequantized into the L1
  *   cache and multiplied into every input row with float multiply-adds, no quantization of the input;
  * - the panel path (many rows): the weight dequantized panel by panel into packed_gemm.c's panels, and its 6x16
@@ -40,7 +40,6 @@ enum { OK = 0, BAD_TYPE = -1, BAD_SHAPE = -2, NO_MEMORY = -3, BAD_ISA = -4, BAD_
 #define FLOAT_MAX_ROWS 8              /* F16/BF16: the float path up to this many rows */
 #define ROWS_PER_TASK 4               /* weight rows per parallel task (a multiple of 4: the int8 path's group) */
 #define PREFETCH_ROWS 8               /* the int8 path asks for the weight this many rows ahead */
-#define MAX_INPUTS 4                  /* the int8 path: input rows multiplied by each decoded weight block */
 #define PARALLEL_MIN_BYTES (1L << 16) /* weight bytes below which a call runs on the calling thread */
 
 typedef struct {
@@ -363,6 +362,7 @@ static void int8_rows_scalar(const int8_t *wq, const float *wl, const float *wm,
  * the input's corr). */
 #define ISA AVX2_F16C
 #define NAME(x) x##_avx2
+#define INPUTS 4 /* input rows per decoded block: 16 vector registers */
 #define WITH_DEQUANTIZE
 #define DOT_U(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
 #define DOT_S(w, x) \
@@ -373,13 +373,16 @@ static void int8_rows_scalar(const int8_t *wq, const float *wl, const float *wm,
 #undef DOT_U
 #undef DOT_S
 #undef WITH_DEQUANTIZE
+#undef INPUTS
 #define ISA AVX512_VNNI
 #define NAME(x) x##_vnni
+#define INPUTS 8 /* 32 vector registers */
 #define TRANSPOSED
 #include "quant_dot.h"
 #undef ISA
 #undef NAME
 #undef TRANSPOSED
+#undef INPUTS
 
 static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads,
                      int isa) {
