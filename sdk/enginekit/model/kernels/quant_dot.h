@@ -154,6 +154,7 @@ ISA static inline __attribute__((always_inline)) void NAME(group)(int type, int 
       uint8_t scales[32], mins[32];
       NAME(transpose8)(scale, scales);
       NAME(transpose8)(min, mins);
+#pragma GCC unroll 8
       for (int s = 0; s < 8; s++) {
         for (long o = 0; o < bytes / 2; o += 64)
           _mm_prefetch((const char *)ahead + 4 * sb * bytes + s * bytes / 2 + o, _MM_HINT_T0);
@@ -196,6 +197,7 @@ ISA static inline __attribute__((always_inline)) void NAME(group)(int type, int 
         _mm_storeu_si128((__m128i *)(scales + 32), _mm_unpacklo_epi16(hi01, hi23));
         _mm_storeu_si128((__m128i *)(scales + 48), _mm_unpackhi_epi16(hi01, hi23));
       }
+#pragma GCC unroll 8
       for (int s = 0; s < 8; s++) {
         int half = s / 4, quarter = s % 4;
         for (long o = 0; o < 105; o += 64) _mm_prefetch((const char *)ahead + 840 * sb + 105 * s + o, _MM_HINT_T0);
@@ -331,6 +333,7 @@ ISA static void NAME(dequantize_row)(int type, const uint8_t *row, float *y, lon
     for (long sb = 0; sb < k / 256; sb++) {
       const uint8_t *p = row + sb * 210;
       float d = NAME(half)(p + 208);
+#pragma GCC unroll 8
       for (int s = 0; s < 8; s++) {
         int half = s / 4, quarter = s % 4;
         __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * half + 32 * (quarter % 2)));
