@@ -33,9 +33,9 @@ ONE_ROW = [(qtype, 2048, 2048) for qtype in (QType.Q4_K, QType.Q6_K, QType.Q4_0,
 
 
 def build(tree: Path, out: Path) -> ctypes.CDLL:
-    """The library of ``tree``'s kernels (the same sources and flags as the engine's build)."""
+    """The library of ``tree``'s kernels (the engine's sources that ``tree`` has, the engine's flags)."""
     folder = tree / "sdk/enginekit/model/kernels"
-    sources = [str(folder / source.name) for source in SOURCES]
+    sources = [str(folder / source.name) for source in SOURCES if (folder / source.name).exists()]
     subprocess.run(["gcc", *FLAGS, *sources, "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     lib.enginekit_quant_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
