@@ -2,9 +2,8 @@
  *   ISA         the function attribute (AVX2_F16C or AVX512_VNNI),
  *   INPUTS      the most input rows multiplied by each decoded block (4 or 8: what the set's registers hold),
  *   NAME(x)     x with the set's suffix,
- *   TRANSPOSED  defined for AVX-512 VNNI: the weight blocks transposed, vpdpbusd per lane and row (see multiply),
- *   DOT_U       otherwise: the int32 sums of four products each, of unsigned weight bytes (0-63) and signed input
- *               bytes, and DOT_S the same of signed weight bytes (-128-127).
+ *   DOT_U       the int32 sums of four products each, of unsigned weight bytes (0-63) and signed input bytes,
+ *   DOT_S       the same of signed weight bytes (-128-127), `corr` the input's correction for DOT_S.
  * Each weight block is decoded in registers straight from its stored bytes (no copy), four weight rows at a time,
  * then multiplied into up to INPUTS quantized input rows (see NAME(group)). The 4- and 5-bit types are decoded
  * unsigned (0-15, 0-31) and their offset (-8, -16) folded into the block's minimum, so they need no sign handling;
@@ -36,23 +35,25 @@ ISA static inline __m256i NAME(fifth_bits)(const uint8_t *p) {
 }
 
 /* ---- Four weight rows at a time. Each block of the four rows is decoded once and multiplied into C input rows (up to
- * INPUTS): the four rows' products with one input block summed (lanes reduced by unpacks, or the blocks transposed for
- * vpdpbusd) into one vector [rows 0-3 over values 0-15, rows 0-3 over values 16-31], whose lanes each take their own
+ * INPUTS): the four rows' products with one input block, each four values' integer sum scaled by its input
+ * scale, summed (lanes reduced by unpacks) into one vector [rows 0-3 over values 0-15, rows 0-3 over values 16-31], whose lanes each take their own
  * scale (Q6_K's two scales per 32 values included), summed into one accumulator per input row; the minimums' share is
- * summed four rows at once into another. Per block and input row that is two multiply-adds for four weight rows, on
+ * summed four rows at once into another. Per block and input row that is four multiplies and two multiply-adds for four weight rows, on
  * independent accumulators, with the blocks' float16 fields converted four rows at a time. */
 
-#ifndef TRANSPOSED
-/* The four rows' sums of w[r] x over values 0-15 (lanes 0-3) and over values 16-31 (lanes 4-7), as floats (exact:
- * at most 16 x 128 x 127 in magnitude). */
-ISA static inline __attribute__((always_inline)) __m256 NAME(dot4)(int is_signed, const __m256i *w, __m256i x) {
-  __m256i d[4];
-  for (int r = 0; r < 4; r++) d[r] = is_signed ? DOT_S(w[r], x) : DOT_U(w[r], x);
-  __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(d[0], d[1]), _mm256_unpackhi_epi32(d[0], d[1]));
-  __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(d[2], d[3]), _mm256_unpackhi_epi32(d[2], d[3]));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1)));
+/* The four rows' sums of w[r] x over values 0-15 (lanes 0-3) and over values 16-31 (lanes 4-7), each four values'
+ * integer sum scaled by its input scale xs first. */
+ISA static inline __attribute__((always_inline)) __m256 NAME(dot4)(int is_signed, const __m256i *w, __m256i x,
+                                                                    const int32_t *corr, __m256 xs) {
+  __m256 d[4];
+  for (int r = 0; r < 4; r++)
+    d[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(is_signed ? DOT_S(w[r], x, corr) : DOT_U(w[r], x)), xs);
+  __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(d[0], d[1]), _mm256_unpackhi_ps(d[0], d[1]));
+  __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(d[2], d[3]), _mm256_unpackhi_ps(d[2], d[3]));
+  __m256d lo = _mm256_unpacklo_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t1));
+  __m256d hi = _mm256_unpackhi_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t1));
+  return _mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi));
 }
-#endif
 
 /* Four decoded weight blocks w (scales ws laid out as dot4's lanes, minimums wm per row) into C input rows from
  * r0, block b. */
@@ -60,28 +61,11 @@ ISA static inline __attribute__((always_inline)) void NAME(multiply)(int C, int 
                                                                       const __m256i *w, __m256 ws, __m128 wm,
                                                                       const quantized *a, long r0, long b,
                                                                       __m256 *acc, __m128 *macc) {
-#ifdef TRANSPOSED /* the four rows' blocks transposed: t[j] = [rows 0-3 four values j | rows 0-3 four values j + 4] */
-  __m256i lo01 = _mm256_unpacklo_epi32(w[0], w[1]), hi01 = _mm256_unpackhi_epi32(w[0], w[1]);
-  __m256i lo23 = _mm256_unpacklo_epi32(w[2], w[3]), hi23 = _mm256_unpackhi_epi32(w[2], w[3]);
-  __m256i t[4] = {_mm256_unpacklo_epi64(lo01, lo23), _mm256_unpackhi_epi64(lo01, lo23),
-                  _mm256_unpacklo_epi64(hi01, hi23), _mm256_unpackhi_epi64(hi01, hi23)};
-  if (is_signed) /* vpdpbusd takes the weights unsigned: w + 128, and the input's corr takes 128 x its sums off */
-    for (int j = 0; j < 4; j++) t[j] = _mm256_xor_si256(t[j], _mm256_set1_epi8((char)0x80));
-#endif
   for (int c = 0; c < C; c++) {
     long block = (r0 + c) * a->blocks + b;
     __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + QK * block));
-#ifdef TRANSPOSED /* four values j (j + 4) of the input in every lane of the lower (upper) half, against t[j] */
-    __m256i sum = is_signed ? _mm256_loadu_si256((const __m256i *)(a->corr + LANES * block)) : _mm256_setzero_si256();
-    __m256i other = _mm256_dpbusd_epi32(_mm256_setzero_si256(), t[1], _mm256_shuffle_epi32(x, 0x55));
-    sum = _mm256_dpbusd_epi32(sum, t[0], _mm256_shuffle_epi32(x, 0x00)); /* two chains: half the latency */
-    other = _mm256_dpbusd_epi32(other, t[3], _mm256_shuffle_epi32(x, 0xff));
-    sum = _mm256_dpbusd_epi32(sum, t[2], _mm256_shuffle_epi32(x, 0xaa));
-    __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(sum, other));
-#else
-    __m256 dots = NAME(dot4)(is_signed, w, x);
-#endif
-    acc[c] = _mm256_fmadd_ps(dots, _mm256_mul_ps(ws, _mm256_broadcast_ss(a->lanes + LANES * block)), acc[c]);
+    __m256 dots = NAME(dot4)(is_signed, w, x, a->corr + LANES * block, _mm256_loadu_ps(a->lanes + LANES * block));
+    acc[c] = _mm256_fmadd_ps(dots, ws, acc[c]);
     if (has_min) macc[c] = _mm_fmadd_ps(wm, _mm_broadcast_ss(a->sums + block), macc[c]);
   }
 }

@@ -2,17 +2,17 @@
  * its n rows of blocks, byte for byte as in the file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16).
  *
  * A decode step of a few rows is bound by the bytes it streams, so the weight is read once, in its stored form:
- * - the int8 path (block types, up to 16 rows): each input row is quantized once per call to int8 blocks of 32 with one
- *   float scale each, as ggml does for its dot products. Weight rows go four at a time: each block of the four is
- *   decoded in registers straight from its stored bytes and multiplied into up to eight input rows (four on AVX2) with
- *   integer dot products (AVX-512 VNNI's vpdpbusd on the four blocks transposed, so that each lane sums one row's
- *   products; else AVX2's vpmaddubsw, each row's sums reduced across lanes by unpacks), giving one vector of the four
- *   rows' sums over each half block, scaled in float with the four rows' scales converted at once; the minimums' share
- *   is summed four rows at once in a vector. Independent accumulators (one per input row) keep the multiply-adds from
- *   waiting on each other, and the weight is prefetched PREFETCH_ROWS rows ahead (four interleaved row streams defeat
- *   the hardware prefetcher). Against one row at a time with one accumulator this measured 1.4-1.9x at one input row
- *   and 1.5-2.5x at eight (benchmarks/quant_kernels_ab.py). Quantizing the input costs a relative error of about 1/254
- *   of a block's largest value per value (see docs/architecture.md);
+ * - the int8 path (block types, up to 16 rows): each input row is quantized once per call to int8 blocks of 32, as ggml
+ *   does for its dot products, but with one float scale per four values (ggml: per 32). Weight rows go four at a time:
+ *   each block of the four is decoded in registers straight from its stored bytes and multiplied into up to eight input
+ *   rows (four on AVX2) with integer dot products (AVX-512 VNNI's vpdpbusd, else AVX2's vpmaddubsw), each four values'
+ *   sum scaled in float by its input scale, and the four rows' vectors reduced by unpacks to one vector of the four
+ *   rows' sums over each half block, scaled by the four rows' scales converted at once; the minimums' share is summed
+ *   four rows at once in a vector. Independent accumulators (one per input row) keep the multiply-adds from waiting on
+ *   each other, and the weight is prefetched PREFETCH_ROWS rows ahead (four interleaved row streams defeat the hardware
+ *   prefetcher). Against one row at a time with one accumulator this measured 1.4-1.9x at one input row and 1.5-2.5x at
+ *   eight with one input scale per 32 values (benchmarks/quant_kernels_ab.py). Quantizing the input costs at most half
+ *   a step (the largest magnitude of its four values / 127) per value (see docs/models.md for the cost in quality);
  * - the float path (F16 and BF16 at a few rows; every type without AVX2): each weight row dequantized into the L1
  *   cache and multiplied into every input row with float multiply-adds, no quantization of the input;
  * - the panel path (many rows): the weight dequantized panel by panel into packed_gemm.c's panels, and its 6x16
@@ -36,6 +36,9 @@ enum { OK = 0, BAD_TYPE = -1, BAD_SHAPE = -2, NO_MEMORY = -3, BAD_ISA = -4, BAD_
 
 #define QK 32                         /* values per unpacked block (and per quantized input block) */
 #define LANES 8                       /* scales per unpacked block: one per four values, as the dot products sum them */
+#ifndef INPUT_GROUP
+#define INPUT_GROUP 4 /* input values per int8 scale (a multiple of 4 dividing QK): see quantize_rows */
+#endif
 #define INT8_MAX_ROWS 16              /* the int8 path up to this many rows, the panel path past it */
 #define FLOAT_MAX_ROWS 8              /* F16/BF16: the float path up to this many rows */
 #define ROWS_PER_TASK 4               /* weight rows per parallel task (a multiple of 4: the int8 path's group) */
@@ -200,8 +203,8 @@ static void dequantize_row(int type, const uint8_t *row, float *y, long k) {
 
 /* ---- The int8 path. A weight row unpacked: per block of 32 values, q[32] (int8), lanes[8] (the scale of each
  * four values) and min, the value being lanes[i / 4] * q[i] + min. An input row quantized: per block q[32] (int8),
- * lanes[8] (its scale, eight times), sums (scale x the sum of q) and corr[8] (-128 x the sum of the 16 values of
- * its half, lanes 0-3 the first; for vpdpbusd, which takes the weights unsigned: q + 128). */
+ * lanes[8] (the scale of each four values), sums (the scaled sum of q) and corr[8] (-128 x each four values' sum,
+ * for vpdpbusd, which takes the weights unsigned: q + 128). */
 
 typedef struct {
   int8_t *q;
@@ -268,66 +271,36 @@ static void unpack_row(int type, const uint8_t *row, long k, int8_t *q, float *l
   }
 }
 
-/* Each row of x [m, k] to int8 blocks of 32 with one scale each (the largest magnitude maps to 127). */
+/* Each row of x [m, k] to int8 blocks of 32, with one scale per INPUT_GROUP values (their largest magnitude maps
+ * to 127). The dot products scale each four values' sum on its own anyway (the weight's scales are per four values
+ * in a block's lanes), so a finer input scale costs nothing there; per four values instead of per 32 took the
+ * default model's mean deviation from the float32 reference from 0.051 to 0.017 nats a token (benchmarks/
+ * bench_quant.py; llama.cpp, with one scale per 32: 0.054). */
 static void quantize_rows(const float *x, long m, long k, const quantized *a) {
   for (long r = 0; r < m; r++)
     for (long b = 0; b < k / QK; b++) {
       const float *v = x + r * k + b * QK;
       long block = r * a->blocks + b;
       int8_t *q = a->q + block * QK;
-      float largest = 0.0f;
-      for (int i = 0; i < QK; i++) largest = fmaxf(largest, fabsf(v[i]));
-      float d = largest / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
-      int sum = 0;
-      for (int i = 0; i < QK; i++) {
-        float scaled = fminf(fmaxf(v[i] * inverse, -127.0f), 127.0f);
-        q[i] = (int8_t)lrintf(scaled);
-        sum += q[i];
+      float total = 0.0f;
+      for (int g = 0; g < QK / INPUT_GROUP; g++) { /* one scale per INPUT_GROUP values */
+        const float *u = v + g * INPUT_GROUP;
+        int8_t *out = q + g * INPUT_GROUP;
+        float largest = 0.0f;
+        for (int i = 0; i < INPUT_GROUP; i++) largest = fmaxf(largest, fabsf(u[i]));
+        float d = largest / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < INPUT_GROUP; i++) {
+          float scaled = fminf(fmaxf(u[i] * inverse, -127.0f), 127.0f);
+          out[i] = (int8_t)lrintf(scaled);
+          sum += out[i];
+        }
+        for (int l = g * INPUT_GROUP / 4; l < (g + 1) * INPUT_GROUP / 4; l++) a->lanes[block * LANES + l] = d;
+        total += d * (float)sum;
       }
-      for (int l = 0; l < LANES; l++) {
-        a->lanes[block * LANES + l] = d;
-        a->corr[block * LANES + l] = 0;
-        for (int i = 16 * (l / 4); i < 16 * (l / 4) + 16; i++) a->corr[block * LANES + l] -= 128 * q[i];
-      }
-      a->sums[block] = d * (float)sum;
-    }
-}
-
-/* quantize_rows with AVX2, the same results: the same float operations per value (max, multiply, clamp, round to
- * nearest even), integer sums exact. */
-AVX2 static void quantize_rows_avx2(const float *x, long m, long k, const quantized *a) {
-  const __m256 sign = _mm256_set1_ps(-0.0f), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (long r = 0; r < m; r++)
-    for (long b = 0; b < k / QK; b++) {
-      const float *v = x + r * k + b * QK;
-      long block = r * a->blocks + b;
-      __m256 values[4], largest = _mm256_setzero_ps();
-      for (int i = 0; i < 4; i++) {
-        values[i] = _mm256_loadu_ps(v + 8 * i);
-        largest = _mm256_max_ps(_mm256_andnot_ps(sign, values[i]), largest); /* a NaN value leaves it, as fmaxf */
-      }
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_movehdup_ps(h));
-      float d = _mm_cvtss_f32(h) / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
-      __m256i q[4];
-      for (int i = 0; i < 4; i++) { /* fmaxf(v * inverse, -127) is -127 for NaN, as max_ps with -127 second */
-        __m256 scaled = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(values[i], _mm256_set1_ps(inverse)), low), high);
-        q[i] = _mm256_cvtps_epi32(scaled);
-      }
-      __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-      bytes = _mm256_permutevar8x32_epi32(bytes, order);
-      _mm256_storeu_si256((__m256i *)(a->q + block * QK), bytes);
-      __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
-      __m256i halves = _mm256_add_epi32(fours, _mm256_shuffle_epi32(fours, 0x4e));
-      halves = _mm256_add_epi32(halves, _mm256_shuffle_epi32(halves, 0xb1)); /* each half's sum in its four lanes */
-      _mm256_storeu_si256((__m256i *)(a->corr + block * LANES), _mm256_mullo_epi32(halves, _mm256_set1_epi32(-128)));
-      _mm256_storeu_ps(a->lanes + block * LANES, _mm256_set1_ps(d));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(fours), _mm256_extracti128_si256(fours, 1));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-      a->sums[block] = d * (float)_mm_cvtsi128_si32(s4);
+      for (int l = 0; l < LANES; l++)
+        a->corr[block * LANES + l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+      a->sums[block] = total;
     }
 }
 
@@ -356,33 +329,35 @@ static void int8_rows_scalar(const int8_t *wq, const float *wl, const float *wm,
   }
 }
 
-/* The fused kernels of quant_dot.h, once for AVX2 (vpmaddubsw: |w| times x with w's sign, pairs then fours summed;
- * each weight row's products reduced across lanes) and once for AVX-512 VNNI (vpdpbusd on 256-bit vectors, the
- * weight blocks transposed so that each lane sums one row's products; signed weights as w + 128, corrected by
- * the input's corr). */
+/* The fused kernels of quant_dot.h, once for AVX2 (vpmaddubsw: |w| times x with w's sign, pairs then fours summed)
+ * and once for AVX-512 VNNI (vpdpbusd on 256-bit vectors; signed weights as w + 128, from -128 x the input's four
+ * value sums). */
 #define ISA AVX2_F16C
 #define NAME(x) x##_avx2
 #define INPUTS 4 /* input rows per decoded block: 16 vector registers */
 #define WITH_DEQUANTIZE
 #define DOT_U(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
-#define DOT_S(w, x) \
+#define DOT_S(w, x, corr) \
   _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1))
 #include "quant_dot.h"
 #undef ISA
 #undef NAME
+#undef INPUTS
 #undef DOT_U
 #undef DOT_S
 #undef WITH_DEQUANTIZE
-#undef INPUTS
 #define ISA AVX512_VNNI
 #define NAME(x) x##_vnni
 #define INPUTS 8 /* 32 vector registers */
-#define TRANSPOSED
+#define DOT_U(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+#define DOT_S(w, x, corr)                                                                                     \
+  _mm256_dpbusd_epi32(_mm256_loadu_si256((const __m256i *)(corr)), _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)), x)
 #include "quant_dot.h"
 #undef ISA
 #undef NAME
-#undef TRANSPOSED
 #undef INPUTS
+#undef DOT_U
+#undef DOT_S
 
 static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads,
                      int isa) {
@@ -396,8 +371,7 @@ static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long 
   quantized a = {(int8_t *)memory, (float *)(memory + m * k), NULL, NULL, blocks};
   a.corr = (int32_t *)(a.lanes + m * blocks * LANES);
   a.sums = (float *)(a.corr + m * blocks * LANES);
-  if (isa == ISA_SCALAR) quantize_rows(x, m, k, &a);
-  else quantize_rows_avx2(x, m, k, &a);
+  quantize_rows(x, m, k, &a);
   long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
   for (long t = 0; t < tasks; t++) {

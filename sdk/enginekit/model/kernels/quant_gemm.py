@@ -5,8 +5,9 @@ branches on availability, only the speed differs.
 
 A weight is passed as ``blocks``: a uint8 tensor ``[out_features, row_bytes]`` holding its rows exactly as the file
 stores them, ``row_bytes = in_features / block_size * type_size`` (``gguf.GGML_QUANT_SIZES``). The native kernels
-quantize the input rows to int8 blocks of 32 for the block types at up to 16 rows (as llama.cpp does for its dot
-products; the cost in accuracy is in docs/architecture.md) and use float arithmetic otherwise; the portable path
+quantize the input rows to int8 (blocks of 32 as llama.cpp does for its dot products, with one scale per
+``INPUT_GROUP`` values; the cost in accuracy is in docs/models.md) for the block types at up to 16 rows, and use
+float arithmetic otherwise; the portable path
 computes in float32 throughout.
 """
 
@@ -47,6 +48,7 @@ Isa = Literal["scalar", "avx2", "avx512_vnni"]
 Path = Literal["auto", "int8", "float", "panels"]
 ISAS: dict[Isa, int] = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # enginekit_quant_isa in quant_gemm.c
 INT8_MAX_ROWS = 16  # as in quant_gemm.c: up to this many rows the input is quantized to int8, past it not
+INPUT_GROUP = 4  # as in quant_gemm.c: input values per int8 scale
 ISA_NAMES: dict[int, Isa] = {code: name for name, code in ISAS.items()}
 PATHS = {"auto": 0, "int8": 1, "float": 2, "panels": 3}
 
@@ -221,9 +223,9 @@ def quant_gemm() -> QuantGemm:
 
 def int8_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """How far the int8 path's product may be from ``x @ weight.T`` (float32 ``[M, N]``): each input value is
-    rounded to within half a step of its block of 32, a step being the block's largest magnitude / 127."""
-    steps = x.abs().view(x.shape[0], -1, 32).amax(-1) / 127  # [M, blocks]
-    per_value = steps.repeat_interleave(32, dim=1) / 2
+    rounded to within half a step of its group of ``INPUT_GROUP``, a step being the group's largest magnitude / 127."""
+    steps = x.abs().view(x.shape[0], -1, INPUT_GROUP).amax(-1) / 127  # [M, groups]
+    per_value = steps.repeat_interleave(INPUT_GROUP, dim=1) / 2
     return per_value @ weight.abs().T
 
 
