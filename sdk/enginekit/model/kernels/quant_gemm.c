@@ -304,6 +304,45 @@ static void quantize_rows(const float *x, long m, long k, const quantized *a) {
     }
 }
 
+#if INPUT_GROUP == 4
+/* quantize_rows with AVX2, the same results for finite inputs: the same float operations per value (largest
+ * magnitude, division, multiply, clamp, round to nearest even), the same sequential sum of the scaled sums. */
+AVX2 static void quantize_rows_avx2(const float *x, long m, long k, const quantized *a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (long r = 0; r < m; r++)
+    for (long b = 0; b < k / QK; b++) {
+      const float *v = x + r * k + b * QK;
+      long block = r * a->blocks + b;
+      float scales[QK];
+      __m256i q[4];
+      for (int i = 0; i < 4; i++) { /* values 8i .. 8i + 7: two groups of four */
+        __m256 values = _mm256_loadu_ps(v + 8 * i), magnitude = _mm256_andnot_ps(sign, values);
+        __m256 largest = _mm256_max_ps(magnitude, _mm256_permute_ps(magnitude, 0xb1));
+        largest = _mm256_max_ps(largest, _mm256_permute_ps(largest, 0x4e)); /* each group's in its four lanes */
+        __m256 d = _mm256_div_ps(largest, _mm256_set1_ps(127.0f));
+        __m256 inverse = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), d),
+                                       _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_GT_OQ));
+        _mm256_storeu_ps(scales + 8 * i, d);
+        q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(values, inverse), low), high));
+      }
+      __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      bytes = _mm256_permutevar8x32_epi32(bytes, order);
+      _mm256_storeu_si256((__m256i *)(a->q + block * QK), bytes);
+      __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+      _mm256_storeu_si256((__m256i *)(a->corr + block * LANES), _mm256_mullo_epi32(fours, _mm256_set1_epi32(-128)));
+      int32_t sums[LANES];
+      _mm256_storeu_si256((__m256i *)sums, fours);
+      float total = 0.0f;
+      for (int l = 0; l < LANES; l++) {
+        a->lanes[block * LANES + l] = scales[4 * l];
+        total += scales[4 * l] * (float)sums[l];
+      }
+      a->sums[block] = total;
+    }
+}
+#endif
+
 /* The minimums' share of a dot product: sum over blocks of the weight's min x the input block's scaled sum. */
 static inline float min_share(const float *mins, const float *sums, long blocks) {
   float total = 0.0f;
@@ -371,7 +410,11 @@ static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long 
   quantized a = {(int8_t *)memory, (float *)(memory + m * k), NULL, NULL, blocks};
   a.corr = (int32_t *)(a.lanes + m * blocks * LANES);
   a.sums = (float *)(a.corr + m * blocks * LANES);
-  quantize_rows(x, m, k, &a);
+#if INPUT_GROUP == 4
+  if (isa != ISA_SCALAR) quantize_rows_avx2(x, m, k, &a);
+  else
+#endif
+    quantize_rows(x, m, k, &a);
   long tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
   for (long t = 0; t < tasks; t++) {
