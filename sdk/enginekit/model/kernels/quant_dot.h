@@ -35,11 +35,12 @@ ISA static inline __m256i NAME(fifth_bits)(const uint8_t *p) {
 }
 
 /* ---- Four weight rows at a time. Each block of the four rows is decoded once and multiplied into C input rows (up to
- * INPUTS): the four rows' products with one input block, each four values' integer sum scaled by its input
- * scale, summed (lanes reduced by unpacks) into one vector [rows 0-3 over values 0-15, rows 0-3 over values 16-31], whose lanes each take their own
- * scale (Q6_K's two scales per 32 values included), summed into one accumulator per input row; the minimums' share is
- * summed four rows at once into another. Per block and input row that is four multiplies and two multiply-adds for four weight rows, on
- * independent accumulators, with the blocks' float16 fields converted four rows at a time. */
+ * INPUTS): the four rows' products with one input block, each four values' integer sum scaled by its input scale,
+ * summed (lanes reduced by unpacks) into one vector [rows 0-3 over values 0-15, rows 0-3 over values 16-31], whose
+ * lanes each take their own scale (Q6_K's two scales per 32 values included), summed into one accumulator per input
+ * row; the minimums' share is summed four rows at once into another. Per block and input row that is four multiplies
+ * and two multiply-adds for four weight rows, on independent accumulators, with the blocks' float16 fields converted
+ * four rows at a time. */
 
 /* The four rows' sums of w[r] x over values 0-15 (lanes 0-3) and over values 16-31 (lanes 4-7), each four values'
  * integer sum scaled by its input scale xs first. */

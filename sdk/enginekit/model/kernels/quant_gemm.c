@@ -10,8 +10,8 @@
  *   rows' sums over each half block, scaled by the four rows' scales converted at once; the minimums' share is summed
  *   four rows at once in a vector. Independent accumulators (one per input row) keep the multiply-adds from waiting on
  *   each other, and the weight is prefetched PREFETCH_ROWS rows ahead (four interleaved row streams defeat the hardware
- *   prefetcher). Against one row at a time with one accumulator this measured 1.4-1.9x at one input row and 1.5-2.5x at
- *   eight with one input scale per 32 values (benchmarks/quant_kernels_ab.py). Quantizing the input costs at most half
+ *   prefetcher). Against one row at a time with one accumulator this measured 1.5-1.7x at one input row and 1.3-1.9x at
+ *   eight on the default model's Q4_1 shapes (benchmarks/quant_kernels_ab.py). Quantizing the input costs at most half
  *   a step (the largest magnitude of its four values / 127) per value (see docs/models.md for the cost in quality);
  * - the float path (F16 and BF16 at a few rows; every type without AVX2): each weight row dequantized into the L1
  *   cache and multiplied into every input row with float multiply-adds, no quantization of the input;
