@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import importlib.util
 import json
 import time
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from enginekit.model.kernels.quant_gemm import native_quant_gemm, random_blocks
+from enginekit.model.kernels.quant_gemm import INT8_MAX_ROWS, native_quant_gemm, random_blocks
 from enginekit.model.layers.linear import linear_kernel
 
 # name: (type, out_features, in_features) -- SmolLM2-135M's Q4_1 projections and Q8_0 LM head, and a larger one.
@@ -40,27 +41,36 @@ KERNELS = ("enginekit", "torch_int4", "torch_int4_bf16", "torch_int8", "torch_in
 MIN_SECONDS = 0.0005  # each timing repeats the call until it takes at least this long (best of many: the
 # machine is shared, and a timing that a neighbour's process interrupts is dropped)
 SLOW_SECONDS = 0.2  # a call slower than this is timed once
+STREAM_BYTES = 64 << 20  # stored bytes each call goes through at decode rows: twice the test machine's L3
 GIVE_UP_SECONDS = 1.0  # a kernel slower than this at some rows is not timed at more rows
 
 
-def _time(run: Callable[[], Any], repeats: int) -> float:
-    """Seconds per call: the best of ``repeats`` timings, each of enough calls to last ``MIN_SECONDS`` (a call
-    slower than ``SLOW_SECONDS``: that one call, timed once)."""
-    start = time.perf_counter()
-    run()
-    if time.perf_counter() - start > SLOW_SECONDS:
+def _time_all(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Seconds per call of each: the best of ``repeats`` timings, each of enough calls to last ``MIN_SECONDS``,
+    the kernels taking turns (so a neighbour's load falls on all of them alike). A call slower than
+    ``SLOW_SECONDS`` is timed once."""
+    counts: dict[str, int] = {}
+    best: dict[str, float] = {}
+    for kernel, run in calls.items():
         start = time.perf_counter()
         run()
-        return time.perf_counter() - start
-    start = time.perf_counter()
-    run()
-    calls = max(1, int(MIN_SECONDS / max(time.perf_counter() - start, 1e-7)))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
+        first = time.perf_counter() - start
+        if first > SLOW_SECONDS:
+            start = time.perf_counter()
             run()
-        best = min(best, (time.perf_counter() - start) / calls)
+            best[kernel] = time.perf_counter() - start
+            continue
+        start = time.perf_counter()
+        run()
+        counts[kernel] = max(1, int(MIN_SECONDS / max(time.perf_counter() - start, 1e-7)))
+        best[kernel] = float("inf")
+    for _ in range(repeats):
+        for kernel, count in counts.items():
+            run = calls[kernel]
+            start = time.perf_counter()
+            for _ in range(count):
+                run()
+            best[kernel] = min(best[kernel], (time.perf_counter() - start) / count)
     return best
 
 
@@ -172,32 +182,34 @@ class Ggml:
             return None, f"ggml's libraries could not be used: {error}"
 
     def product(
-        self, blocks: torch.Tensor, qtype: QType, n: int, k: int, x: torch.Tensor, threads: int
+        self, weights: list[torch.Tensor], qtype: QType, n: int, k: int, x: torch.Tensor, threads: int
     ) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
-        """A call computing ``x @ weight.T`` (its output is a view of ggml's tensor), and one freeing it all."""
+        """A call computing ``x @ weight.T`` for every weight, one graph of a ``mul_mat`` each (it returns the
+        first product, a view of ggml's tensor), and one freeing it all."""
         b = self.base
-        m = x.shape[0]
-        size = (
-            blocks.numel() + 4 * (x.numel() + m * n) + 8 * b.ggml_tensor_overhead() + b.ggml_graph_overhead()
-        )
+        m, stored = x.shape[0], weights[0].numel()
+        overhead = (3 * len(weights) + 2) * b.ggml_tensor_overhead() + b.ggml_graph_overhead()
+        size = len(weights) * (stored + 4 * m * n) + 4 * x.numel() + overhead
         ctx = b.ggml_init(_InitParams(size + (1 << 20), None, False))
         if not ctx:
             raise RuntimeError("ggml_init failed")
-        weight = b.ggml_new_tensor_2d(ctx, GGML_TYPES[qtype], k, n)
         inputs = b.ggml_new_tensor_2d(ctx, GGML_F32, k, m)
-        if b.ggml_nbytes(weight) != blocks.numel():
-            b.ggml_free(ctx)
-            raise RuntimeError("ggml's row size differs from the stored one")
-        ctypes.memmove(b.ggml_get_data(weight), blocks.data_ptr(), blocks.numel())
         ctypes.memmove(b.ggml_get_data(inputs), x.data_ptr(), x.numel() * 4)
-        out = b.ggml_mul_mat(ctx, weight, inputs)  # [n, m] in ggml's order: m rows of n
         graph = b.ggml_new_graph(ctx)
-        b.ggml_build_forward_expand(graph, out)
+        outs = []
+        for blocks in weights:
+            weight = b.ggml_new_tensor_2d(ctx, GGML_TYPES[qtype], k, n)
+            if b.ggml_nbytes(weight) != stored:
+                b.ggml_free(ctx)
+                raise RuntimeError("ggml's row size differs from the stored one")
+            ctypes.memmove(b.ggml_get_data(weight), blocks.data_ptr(), stored)
+            outs.append(b.ggml_mul_mat(ctx, weight, inputs))  # [n, m] in ggml's order: m rows of n
+            b.ggml_build_forward_expand(graph, outs[-1])
         plan = self.cpu.ggml_graph_plan(graph, threads, None)
         work = ctypes.create_string_buffer(max(plan.work_size, 1))
         plan.work_data = ctypes.cast(work, ctypes.c_void_p)
         result = torch.frombuffer(
-            (ctypes.c_float * (m * n)).from_address(b.ggml_get_data(out)), dtype=torch.float32
+            (ctypes.c_float * (m * n)).from_address(b.ggml_get_data(outs[0])), dtype=torch.float32
         ).view(m, n)
 
         def run() -> torch.Tensor:
@@ -215,6 +227,12 @@ class Ggml:
 # ---- the measurement -------------------------------------------------------------------------------------------
 
 
+def _through(products: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    """Every product of ``x``; the first one's result."""
+    outs = [product(x) for product in products]
+    return outs[0]
+
+
 def _error(result: torch.Tensor, exact: torch.Tensor) -> float:
     return float((result.double() - exact).norm() / exact.norm())
 
@@ -223,51 +241,65 @@ def measure_shape(
     name: str, rows: tuple[int, ...], threads: tuple[int, ...], repeats: int, ggml: Ggml | None
 ) -> dict[str, Any]:
     """Every kernel on one shape: seconds per product at each row count and thread count, and each kernel's
-    relative RMS error at 16 rows against the float64 product of the dequantized weight."""
+    relative RMS error at 16 rows against the float64 product of the dequantized weight.
+
+    Up to ``INT8_MAX_ROWS`` rows each call goes through copies of the weight of ``STREAM_BYTES`` stored bytes in
+    all (as a decode step goes through every layer's), so no kernel reads its weight from the cache; a prefill's
+    rows are bound by arithmetic and use one copy."""
     gemm = native_quant_gemm()
     assert gemm is not None
     qtype, n, k = SHAPES[name]
     gen = torch.Generator().manual_seed(0)
-    blocks = random_blocks(qtype, n, k, gen)
-    dense = gemm.dequantize(blocks, qtype, n, k)
+    one = random_blocks(qtype, n, k, gen)
     _, linear = linear_kernel(torch.device("cpu"), torch.float32)
-    packed: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    if qtype in (QType.Q4_1, QType.Q4_0):
-        packed["torch_int4"] = torch_int4(blocks, qtype, n, k)
-        packed["torch_int4_bf16"] = torch_int4(blocks, qtype, n, k, torch.bfloat16)
-    if qtype == QType.Q8_0:
-        packed["torch_int8"] = torch_int8(dense)
-        packed["torch_int8_bf16"] = torch_int8(dense, torch.bfloat16)
-    entry: dict[str, Any] = {"type": qtype.name, "out": n, "in": k, "error_16_rows": {}, "us": {}}
+    entry: dict[str, Any] = {
+        "type": qtype.name,
+        "out": n,
+        "in": k,
+        "error_16_rows": {},
+        "us": {},
+        "copies": {},
+    }
     too_slow: set[str] = set()
     for m in rows:
+        copies = min(256, -(-STREAM_BYTES // one.numel())) if m <= INT8_MAX_ROWS else 1
+        entry["copies"][str(m)] = copies
+        weights = [one] + [one.clone() for _ in range(copies - 1)]
+        dense = [gemm.dequantize(w, qtype, n, k) for w in weights]
+        packed: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+        if qtype in (QType.Q4_1, QType.Q4_0):
+            packed["torch_int4"] = [torch_int4(w, qtype, n, k) for w in weights]
+            packed["torch_int4_bf16"] = [torch_int4(w, qtype, n, k, torch.bfloat16) for w in weights]
+        if qtype == QType.Q8_0:
+            packed["torch_int8"] = [torch_int8(d) for d in dense]
+            packed["torch_int8_bf16"] = [torch_int8(d, torch.bfloat16) for d in dense]
         x = torch.randn(m, k, generator=gen)
-        calls: dict[str, Callable[[], Any]] = {
-            "enginekit": lambda x=x: gemm(x, blocks, qtype, n, k),
-            "float32": lambda x=x: linear(x, dense, None),
+        products: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+            "enginekit": [lambda x, w=w: gemm(x, w, qtype, n, k) for w in weights],
+            "float32": [lambda x, d=d: linear(x, d, None) for d in dense],
+            **packed,
         }
-        calls.update({kernel: (lambda x=x, f=f: f(x)) for kernel, f in packed.items()})
+        calls = {kernel: functools.partial(_through, fs, x) for kernel, fs in products.items()}
         if m == 16:
-            exact = x.double() @ dense.double().T
+            exact = x.double() @ dense[0].double().T
             entry["error_16_rows"] = {kernel: _error(call(), exact) for kernel, call in calls.items()}
         for count in threads:
             previous = torch.get_num_threads()
             torch.set_num_threads(count)
+            free: Callable[[], None] = lambda: None  # noqa: E731
             try:
-                times = {
-                    kernel: _time(call, repeats) for kernel, call in calls.items() if kernel not in too_slow
-                }
-                too_slow |= {kernel for kernel, seconds in times.items() if seconds > GIVE_UP_SECONDS}
-                if ggml is not None:
-                    run, free = ggml.product(blocks, qtype, n, k, x, count)
-                    try:
-                        if m == 16 and count == threads[0]:
-                            entry["error_16_rows"]["ggml"] = _error(run(), x.double() @ dense.double().T)
-                        times["ggml"] = _time(run, repeats)
-                    finally:
-                        free()
+                timed = {kernel: call for kernel, call in calls.items() if kernel not in too_slow}
+                if ggml is not None and "ggml" not in too_slow:
+                    timed["ggml"], free = ggml.product(weights, qtype, n, k, x, count)
+                    if m == 16 and count == threads[0]:
+                        entry["error_16_rows"]["ggml"] = _error(
+                            timed["ggml"](), x.double() @ dense[0].double().T
+                        )
+                times = {kernel: seconds / copies for kernel, seconds in _time_all(timed, repeats).items()}
             finally:
+                free()
                 torch.set_num_threads(previous)
+            too_slow |= {kernel for kernel, seconds in times.items() if seconds > GIVE_UP_SECONDS}
             entry["us"][f"{m}x{count}"] = {
                 kernel: round(seconds * 1e6, 1) for kernel, seconds in times.items()
             }
