@@ -275,7 +275,7 @@ def measure_shape(
             packed["torch_int8_bf16"] = [torch_int8(d, torch.bfloat16) for d in dense]
         x = torch.randn(m, k, generator=gen)
         products: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
-            "enginekit": [lambda x, w=w: gemm(x, w, qtype, n, k) for w in weights],
+            "enginekit": [lambda x, w=w, gemm=gemm: gemm(x, w, qtype, n, k) for w in weights],
             "float32": [lambda x, d=d: linear(x, d, None) for d in dense],
             **packed,
         }
@@ -288,7 +288,9 @@ def measure_shape(
             torch.set_num_threads(count)
             free: Callable[[], None] = lambda: None  # noqa: E731
             try:
-                timed = {kernel: call for kernel, call in calls.items() if kernel not in too_slow}
+                timed: dict[str, Callable[[], Any]] = {
+                    kernel: call for kernel, call in calls.items() if kernel not in too_slow
+                }
                 if ggml is not None and "ggml" not in too_slow:
                     timed["ggml"], free = ggml.product(weights, qtype, n, k, x, count)
                     if m == 16 and count == threads[0]:
@@ -355,7 +357,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="at most 5 repeats")
