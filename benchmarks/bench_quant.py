@@ -4,7 +4,7 @@ the same file dequantized to float32 (``quantization="none"``), and llama.cpp's 
 the same file and tokens.
 
 Three ways of scoring the text as stored: in one step (more than 16 rows: the products run in float32 on dequantized
-panels), in chunks of 8 tokens (the int8 kernels decode uses: the input quantized to int8 blocks of 32), and
+panels), in chunks of 8 tokens (the int8 kernels decode uses: the input quantized to int8, a scale per four values), and
 llama.cpp (which quantizes its dot products' input too). ``measure`` returns a dict:
 ``{"tokens": n, "file": path, "threads": t, "deviation": {name: {"mean": nats, "max": nats}}}`` with ``name`` one of
 ``"as stored, one step"``, ``"as stored, chunks of 8"``, ``"llama.cpp"`` (absent with ``why_not`` when

@@ -125,3 +125,18 @@ def test_chat_answers_with_the_weights_as_stored():
         assert engine.client.core.runner.model.lm_head.stored.exact_top
         outputs = engine.chat(CONVERSATIONS[:1], SamplingParams(max_tokens=64, temperature=0))
     assert outputs[0].text == "The capital of France is Paris."
+
+
+def test_the_fused_layers_give_the_pieces_tokens_and_logprobs():
+    # Every layer of the default model runs in one native call (stored_layer.c); called piece by piece it gives
+    # the same numbers. No prefix cache: both runs compute every prompt token in the same steps.
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = ["Tell me a story about a cat", "What is the capital of France?", "1 2 3 4 5"]
+    with Engine(mode="inproc", quantization="gguf", enable_prefix_caching=False) as engine:
+        model = engine.client.core.runner.model
+        assert model.fused_layers == len(model.layers)
+        fused = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.generate(prompts, params)]
+        for layer in model.layers:
+            layer.fused = None
+        pieces = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.generate(prompts, params)]
+    assert fused == pieces

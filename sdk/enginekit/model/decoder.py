@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import cast
+
 import torch
 from torch import nn
 
 from enginekit.model.config import ModelConfig
 from enginekit.model.kernels.native import LayerOps, native_layer_ops
+from enginekit.model.kernels.quant_gemm import NativeQuantGemm
 from enginekit.model.layers.attention import Attention
 from enginekit.model.layers.embedding import Embedding
 from enginekit.model.layers.linear import Linear, LinearKernel
 from enginekit.model.layers.mlp import MLP
 from enginekit.model.layers.norm import RMSNorm
 from enginekit.model.layers.paged_attention import AttentionMetadata
+from enginekit.model.layers.quant_linear import QuantizedWeight
 from enginekit.model.layers.rotary import RotaryEmbedding
 
 
@@ -37,12 +42,68 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, config.window_of(layer))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.fused: Callable[..., torch.Tensor] | None = None  # see fuse
         # sandwich norms (Gemma): post_attention_layernorm norms the attention's output, these the MLP's input
         # and output
         self.sandwich = config.sandwich_norms
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def fuse(self, ops: LayerOps | None) -> bool:
+        """Run this layer in one native call (``LayerOps.stored_layer``) at the steps that allow it, if ``ops`` is
+        given and the layer is the plain one with its four projections kept as stored, each one weight with a
+        native kernel; returns whether it does."""
+        attn, mlp = self.self_attn, self.mlp
+        weights = [
+            _stored(attn.qkv_proj),
+            _stored(attn.o_proj),
+            _stored(mlp.gate_up_proj),
+            _stored(mlp.down_proj),
+        ]
+        plain = not self.sandwich and attn.q_norm is None and not mlp.gelu_tanh
+        if ops is None or not plain or None in weights or attn.o_proj.bias is not None:
+            self.fused = None
+            return False
+        (qkv, o, gate_up, down) = (weight.parts[0] for weight in weights if weight is not None)
+        static = {
+            "norm1": self.input_layernorm.weight,
+            "norm2": self.post_attention_layernorm.weight,
+            "eps": self.input_layernorm.eps,
+            "w_qkv": qkv.blocks,
+            "t_qkv": int(qkv.quant_type),
+            "b_qkv": attn.qkv_proj.bias,
+            "w_o": o.blocks,
+            "t_o": int(o.quant_type),
+            "w_gate_up": gate_up.blocks,
+            "t_gate_up": int(gate_up.quant_type),
+            "w_down": down.blocks,
+            "t_down": int(down.quant_type),
+            "inter": mlp.intermediate_size,
+            "heads": attn.num_heads,
+            "scale": attn.scale,
+            "window": attn.window,
+            "softcap": attn.softcap or 0.0,
+        }
+        layer = ops.stored_layer
+
+        def fused(hidden, rotary, kv_cache, meta):
+            layer(
+                hidden,
+                cos=rotary[0],
+                signed_sin=rotary[1],
+                slots=meta.slot_mapping,
+                kv_cache=kv_cache,
+                block_tables=meta.query_tables,
+                table_rows=meta.query_table_rows,
+                context_lens=meta.query_lens,
+                block_size=meta.block_size,
+                **static,
+            )
+            return hidden
+
+        self.fused = fused
+        return True
 
     def forward(self, hidden, rotary, kv_cache, meta):
         if self.sandwich:
@@ -51,6 +112,8 @@ class DecoderLayer(nn.Module):
             return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, meta)
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
+
+    __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"
 
 
 class Decoder(nn.Module):
@@ -67,6 +130,10 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
         self.layer_ops: LayerOps | None = None  # see use_layer_ops
+        self.fused_layers = 0  # layers run in one native call each (DecoderLayer.fuse)
+
+    def _layers(self) -> Sequence[DecoderLayer]:
+        return cast("Sequence[DecoderLayer]", self.layers)
 
     def use_linear_kernel(self, kernel: LinearKernel) -> int:
         """Run every projection (and the LM head) with ``kernel(x, weight, bias)``; returns how many."""
@@ -82,6 +149,7 @@ class Decoder(nn.Module):
         for module in modules:
             module.ops = ops
         self.layer_ops = ops
+        self.fused_layers = sum(layer.fuse(ops) for layer in self._layers())
         return len(modules) if ops is not None else 0
 
     def forward(
@@ -99,10 +167,26 @@ class Decoder(nn.Module):
         if self.config.scale_embeddings:  # by sqrt(hidden) rounded to the model's dtype, as transformers does
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         rotary = self.rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, rotary, kv_cache, meta)
+        # a step whose every query attends natively runs the fused layers in one call each (they update hidden
+        # in place: it is this step's own tensor)
+        fused = self.fused_layers and meta.query_lens is not None and all(c.native for c in meta.prefills)
+        if fused:
+            hidden = hidden.contiguous()
+        for layer, kv_cache in zip(self._layers(), kv_caches):
+            run = (layer.fused or layer) if fused else layer
+            hidden = run(hidden, rotary, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices])
         logits = self.lm_head(hidden).float()
         if cap := self.config.final_logit_softcap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _stored(linear: Linear) -> QuantizedWeight | None:
+    """The linear layer's stored weight if the fused layer can run it: one weight, of a type with a native kernel."""
+    weight = linear.stored
+    if weight is None or len(weight.parts) != 1 or weight.exact_top:
+        return None
+    if not isinstance(weight.gemm, NativeQuantGemm) or not weight.gemm.supports(weight.parts[0].quant_type):
+        return None
+    return weight

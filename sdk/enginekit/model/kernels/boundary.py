@@ -157,7 +157,8 @@ def _checked(entry: Entry, function: Callable[..., Any]) -> Callable[..., Any]:
         namespace["errors"] = entry.errors
         lines.append("    if result: error_code(result, errors)")
     names = [output.name for output in outputs]
-    lines.append(f"    return {names[0] if len(names) == 1 else '(' + ', '.join(names) + ',)'}")
+    if names:  # else the call writes into its arguments and returns None
+        lines.append(f"    return {names[0] if len(names) == 1 else '(' + ', '.join(names) + ',)'}")
     exec(compile("\n".join(lines), f"<checked {entry.symbol}>", "exec"), namespace)
     call = namespace["call"]
     call.entry, call.source = entry, "\n".join(lines)

@@ -32,7 +32,10 @@ from enginekit.cache import cache_dir
 logger = logging.getLogger("enginekit.model")
 
 FOLDER = Path(__file__).parent
-SOURCES = tuple(FOLDER / name for name in ("skinny_gemm.c", "packed_gemm.c", "layer_ops.c", "quant_gemm.c"))
+SOURCES = tuple(
+    FOLDER / name
+    for name in ("skinny_gemm.c", "packed_gemm.c", "layer_ops.c", "quant_gemm.c", "stored_layer.c")
+)
 HEADERS = (FOLDER / "common.h", FOLDER / "quant_dot.h")
 MAX_ROWS = 128  # ENGINEKIT_MAX_ROWS in skinny_gemm.c; checked at load
 SKINNY_ROWS = 8  # ENGINEKIT_SKINNY_ROWS: up to this many rows each weight row is read once for all of them

@@ -135,6 +135,8 @@ class LayerOps:
         self._silu_mul = entries.SILU_MUL.bind(lib)
         self._rope = entries.ROPE_WRITE_CACHE.bind(lib)
         self._attention = entries.PAGED_ATTENTION.bind(lib)
+        self._stored_layer = entries.STORED_LAYER.bind(lib)
+        self._quant_isa = lib.enginekit_quant_isa()
         limits = [ctypes.c_long() for _ in range(2)]
         lib.enginekit_layer_ops_limits(*(ctypes.byref(limit) for limit in limits))
         self.max_group, self.max_group_floats = (limit.value for limit in limits)
@@ -211,6 +213,12 @@ class LayerOps:
             softcap=softcap,
             threads=self._threads(),
         )
+
+    def stored_layer(self, hidden: torch.Tensor, **arguments) -> None:
+        """A whole plain decoder layer with its four projections' weights kept as stored (``stored_layer.c``),
+        ``hidden`` ``[T, H]`` (contiguous) updated in place to the layer's output. ``arguments``: the entry point's
+        (``entry_points.STORED_LAYER``) but ``threads`` and ``isa``; every one checked as the other calls'."""
+        self._stored_layer(hidden=hidden, threads=self._threads(), isa=self._quant_isa, **arguments)
 
 
 @functools.cache

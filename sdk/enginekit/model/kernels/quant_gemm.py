@@ -5,8 +5,9 @@ branches on availability, only the speed differs.
 
 A weight is passed as ``blocks``: a uint8 tensor ``[out_features, row_bytes]`` holding its rows exactly as the file
 stores them, ``row_bytes = in_features / block_size * type_size`` (``gguf.GGML_QUANT_SIZES``). The native kernels
-quantize the input rows to int8 blocks of 32 for the block types at up to 16 rows (as llama.cpp does for its dot
-products; the cost in accuracy is in docs/architecture.md) and use float arithmetic otherwise; the portable path
+quantize the input rows to int8 (blocks of 32 as llama.cpp does for its dot products, with one scale per
+``INPUT_GROUP`` values; the cost in accuracy is in docs/models.md) for the block types at up to 16 rows, and use
+float arithmetic otherwise; the portable path
 computes in float32 throughout.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import gguf
@@ -46,6 +48,7 @@ Isa = Literal["scalar", "avx2", "avx512_vnni"]
 Path = Literal["auto", "int8", "float", "panels"]
 ISAS: dict[Isa, int] = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # enginekit_quant_isa in quant_gemm.c
 INT8_MAX_ROWS = 16  # as in quant_gemm.c: up to this many rows the input is quantized to int8, past it not
+INPUT_GROUP = 4  # as in quant_gemm.c: input values per int8 scale
 ISA_NAMES: dict[int, Isa] = {code: name for name, code in ISAS.items()}
 PATHS = {"auto": 0, "int8": 1, "float": 2, "panels": 3}
 
@@ -94,6 +97,17 @@ class QuantGemm:
         _check_input(x, in_features)
         return F.linear(x, self.dequantize(blocks, qtype, out_features, in_features))
 
+    def bind(
+        self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``product(x)``: this object's product of ``x`` with one weight, its description looked up once (a
+        decode step calls each weight's product once per layer, where the lookups would cost as much as the
+        call's checks)."""
+        _check_blocks(blocks, qtype, out_features, in_features)
+        return functools.partial(
+            self.__call__, blocks=blocks, qtype=qtype, out_features=out_features, in_features=in_features
+        )
+
 
 class NativeQuantGemm(QuantGemm):
     """The native form (``quant_gemm.c``): the stored bytes streamed once per call, no dequantized copy kept.
@@ -129,6 +143,30 @@ class NativeQuantGemm(QuantGemm):
             type_size=type_size,
             threads=self._threads(),
         )
+
+    def bind(
+        self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        if not self.supports(qtype):
+            return super().bind(blocks, qtype, out_features, in_features)
+        _check_blocks(blocks, qtype, out_features, in_features)
+        block_size, type_size = _format(qtype)
+        gemm, threads = self._gemm, self._threads
+        fixed = {
+            "blocks": blocks,
+            "qtype": int(qtype),
+            "N": out_features,
+            "K": in_features,
+            "block_size": block_size,
+            "type_size": type_size,
+            "isa": ISAS[self.best_isa],
+            "path": PATHS["auto"],
+        }
+
+        def product(x: torch.Tensor) -> torch.Tensor:  # every argument still checked by the entry point
+            return gemm(x=x, threads=threads(), **fixed)
+
+        return product
 
     def __call__(
         self,
@@ -185,9 +223,9 @@ def quant_gemm() -> QuantGemm:
 
 def int8_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """How far the int8 path's product may be from ``x @ weight.T`` (float32 ``[M, N]``): each input value is
-    rounded to within half a step of its block of 32, a step being the block's largest magnitude / 127."""
-    steps = x.abs().view(x.shape[0], -1, 32).amax(-1) / 127  # [M, blocks]
-    per_value = steps.repeat_interleave(32, dim=1) / 2
+    rounded to within half a step of its group of ``INPUT_GROUP``, a step being the group's largest magnitude / 127."""
+    steps = x.abs().view(x.shape[0], -1, INPUT_GROUP).amax(-1) / 127  # [M, groups]
+    per_value = steps.repeat_interleave(INPUT_GROUP, dim=1) / 2
     return per_value @ weight.abs().T
 
 

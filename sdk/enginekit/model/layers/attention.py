@@ -62,7 +62,9 @@ class Attention(nn.Module):
                 ),
                 *rotary,
             )
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"

@@ -43,6 +43,8 @@ class Linear(nn.Linear):
             return self.stored(input, self.bias)
         return self.kernel(input, self.weight, self.bias)
 
+    __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"
+
 
 # The thresholds below come from measurements (docs/benchmarks_gemm.md, benchmarks/bench_gemm.py): oneDNN's fixed
 # cost per call loses to F.linear on small weights and small calls; the packed GEMM pays off from about 96 rows

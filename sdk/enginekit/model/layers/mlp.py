@@ -29,3 +29,5 @@ class MLP(nn.Module):
             return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in place: no new [T, inter] tensors
+
+    __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"

@@ -25,3 +25,5 @@ class RMSNorm(nn.Module):
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"

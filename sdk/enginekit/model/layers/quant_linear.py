@@ -65,17 +65,27 @@ class QuantizedWeight:
         self.out_features = sum(part.out_features for part in parts)
         self.gemm = gemm or quant_gemm()
         self.exact_top = min(exact_top, self.out_features)
+        # each part's product, bound once (the layer calls it at every step)
+        self._products = tuple(
+            self.gemm.bind(part.blocks, part.quant_type, part.out_features, part.in_features)
+            for part in self.parts
+        )
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        outs = [part.matmul(x, self.gemm) for part in self.parts]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if len(shape) != 2:
+            x = x.reshape(-1, self.in_features)
+        if x.dtype is not torch.float32:
+            x = x.to(torch.float32)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        products = self._products
+        out = products[0](x) if len(products) == 1 else torch.cat([p(x) for p in products], dim=1)
         if self.exact_top and 0 < x.shape[0] <= INT8_MAX_ROWS:
             self._recompute_top(x, out)
         if bias is not None:
             out += bias
-        return out.view(*shape[:-1], self.out_features)
+        return out if len(shape) == 2 else out.view(*shape[:-1], self.out_features)
 
     def _recompute_top(self, x: torch.Tensor, out: torch.Tensor) -> None:
         top = out.topk(self.exact_top, dim=1).indices  # [M, exact_top]
