@@ -17,7 +17,11 @@ CONTEXT = 128
 PARTS = (
     ("schedule", "scheduler.schedule"),
     ("prepare", "runner: input and metadata preparation (execute minus forward and sampler)"),
-    ("attention", "forward: paged attention (cache write, gather, SDPA), all layers"),
+    ("attention", "forward: paged attention (cache write, gather, SDPA), all layers called piece by piece"),
+    (
+        "fused",
+        "forward: layers in one native call each (stored_layer.c: norms, projections, rotary, attention, MLP)",
+    ),
     ("forward_rest", "forward: everything else (embedding, norms, projections, rotary, MLP, LM head)"),
     ("sampler", "sampler (logits to token ids)"),
     ("append", "outputs: append token, detokenize, stop checks, output objects"),
@@ -61,13 +65,19 @@ def _instrumented(core: Any, timers: _Timers) -> Iterator[None]:
     ]
     saved = [(owner, attribute, vars(owner).get(attribute, _MISSING)) for owner, attribute, _ in targets]
     saved_attention = llama.paged_attention
+    fused = [(layer, layer.fused) for layer in runner.model.layers if getattr(layer, "fused", None)]
     for owner, attribute, name in targets:
         setattr(owner, attribute, timers.wrap(name, getattr(owner, attribute)))
     llama.paged_attention = timers.wrap("attention", saved_attention)
+    timers.totals.setdefault("fused", 0.0)
+    for layer, call in fused:
+        layer.fused = timers.wrap("fused", call)
     try:
         yield
     finally:
         llama.paged_attention = saved_attention
+        for layer, call in fused:
+            layer.fused = call
         for owner, attribute, original in saved:
             if original is _MISSING:
                 delattr(owner, attribute)  # a method: back to the class's
@@ -139,7 +149,14 @@ def render_steps_bench(figures: dict[str, Any]) -> str:
         parts.append(
             f"At batch {batches[0]}, {100 * python / one['step']:.0f}% of a step is bookkeeping outside the forward "
             f"pass and the sampler; the forward pass is {100 * (one['attention'] + one['forward_rest']) / one['step']:.0f}% "
-            f"(attention {100 * one['attention'] / one['step']:.0f}%).\n"
+            f"(attention {100 * one['attention'] / one['step']:.0f}%"
+            + (
+                f"; the layers run in one native call each, {100 * one['fused'] / one['step']:.0f}%, their attention "
+                "inside"
+                if one.get("fused")
+                else ""
+            )
+            + ").\n"
         )
     return "\n".join(parts)
 
@@ -156,7 +173,8 @@ def breakdown(bench: DecodeBench, batch: int, steps: int) -> dict[str, float]:
         "schedule": t["schedule"],
         "prepare": t["execute"] - t["forward"] - t["sampler"],
         "attention": t["attention"],
-        "forward_rest": t["forward"] - t["attention"],
+        "fused": t["fused"],
+        "forward_rest": t["forward"] - t["attention"] - t["fused"],
         "sampler": t["sampler"],
         "append": t["append"],
         "cache_blocks": t["cache_blocks"],
