@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--isa", choices=list(ISAS), default="avx512_vnni")
     parser.add_argument("--quick", action="store_true", help="1 and 8 rows only")
     args = parser.parse_args()
-    torch.zeros(2) @ torch.zeros(2)  # torch's OpenMP runtime first: the libraries link the same one
+    _ = torch.zeros(2) @ torch.zeros(2)  # torch's OpenMP runtime first: the libraries link the same one
     with tempfile.TemporaryDirectory() as folder:
         libs = {
             name: build(tree, Path(folder) / f"{name}.so")

@@ -165,6 +165,7 @@ def test_int8_path_at_every_row_count_up_to_sixteen(qtype: QType) -> None:
     """The int8 path multiplies each decoded group of weight rows into the input rows four or eight at a time, then
     the rest together: every count of rows a decode step can have, and a number of outputs that leaves a partial
     group of weight rows."""
+    assert NATIVE is not None
     out_features, in_features = 38, 256
     blocks = stored(qtype, out_features, in_features, seed=5)
     weight = dequantized(blocks, qtype, out_features, in_features)
