@@ -8,7 +8,10 @@ the metadata keys. Rope scaling: ``linear`` and ``yarn`` as ``{arch}.rope.scalin
 tensor ``rope_freqs.weight`` (one divisor per frequency). Vectors are stored as F32, matrices in ``weight_type``.
 Phi-3 (``phi3``): its fused ``attn_qkv`` and ``ffn_up`` (gate and up rows), and ``longrope`` as the tensors
 ``rope_factors_short.weight`` / ``rope_factors_long.weight`` with ``rope.scaling.attn_factor`` and
-``original_context_length``. The tokenizer (the byte-level BPE of ``hf_checkpoints``) goes in as ``gpt2`` tokens
+``original_context_length``. Gemma 2 (``gemma2``): norms stored as (1 + weight), its sandwich norms as
+``post_attention_norm``, ``ffn_norm`` (before the MLP) and ``post_ffw_norm``, no ``output.weight`` (the head is the
+embedding), and the ``attn_logit_softcapping``, ``final_logit_softcapping`` and ``attention.sliding_window`` keys.
+The tokenizer (the byte-level BPE of ``hf_checkpoints``) goes in as ``gpt2`` tokens
 and merges.
 """
 
@@ -30,6 +33,16 @@ Q = GGMLQuantizationType
 class Family(NamedTuple):
     gguf_arch: str  # general.architecture
     permute_qk: bool  # llama.cpp's rotary order of q/k rows
+    renames: tuple[tuple[str, str], ...] = ()  # applied before RENAMES
+    norm_plus_one: bool = False  # norms stored as (1 + weight), and the head always tied (Gemma)
+
+
+# Gemma 2: its four norms per layer; ffn_norm is the one before the MLP
+GEMMA_NORMS = (
+    ("post_attention_layernorm", "post_attention_norm"),
+    ("pre_feedforward_layernorm", "ffn_norm"),
+    ("post_feedforward_layernorm", "post_ffw_norm"),
+)
 
 
 FAMILIES = {
@@ -38,6 +51,7 @@ FAMILIES = {
     "Qwen2ForCausalLM": Family("qwen2", False),
     "Qwen3ForCausalLM": Family("qwen3", False),
     "Phi3ForCausalLM": Family("phi3", False),
+    "Gemma2ForCausalLM": Family("gemma2", False, GEMMA_NORMS, norm_plus_one=True),
 }
 RENAMES = (
     ("model.embed_tokens.", "token_embd."),
@@ -60,8 +74,8 @@ RENAMES = (
 )
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    for old, new in RENAMES:
+def gguf_tensor_name(hf_name: str, family: Family) -> str:
+    for old, new in family.renames + RENAMES:
         hf_name = hf_name.replace(old, new)
     return hf_name
 
@@ -123,10 +137,14 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
         writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
     else:
         _add_rope_scaling(writer, arch, rope)
+    if family.norm_plus_one:  # Gemma 2's soft-capping and window (llama.cpp alternates it over the layers)
+        writer.add_float32(f"{arch}.attn_logit_softcapping", config["attn_logit_softcapping"])
+        writer.add_float32(f"{arch}.final_logit_softcapping", config["final_logit_softcapping"])
+        writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
     _add_tokenizer(writer, folder, config)
 
     weights = load_file(folder / "model.safetensors")
-    if config.get("tie_word_embeddings"):
+    if config.get("tie_word_embeddings") or family.norm_plus_one:
         weights.pop("lm_head.weight", None)
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_freq_divisors(rope, head_dim))
@@ -137,9 +155,11 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for hf_name, tensor in weights.items():
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, family)
         if family.permute_qk and (".attn_q." in name or ".attn_k." in name):
             tensor = interleave_rotary_halves(tensor, heads if ".attn_q." in name else kv_heads)
+        if family.norm_plus_one and name.endswith("norm.weight"):
+            tensor = tensor + 1
         values = tensor.float().numpy()
         quant_type = Q.F32 if values.ndim == 1 else weight_type
         data = quantize(values, quant_type)

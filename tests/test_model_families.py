@@ -188,6 +188,8 @@ GGUF_CASES = {
     "phi3": ("phi3", {}),
     "phi3.5-longrope": ("phi3", {"rope_parameters": LONGROPE, "seed": 1}),
     "phi3-window": ("phi3", {"sliding_window": 8}),  # phi3.attention.sliding_window: every layer
+    # the file cannot carry query_pre_attn_scalar (24 in these checkpoints): llama.cpp scales by head_dim ** -0.5
+    "gemma2": ("gemma2", {"sliding_window": 8, "head_dim": 24, "tie_word_embeddings": True}),
 }
 
 

@@ -28,6 +28,10 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True):
     norm_plus_one: bool = False
     sandwich_norms: bool = False
     scale_embeddings: bool = False
+    # What a GGUF file leaves unsaid: the MLP activation, and llama.cpp's sliding-window pattern (of every n
+    # layers the first n - 1 slide, the last attends to everything; 0: the window, if any, on every layer)
+    gguf_activation: str = "silu"
+    gguf_window_pattern: int = 0
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -47,10 +51,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         name="gemma2",
         hf_classes=("Gemma2ForCausalLM",),
+        gguf_names=("gemma2",),
         sliding_window="always",
         norm_plus_one=True,
         sandwich_norms=True,
         scale_embeddings=True,
+        gguf_activation="gelu_pytorch_tanh",
+        gguf_window_pattern=2,
     ),
     Architecture(name="qwen3", hf_classes=("Qwen3ForCausalLM",), gguf_names=("qwen3",), qk_norm=True),
     Architecture(

@@ -77,10 +77,18 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
     rope_type, rope_parameters, freq_factors, short_factors, long_factors = _rope(header, arch, head_dim)
     max_positions = _required_int(header, f"{arch}.context_length")
     num_layers = _required_int(header, f"{arch}.block_count")
-    # a sliding window applies to every layer (the architectures read here have no per-layer pattern)
-    sliding_window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
-    layer_windows = (sliding_window,) * num_layers if sliding_window else ()
+    # the window applies to every layer, or to the sliding ones of the architecture's pattern (Gemma 2: the even)
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    pattern = spec.gguf_window_pattern
+    layer_windows = (
+        tuple(window if not pattern or (i + 1) % pattern else 0 for i in range(num_layers)) if window else ()
+    )
     eos_ids = (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
+    # llama.cpp scales Gemma's scores by head_dim ** -0.5, save the 46-layer (27B) model: (hidden / heads) ** -0.5
+    # (its query_pre_attn_scalar; the file does not carry it)
+    attention_scale = 0.0
+    if spec.norm_plus_one and num_layers == 46:
+        attention_scale = (hidden_size // num_heads) ** -0.5
     return ModelConfig(
         architecture=spec.name,
         vocab_size=_vocab_size(header, arch),
@@ -88,6 +96,13 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         intermediate_size=_required_int(header, f"{arch}.feed_forward_length"),
         num_layers=num_layers,
         layer_windows=layer_windows,
+        hidden_act=spec.gguf_activation,
+        norm_plus_one=spec.norm_plus_one,
+        sandwich_norms=spec.sandwich_norms,
+        scale_embeddings=spec.scale_embeddings,
+        attention_scale=attention_scale,
+        attn_logit_softcap=_float32(meta.get(f"{arch}.attn_logit_softcapping") or 0.0),
+        final_logit_softcap=_float32(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
         num_heads=num_heads,
         num_kv_heads=_required_int(header, f"{arch}.attention.head_count_kv", default=num_heads),
         head_dim=head_dim,
@@ -161,6 +176,10 @@ def read_gguf_weights(
         _check_finite(header, info, _finite_sum(tensor.numpy()))
         if heads:
             tensor = _undo_rotary_permutation(tensor, heads)
+        if config.norm_plus_one and gguf_name.endswith("norm.weight"):
+            tensor = (
+                tensor - 1
+            )  # llama.cpp's converter stores Gemma's norms with the 1 added; a checkpoint, without
         weights[hf_name] = tensor.to(dtype)
     return weights
 
@@ -328,6 +347,15 @@ def _weight_plan(config: ModelConfig) -> _Plan:
         layer += [
             ("attn_qkv.weight", "self_attn.qkv_proj.weight", (q_size + 2 * kv_size, hidden), 0),
             ("ffn_up.weight", "mlp.gate_up_proj.weight", (2 * inter, hidden), 0),
+        ]
+    if (
+        config.sandwich_norms
+    ):  # Gemma: ffn_norm is the norm before the MLP, the one after attention has its own
+        layer = [entry for entry in layer if entry[0] != "ffn_norm.weight"]
+        layer += [
+            ("post_attention_norm.weight", "post_attention_layernorm.weight", (hidden,), 0),
+            ("ffn_norm.weight", "pre_feedforward_layernorm.weight", (hidden,), 0),
+            ("post_ffw_norm.weight", "post_feedforward_layernorm.weight", (hidden,), 0),
         ]
     if config.qk_norm:
         layer += [
