@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-Arch = Literal["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2"]
+Arch = Literal["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"]
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -46,9 +46,11 @@ DEFAULT_ROPE_THETA = {
     "qwen2": 1000000.0,
     "mistral": 1000000.0,
     "gemma2": 10000.0,
+    "gemma3": 1000000.0,  # the global layers'; the sliding ones 10000 (GEMMA3_LOCAL_THETA)
     "qwen3": 1000000.0,
     "phi3": 10000.0,
 }
+GEMMA3_LOCAL_THETA = 10000.0
 SHARD_SIZE = "100KB"
 
 CORPUS = """\
@@ -190,12 +192,31 @@ def _make_config(
             final_logit_softcapping=5.0,
             pad_token_id=eos_id,
         )
+    if arch == "gemma3":  # odd layers global with their own rope base; no soft-capping
+        from transformers import Gemma3TextConfig
+
+        options: dict[str, Any] = dict(common)
+        rope = options.pop("rope_parameters")
+        return Gemma3TextConfig(
+            **options,
+            head_dim=head_dim or hidden_size // num_heads,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=24,
+            sliding_window=sliding_window or 4096,
+            layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)],
+            rope_parameters={
+                "full_attention": rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA},
+            },
+            pad_token_id=eos_id,
+        )
     raise ValueError(f"unknown arch {arch!r}; expected 'llama', 'qwen2' or 'mistral'")
 
 
 def _model_class(arch: Arch):
     from transformers import (
         Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
         LlamaForCausalLM,
         MistralForCausalLM,
         Phi3ForCausalLM,
@@ -210,6 +231,7 @@ def _model_class(arch: Arch):
         "qwen3": Qwen3ForCausalLM,
         "phi3": Phi3ForCausalLM,
         "gemma2": Gemma2ForCausalLM,
+        "gemma3": Gemma3ForCausalLM,
     }
     return classes[arch]
 

@@ -57,6 +57,7 @@ CASES = {
     # Gemma 2: (1 + weight) and sandwich norms, scaled embeddings, GeLU-tanh, soft-capping, query_pre_attn_scalar;
     # layer 0 slides over 8 tokens, layer 1 attends fully
     "gemma2": ("gemma2", {"sliding_window": 8}),
+    "gemma3": ("gemma3", {"sliding_window": 8}),
     "gemma2-tied-gqa1": ("gemma2", {"sliding_window": 12, "num_kv_heads": 4, "tie_word_embeddings": True}),
 }
 

@@ -59,6 +59,17 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         gguf_activation="gelu_pytorch_tanh",
         gguf_window_pattern=2,
     ),
+    # Gemma 3 (text): Gemma 2's pieces with q/k norms, no soft-capping, and the sliding layers' own rope base
+    Architecture(
+        name="gemma3",
+        hf_classes=("Gemma3ForCausalLM",),
+        sliding_window="always",
+        qk_norm=True,
+        norm_plus_one=True,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        gguf_activation="gelu_pytorch_tanh",
+    ),
     Architecture(name="qwen3", hf_classes=("Qwen3ForCausalLM",), gguf_names=("qwen3",), qk_norm=True),
     Architecture(
         name="phi3",

@@ -16,6 +16,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
+    rope_local_theta: float = (
+        0.0  # the sliding layers' own rope base (Gemma 3); 0: rope_theta for every layer
+    )
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import cast
 
+import msgspec
 import torch
 from torch import nn
 
@@ -129,6 +130,16 @@ class Decoder(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+        # Gemma 3: the sliding layers rotate with their own base and no scaling (same rows, other tables)
+        self.rotary_local = (
+            RotaryEmbedding(
+                msgspec.structs.replace(
+                    config, rope_theta=config.rope_local_theta, rope_type="default", rope_parameters={}
+                )
+            )
+            if config.rope_local_theta
+            else None
+        )
         self.layer_ops: LayerOps | None = None  # see use_layer_ops
         self.fused_layers = 0  # layers run in one native call each (DecoderLayer.fuse)
 
@@ -167,14 +178,15 @@ class Decoder(nn.Module):
         if self.config.scale_embeddings:  # by sqrt(hidden) rounded to the model's dtype, as transformers does
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         rotary = self.rotary(positions, hidden.dtype)
+        local = self.rotary_local(positions, hidden.dtype) if self.rotary_local is not None else rotary
         # a step whose every query attends natively runs the fused layers in one call each (they update hidden
         # in place: it is this step's own tensor)
         fused = self.fused_layers and meta.query_lens is not None and all(c.native for c in meta.prefills)
         if fused:
             hidden = hidden.contiguous()
-        for layer, kv_cache in zip(self._layers(), kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self._layers(), kv_caches)):
             run = (layer.fused or layer) if fused else layer
-            hidden = run(hidden, rotary, kv_cache, meta)
+            hidden = run(hidden, local if self.config.window_of(i) else rotary, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices])
         logits = self.lm_head(hidden).float()
         if cap := self.config.final_logit_softcap:

@@ -86,6 +86,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
+        rope_local_theta=_local_rope_theta(raw, config_path),
         max_position_embeddings=max_positions,
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=spec.attention_bias or bool(raw.get("attention_bias", False)),
@@ -183,6 +184,10 @@ def _rope(
     """rope_theta, the rope type and its numbers, from ``rope_parameters`` (transformers 5) or ``rope_scaling``,
     and longrope's short and long factors."""
     params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    if isinstance(
+        params.get("full_attention"), dict
+    ):  # one rope per layer type (Gemma 3): the global layers'
+        params = params["full_attention"]
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     rope_type = "longrope" if rope_type == "su" else rope_type  # the early Phi-3 configs' name
@@ -220,6 +225,20 @@ def _rope(
         if isinstance(params.get(key), (int, float)) and params.get(key) is not None
     }
     return float(theta), rope_type, numbers, short_factors, long_factors
+
+
+def _local_rope_theta(raw: dict, path: Path) -> float:
+    """The sliding layers' rope base where it differs from the global one (Gemma 3: ``rope_parameters``
+    ``sliding_attention``, or ``rope_local_base_freq``); 0: none of its own."""
+    local = (raw.get("rope_parameters") or {}).get("sliding_attention")
+    if isinstance(local, dict):
+        if local.get("rope_type", "default") != "default":
+            raise EngineStartupError(
+                f"unsupported rope type {local['rope_type']!r} for the sliding layers in {path}; supported: default",
+                phase="model load",
+            )
+        return float(local.get("rope_theta", 10000.0))
+    return float(raw.get("rope_local_base_freq") or 0.0)
 
 
 def _factors(params: dict, key: str, head_dim: int, path: Path) -> tuple[float, ...]:
