@@ -192,7 +192,7 @@ def _make_config(
             final_logit_softcapping=5.0,
             pad_token_id=eos_id,
         )
-    if arch == "gemma3":  # odd layers global with their own rope base; no soft-capping
+    if arch == "gemma3":  # every sixth layer global (as released), the sliding ones with their own rope base
         from transformers import Gemma3TextConfig
 
         options: dict[str, Any] = dict(common)
@@ -203,7 +203,7 @@ def _make_config(
             hidden_activation="gelu_pytorch_tanh",
             query_pre_attn_scalar=24,
             sliding_window=sliding_window or 4096,
-            layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)],
+            layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)],
             rope_parameters={
                 "full_attention": rope,
                 "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA},

@@ -52,6 +52,7 @@ FAMILIES = {
     "Qwen3ForCausalLM": Family("qwen3", False),
     "Phi3ForCausalLM": Family("phi3", False),
     "Gemma2ForCausalLM": Family("gemma2", False, GEMMA_NORMS, norm_plus_one=True),
+    "Gemma3ForCausalLM": Family("gemma3", False, GEMMA_NORMS, norm_plus_one=True),
 }
 RENAMES = (
     ("model.embed_tokens.", "token_embd."),
@@ -116,6 +117,9 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope = config.get("rope_parameters") or {}
+    rope = rope.get(
+        "full_attention", rope
+    )  # Gemma 3: the global layers' (llama.cpp fixes the sliding ones' base)
     writer = GGUFWriter(path, arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -137,9 +141,10 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
         writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
     else:
         _add_rope_scaling(writer, arch, rope)
-    if family.norm_plus_one:  # Gemma 2's soft-capping and window (llama.cpp alternates it over the layers)
+    if arch == "gemma2":  # its soft-capping
         writer.add_float32(f"{arch}.attn_logit_softcapping", config["attn_logit_softcapping"])
         writer.add_float32(f"{arch}.final_logit_softcapping", config["final_logit_softcapping"])
+    if family.norm_plus_one:  # the window (llama.cpp spreads it over the layers in Gemma's pattern)
         writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
     _add_tokenizer(writer, folder, config)
 

@@ -129,7 +129,7 @@ def test_an_unsupported_architecture(folder):
     path, _ = write(folder, "falcon", arch="falcon")
     with raises_about(
         path,
-        r"unsupported architecture 'falcon'; supported: llama \(Llama and Mistral files\), qwen2, gemma2, qwen3, phi3",
+        r"unsupported architecture 'falcon'; supported: llama \(Llama and Mistral files\), qwen2, gemma2, gemma3, qwen3, phi3",
     ):
         read_gguf_config(path)
 

@@ -57,7 +57,8 @@ CASES = {
     # Gemma 2: (1 + weight) and sandwich norms, scaled embeddings, GeLU-tanh, soft-capping, query_pre_attn_scalar;
     # layer 0 slides over 8 tokens, layer 1 attends fully
     "gemma2": ("gemma2", {"sliding_window": 8}),
-    "gemma3": ("gemma3", {"sliding_window": 8}),
+    # Gemma 3: q/k norms; layers 0-4 slide with rope base 1e4, layer 5 attends fully with 1e6
+    "gemma3": ("gemma3", {"sliding_window": 8, "num_layers": 6}),
     "gemma2-tied-gqa1": ("gemma2", {"sliding_window": 12, "num_kv_heads": 4, "tie_word_embeddings": True}),
 }
 
@@ -191,6 +192,7 @@ GGUF_CASES = {
     "phi3-window": ("phi3", {"sliding_window": 8}),  # phi3.attention.sliding_window: every layer
     # the file cannot carry query_pre_attn_scalar (24 in these checkpoints): llama.cpp scales by head_dim ** -0.5
     "gemma2": ("gemma2", {"sliding_window": 8, "head_dim": 24, "tie_word_embeddings": True}),
+    "gemma3": ("gemma3", {"sliding_window": 8, "num_layers": 6, "head_dim": 24, "tie_word_embeddings": True}),
 }
 
 
@@ -244,3 +246,26 @@ def test_gguf_in_the_background_process_matches_transformers(tmp_path):
     gguf = write_gguf_from_hf(path, tmp_path / "llama3.gguf", Q.F16)
     batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=3)
     assert run_gguf_engine(gguf, batch, "auto", mode="mp") == hf_greedy(path, batch, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_reads_as_its_folder(tmp_path, arch):
+    """What llama.cpp's file leaves unsaid (the window pattern, the sliding layers' rope base, the activation)
+    comes back as the folder says it; the parity cases alone could miss a small rope difference."""
+    from enginekit.model.formats.gguf import read_gguf_config
+    from enginekit.model.formats.hf import read_hf_config
+    from hf_to_gguf import write_gguf_from_hf
+
+    _, options = GGUF_CASES[arch]
+    path = build_checkpoint(tmp_path / arch, arch, **options)
+    folder, gguf = read_hf_config(path), read_gguf_config(write_gguf_from_hf(path, tmp_path / f"{arch}.gguf"))
+    fields = (
+        "layer_windows",
+        "rope_theta",
+        "rope_local_theta",
+        "hidden_act",
+        "attn_logit_softcap",
+        "qk_norm",
+    )
+    assert [getattr(gguf, f) for f in fields] == [getattr(folder, f) for f in fields]
+    assert gguf.attention_scale == 0.0 and folder.attention_scale == options["head_dim"] ** -0.5

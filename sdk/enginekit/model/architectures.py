@@ -32,6 +32,10 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True):
     # layers the first n - 1 slide, the last attends to everything; 0: the window, if any, on every layer)
     gguf_activation: str = "silu"
     gguf_window_pattern: int = 0
+    # Gemma in llama.cpp: scores scaled by head_dim ** -0.5, save the model of this many layers (the 27B), scaled
+    # by (hidden / heads) ** -0.5 (its query_pre_attn_scalar, which the file does not carry); 0: head_dim ** -0.5
+    gguf_hidden_scale_layers: int = 0
+    gguf_local_rope: bool = False  # the sliding layers' rope base is {arch}.rope.freq_base_swa, else 10000
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -58,17 +62,22 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         scale_embeddings=True,
         gguf_activation="gelu_pytorch_tanh",
         gguf_window_pattern=2,
+        gguf_hidden_scale_layers=46,
     ),
     # Gemma 3 (text): Gemma 2's pieces with q/k norms, no soft-capping, and the sliding layers' own rope base
     Architecture(
         name="gemma3",
         hf_classes=("Gemma3ForCausalLM",),
+        gguf_names=("gemma3",),
         sliding_window="always",
         qk_norm=True,
         norm_plus_one=True,
         sandwich_norms=True,
         scale_embeddings=True,
         gguf_activation="gelu_pytorch_tanh",
+        gguf_window_pattern=6,
+        gguf_hidden_scale_layers=62,
+        gguf_local_rope=True,
     ),
     Architecture(name="qwen3", hf_classes=("Qwen3ForCausalLM",), gguf_names=("qwen3",), qk_norm=True),
     Architecture(

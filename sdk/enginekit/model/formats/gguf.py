@@ -84,11 +84,10 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         tuple(window if not pattern or (i + 1) % pattern else 0 for i in range(num_layers)) if window else ()
     )
     eos_ids = (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
-    # llama.cpp scales Gemma's scores by head_dim ** -0.5, save the 46-layer (27B) model: (hidden / heads) ** -0.5
-    # (its query_pre_attn_scalar; the file does not carry it)
-    attention_scale = 0.0
-    if spec.norm_plus_one and num_layers == 46:
+    attention_scale = 0.0  # see Architecture.gguf_hidden_scale_layers
+    if spec.gguf_hidden_scale_layers and num_layers == spec.gguf_hidden_scale_layers:
         attention_scale = (hidden_size // num_heads) ** -0.5
+    local_theta = _float32(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if spec.gguf_local_rope else 0.0
     return ModelConfig(
         architecture=spec.name,
         vocab_size=_vocab_size(header, arch),
@@ -108,6 +107,7 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=_float32(_required(header, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=_float32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_local_theta=local_theta,
         max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in header.tensors,
         attention_bias=spec.attention_bias or "blk.0.attn_q.bias" in header.tensors,
