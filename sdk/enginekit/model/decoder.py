@@ -140,6 +140,10 @@ class Decoder(nn.Module):
             if config.rope_local_theta
             else None
         )
+        # per layer, whether it rotates with rotary_local (fixed at build: the step loop only reads it)
+        self.local_rope = tuple(
+            bool(config.rope_local_theta and config.window_of(i)) for i in range(config.num_layers)
+        )
         self.layer_ops: LayerOps | None = None  # see use_layer_ops
         self.fused_layers = 0  # layers run in one native call each (DecoderLayer.fuse)
 
@@ -184,9 +188,9 @@ class Decoder(nn.Module):
         fused = self.fused_layers and meta.query_lens is not None and all(c.native for c in meta.prefills)
         if fused:
             hidden = hidden.contiguous()
-        for i, (layer, kv_cache) in enumerate(zip(self._layers(), kv_caches)):
+        for layer, kv_cache, slides in zip(self._layers(), kv_caches, self.local_rope):
             run = (layer.fused or layer) if fused else layer
-            hidden = run(hidden, local if self.config.window_of(i) else rotary, kv_cache, meta)
+            hidden = run(hidden, local if slides else rotary, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices])
         logits = self.lm_head(hidden).float()
         if cap := self.config.final_logit_softcap:

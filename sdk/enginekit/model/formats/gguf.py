@@ -177,9 +177,8 @@ def read_gguf_weights(
         if heads:
             tensor = _undo_rotary_permutation(tensor, heads)
         if config.norm_plus_one and gguf_name.endswith("norm.weight"):
-            tensor = (
-                tensor - 1
-            )  # llama.cpp's converter stores Gemma's norms with the 1 added; a checkpoint, without
+            # llama.cpp's converter stores Gemma's norms with the 1 added; a checkpoint, without
+            tensor = tensor - 1
         weights[hf_name] = tensor.to(dtype)
     return weights
 
@@ -348,9 +347,8 @@ def _weight_plan(config: ModelConfig) -> _Plan:
             ("attn_qkv.weight", "self_attn.qkv_proj.weight", (q_size + 2 * kv_size, hidden), 0),
             ("ffn_up.weight", "mlp.gate_up_proj.weight", (2 * inter, hidden), 0),
         ]
-    if (
-        config.sandwich_norms
-    ):  # Gemma: ffn_norm is the norm before the MLP, the one after attention has its own
+    # Gemma: ffn_norm is the norm before the MLP, the one after attention has its own
+    if config.sandwich_norms:
         layer = [entry for entry in layer if entry[0] != "ffn_norm.weight"]
         layer += [
             ("post_attention_norm.weight", "post_attention_layernorm.weight", (hidden,), 0),

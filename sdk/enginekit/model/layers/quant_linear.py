@@ -26,10 +26,6 @@ class StoredWeight(NamedTuple):
     out_features: int
     in_features: int
 
-    def matmul(self, x: torch.Tensor, gemm: QuantGemm) -> torch.Tensor:
-        """``x @ weight.T`` for float32 ``x`` ``[M, in_features]``: float32 ``[M, out_features]``."""
-        return gemm(x, self.blocks, self.quant_type, self.out_features, self.in_features)
-
     def rows(self, ids: torch.Tensor, gemm: QuantGemm) -> torch.Tensor:
         """Rows ``ids`` of the weight, dequantized to float32 ``[len(ids), in_features]`` (an embedding lookup:
         only those rows are read)."""
