@@ -20,11 +20,11 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from enginekit.model.kernels.quant_gemm import (
-    BF16_MIN_ROWS,
     INT8_MAX_ROWS,
     NATIVE_TYPES,
     QuantGemm,
     bf16_error_bound,
+    bf16_min_rows,
     int8_error_bound,
     native_quant_gemm,
     quant_gemm,
@@ -166,7 +166,10 @@ def test_product_matches_the_dequantized_weight_on_every_isa_and_path(qtype: QTy
             blocky = qtype not in (QType.F16, QType.BF16)  # auto: int8 up to 16 rows, and always without AVX2
             # auto with AVX-512 BF16: bf16 from BF16_MIN_ROWS to 16 rows
             bf16 = path == "bf16" or (
-                path == "auto" and blocky and isa == "avx512_bf16" and BF16_MIN_ROWS <= rows <= INT8_MAX_ROWS
+                path == "auto"
+                and blocky
+                and isa == "avx512_bf16"
+                and bf16_min_rows(qtype) <= rows <= INT8_MAX_ROWS
             )
             int8 = not bf16 and (
                 path == "int8" or (path == "auto" and blocky and (rows <= 16 or isa == "scalar"))
@@ -195,7 +198,7 @@ def test_int8_path_at_every_row_count_up_to_sixteen(qtype: QType) -> None:
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_bf16_path_at_every_row_count_up_to_sixteen(qtype: QType) -> None:
     """The bf16 path (CPUs with AVX-512 BF16) multiplies four decoded weight rows into the input rows six at a
-    time, then the rest: every count of rows a decode step can have, a number of outputs that leaves a partial
+    time (split evenly): every count of rows a decode step can have, a number of outputs that leaves a partial
     group of weight rows, and a width that is not whole vectors of 32 (F16, BF16)."""
     assert NATIVE is not None
     if "avx512_bf16" not in NATIVE.isas():

@@ -40,7 +40,8 @@ enum { OK = 0, BAD_TYPE = -1, BAD_SHAPE = -2, NO_MEMORY = -3, BAD_ISA = -4, BAD_
 #define INPUT_GROUP 4 /* input values per int8 scale (a multiple of 4 dividing QK): see quantize_rows */
 #endif
 #define INT8_MAX_ROWS 16              /* the int8 path up to this many rows, the panel path past it */
-#define BF16_MIN_ROWS 5               /* with AVX-512 BF16, the bf16 path from this many rows to INT8_MAX_ROWS */
+#define BF16_MIN_ROWS 6               /* with AVX-512 BF16, the bf16 path from this many rows to INT8_MAX_ROWS */
+#define BF16_MIN_ROWS_Q6_K 8          /* Q6_K's from this many: its values are converted 16 at a time, not looked up */
 #define BF16_TILE 6                   /* the bf16 path's input rows per pass over four decoded weight rows */
 #define FLOAT_MAX_ROWS 8              /* F16/BF16: the float path up to this many rows */
 #define ROWS_PER_TASK 4               /* weight rows per parallel task (a multiple of 4: the int8 path's group) */
@@ -480,37 +481,57 @@ AVX512_BF16 static inline __m512i bytes_bf16(const uint8_t *p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 
+/* The bf16 values d * i + m (one float32 rounding, then the bf16 one) for i = 0 .. 31, as the 32 words of a table for
+ * vpermw; with `five` false, those for i = 0 .. 15 twice (an index's bit 4 then changes nothing). */
+AVX512_BF16 static inline __m512i table_bf16(__m512 d, __m512 m, int five) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 lo = _mm512_fmadd_ps(d, iota, m);
+  __m512 hi = five ? _mm512_fmadd_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.0f)), m) : lo;
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* The 32 values of a block of bytes qs[0..15] as words: the low nibbles, then the high ones (the low nibbles'
+ * words keep bits 4-7 of their byte: the table's second half covers bit 4, vpermw reads five bits). */
+AVX512_BF16 static inline __m512i nibble_words(const uint8_t *qs) {
+  const __m512i shifts = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
+                                          0x0004000400040004LL, 0, 0, 0, 0);
+  __m512i x = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs)));
+  return _mm512_srlv_epi16(x, shifts);
+}
+
 /* One weight row of k values of a block type, dequantized in float32 (each value d * q + m with one rounding, the
- * Q4_0 / Q5_0 offset as the minimum -8d / -16d) and rounded to bf16 into out: the bf16 path's decoding, 16 values a
- * vector. F16 and BF16 go through dequantize_row_avx2 and round_rows_bf16 (`work`: k floats). */
+ * Q4_0 / Q5_0 offset as the minimum -8d / -16d) and rounded to bf16 into out: the bf16 path's decoding. The 4- and
+ * 5-bit types build each (sub-)block's 16 or 32 possible values once and look its values up (vpermw), 32 a
+ * vector; Q8_0 and Q6_K convert 16 values a vector. F16 and BF16 go through dequantize_row_avx2 and
+ * round_rows_bf16 (`work`: k floats). */
 AVX512_BF16 static void decode_bf16(int type, const uint8_t *row, long k, uint16_t *out, float *work) {
-  const __m512i low = _mm512_set1_epi32(0x0f);
+  const __m512i low = _mm512_set1_epi32(0x0f), low16 = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
   if (type == F16 || type == BF16) {
     dequantize_row_avx2(type, row, work, k);
     round_rows_bf16(work, 1, k, (k + 31) / 32 * 32, out);
-  } else if (type == Q8_0 || type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
+  } else if (type == Q8_0) {
+    for (long b = 0; b < k / QK; b++) {
+      const uint8_t *p = row + b * 34;
+      __m512 d = half_bf16(p);
+      __m512 lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))));
+      __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))));
+      store_bf16(lo, hi, out + QK * b);
+    }
+  } else if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
     long bytes = format_of(type).bytes;
+    int five = type == Q5_0 || type == Q5_1, with_min = type == Q4_1 || type == Q5_1;
     for (long b = 0; b < k / QK; b++) {
       const uint8_t *p = row + b * bytes;
-      __m512 d = half_bf16(p), lo, hi;
-      if (type == Q8_0) {
-        lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))));
-        hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))));
-      } else {
-        int five = type == Q5_0 || type == Q5_1, with_min = type == Q4_1 || type == Q5_1;
-        __m512i q = bytes_bf16(p + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8));
-        __m512i ql = _mm512_and_si512(q, low), qh = _mm512_srli_epi32(q, 4);
-        if (five) {
-          uint32_t bits;
-          memcpy(&bits, p + (type == Q5_0 ? 2 : 4), sizeof bits);
-          ql = _mm512_mask_or_epi32(ql, (__mmask16)bits, ql, _mm512_set1_epi32(16));
-          qh = _mm512_mask_or_epi32(qh, (__mmask16)(bits >> 16), qh, _mm512_set1_epi32(16));
-        }
-        __m512 m = with_min ? half_bf16(p + 2) : _mm512_mul_ps(d, five ? _mm512_set1_ps(-16.0f) : _mm512_set1_ps(-8.0f));
-        lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(ql), m);
-        hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(qh), m);
+      __m512 d = half_bf16(p);
+      __m512 m = with_min ? half_bf16(p + 2) : _mm512_mul_ps(d, _mm512_set1_ps(five ? -16.0f : -8.0f));
+      __m512i index = nibble_words(p + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8));
+      if (five) {
+        uint32_t bits;
+        memcpy(&bits, p + (type == Q5_0 ? 2 : 4), sizeof bits);
+        index = _mm512_and_si512(index, low16);
+        index = _mm512_mask_add_epi16(index, (__mmask32)bits, index, sixteen);
       }
-      store_bf16(lo, hi, out + QK * b);
+      _mm512_storeu_si512((void *)(out + QK * b), _mm512_permutexvar_epi16(index, table_bf16(d, m, five)));
     }
   } else if (type == Q4_K || type == Q5_K) {
     long bytes = format_of(type).bytes;
@@ -521,17 +542,16 @@ AVX512_BF16 static void decode_bf16(int type, const uint8_t *row, long k, uint16
       k_scales(p + 4, scale, min);
       __m256i high = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
       for (int s = 0; s < 8; s++) {
-        __m512i ql = bytes_bf16(qs + 32 * (s / 2)), qh = bytes_bf16(qs + 32 * (s / 2) + 16);
-        if (s % 2) ql = _mm512_srli_epi32(ql, 4), qh = _mm512_srli_epi32(qh, 4);
-        ql = _mm512_and_si512(ql, low), qh = _mm512_and_si512(qh, low);
+        __m512i index = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * (s / 2))));
+        if (s % 2) index = _mm512_srli_epi16(index, 4);
         if (type == Q5_K) {
-          uint32_t bits = _mm256_test_epi8_mask(high, _mm256_set1_epi8((char)(1 << s)));
-          ql = _mm512_mask_or_epi32(ql, (__mmask16)bits, ql, _mm512_set1_epi32(16));
-          qh = _mm512_mask_or_epi32(qh, (__mmask16)(bits >> 16), qh, _mm512_set1_epi32(16));
+          __mmask32 bits = _mm256_test_epi8_mask(high, _mm256_set1_epi8((char)(1 << s)));
+          index = _mm512_and_si512(index, low16);
+          index = _mm512_mask_add_epi16(index, bits, index, sixteen);
         }
         __m512 ds = _mm512_set1_ps(d * (float)scale[s]), dm = _mm512_set1_ps(-(dmin * (float)min[s]));
-        store_bf16(_mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(ql), dm), _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(qh), dm),
-                   out + 256 * sb + 32 * s);
+        _mm512_storeu_si512((void *)(out + 256 * sb + 32 * s),
+                            _mm512_permutexvar_epi16(index, table_bf16(ds, dm, type == Q5_K)));
       }
     }
   } else { /* Q6_K */
@@ -613,6 +633,9 @@ static int gemm_bf16(const float *x, const uint8_t *w, int type, float *y, long 
     float *wf = (float *)(wb + 4 * kp);
     long r0 = t * ROWS_PER_TASK;
     int valid = n - r0 < 4 ? (int)(n - r0) : 4;
+    /* the next task's rows (this thread's, under the static schedule) asked for while these are multiplied */
+    const char *next = (const char *)(w + (r0 + ROWS_PER_TASK) * row_bytes);
+    for (long o = 0; o < ROWS_PER_TASK * row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     for (int i = 0; i < 4; i++) {
       if (i < valid) {
         decode_bf16(type, w + (r0 + i) * row_bytes, k, wb + i * kp, wf);
@@ -620,8 +643,12 @@ static int gemm_bf16(const float *x, const uint8_t *w, int type, float *y, long 
         memset(wb + i * kp, 0, (size_t)kp * 2);
       }
     }
-    for (long i = 0; i < m; i += BF16_TILE)
-      bf16_tiles(m - i < BF16_TILE ? (int)(m - i) : BF16_TILE, wb, xb + i * kp, kp, y + i * n + r0, n, valid);
+    long passes = (m + BF16_TILE - 1) / BF16_TILE; /* the input rows split evenly: 16 as 6, 5, 5 */
+    for (long p = 0, i = 0; p < passes; p++) {
+      int C = (int)((m - i + passes - p - 1) / (passes - p));
+      bf16_tiles(C, wb, xb + i * kp, kp, y + i * n + r0, n, valid);
+      i += C;
+    }
   }
   free(memory);
   return OK;
@@ -733,7 +760,7 @@ int enginekit_quant_gemm(const float *x, const uint8_t *w, int type, float *y, l
   int blocks = f.block > 1;
   if (path == PATH_AUTO)
     path = m > (blocks ? INT8_MAX_ROWS : FLOAT_MAX_ROWS) && isa != ISA_SCALAR  ? PATH_PANELS
-           : blocks && isa >= ISA_AVX512_BF16 && m >= BF16_MIN_ROWS ? PATH_BF16
+           : blocks && isa >= ISA_AVX512_BF16 && m >= (type == Q6_K ? BF16_MIN_ROWS_Q6_K : BF16_MIN_ROWS) ? PATH_BF16
            : blocks                                                           ? PATH_INT8
                                                                               : PATH_FLOAT;
   if ((path == PATH_INT8 && !blocks) || (path == PATH_PANELS && isa == ISA_SCALAR) ||

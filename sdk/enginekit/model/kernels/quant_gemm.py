@@ -49,7 +49,8 @@ Path = Literal["auto", "int8", "float", "panels", "bf16"]
 # enginekit_quant_isa in quant_gemm.c; "avx512_bf16": AVX-512 VNNI and BF16 both
 ISAS: dict[Isa, int] = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "avx512_bf16": 3}
 INT8_MAX_ROWS = 16  # as in quant_gemm.c: up to this many rows the input is quantized to int8, past it not
-BF16_MIN_ROWS = 5  # as in quant_gemm.c: with AVX-512 BF16, from this many rows to INT8_MAX_ROWS the bf16 path
+BF16_MIN_ROWS = 6  # as in quant_gemm.c: with AVX-512 BF16, from this many rows to INT8_MAX_ROWS the bf16 path
+BF16_MIN_ROWS_Q6_K = 8  # as in quant_gemm.c: Q6_K's (its values converted, not looked up)
 INPUT_GROUP = 4  # as in quant_gemm.c: input values per int8 scale
 ISA_NAMES: dict[int, Isa] = {code: name for name, code in ISAS.items()}
 PATHS = {"auto": 0, "int8": 1, "float": 2, "panels": 3, "bf16": 4}
@@ -229,6 +230,11 @@ def int8_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     steps = x.abs().view(x.shape[0], -1, INPUT_GROUP).amax(-1) / 127  # [M, groups]
     per_value = steps.repeat_interleave(INPUT_GROUP, dim=1) / 2
     return per_value @ weight.abs().T
+
+
+def bf16_min_rows(qtype: int) -> int:
+    """From how many rows the automatic choice takes the bf16 path for ``qtype`` (on CPUs with AVX-512 BF16)."""
+    return BF16_MIN_ROWS_Q6_K if qtype == QType.Q6_K else BF16_MIN_ROWS
 
 
 def bf16_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
