@@ -13,6 +13,9 @@
  *   prefetcher). Against one row at a time with one accumulator this measured 1.5-1.7x at one input row and 1.3-1.9x at
  *   eight on the default model's Q4_1 shapes (benchmarks/quant_kernels_ab.py). Quantizing the input costs at most half
  *   a step (the largest magnitude of its four values / 127) per value (see docs/models.md for the cost in quality);
+ * - the bf16 path (block types, BF16_MIN_ROWS to INT8_MAX_ROWS rows, on CPUs with AVX-512 BF16): the input rows and
+ *   each task's four dequantized weight rows rounded to bf16 once per call, then vdpbf16ps with no scaling left in the
+ *   inner loop (see gemm_bf16), where the int8 path is bound by its per-four-values float work;
  * - the float path (F16 and BF16 at a few rows; every type without AVX2): each weight row dequantized into the L1
  *   cache and multiplied into every input row with float multiply-adds, no quantization of the input;
  * - the panel path (many rows): the weight dequantized panel by panel into packed_gemm.c's panels, and its 6x16
