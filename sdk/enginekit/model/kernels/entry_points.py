@@ -34,23 +34,6 @@ SKINNY_GEMM = Entry(
     ctypes.c_int,
     {-1: "takes 1 to 128 rows"},
 )
-PACKED_GEMM = Entry(
-    "enginekit_packed_gemm",
-    (
-        Tensor("x", ("M", "K"), layout="rows"),
-        Stride("x"),
-        Tensor("weight", ("N", "K")),
-        Tensor("bias", ("N",), optional=True),
-        Output("out", ("M", "N")),
-        Size("M"),
-        Size("N"),
-        Size("K"),
-        THREADS,
-    ),
-    ctypes.c_int,
-    {-1: "is out of memory"},
-    requires=(("M >= 1 and N >= 1 and K >= 1", "takes at least one row, output and input ({M}, {N}, {K})"),),
-)
 RMS_NORM = Entry(
     "enginekit_rms_norm",
     (
@@ -244,7 +227,6 @@ STORED_LAYER = Entry(
 
 ENTRY_POINTS = (
     SKINNY_GEMM,
-    PACKED_GEMM,
     RMS_NORM,
     SILU_MUL,
     ROPE_WRITE_CACHE,
