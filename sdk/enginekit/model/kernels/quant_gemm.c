@@ -506,8 +506,13 @@ AVX512_BF16 static inline __m512i nibble_words(const uint8_t *qs) {
  * Q4_0 / Q5_0 offset as the minimum -8d / -16d) and rounded to bf16 into out: the bf16 path's decoding. The 4- and
  * 5-bit types build each (sub-)block's 16 or 32 possible values once and look its values up (vpermw), 32 a
  * vector; Q8_0 and Q6_K convert 16 values a vector. F16 and BF16 go through dequantize_row_avx2 and
- * round_rows_bf16 (`work`: k floats). */
-AVX512_BF16 static void decode_bf16(int type, const uint8_t *row, long k, uint16_t *out, float *work) {
+ * round_rows_bf16 (`work`: k floats). Each block asks for the one `ahead` bytes further (the next task's row), so the
+ * reads ahead are spread over the decoding. */
+AVX512_BF16 static inline void ask_bf16(const uint8_t *p, long bytes) {
+  for (long o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T0);
+}
+
+AVX512_BF16 static void decode_bf16(int type, const uint8_t *row, long k, uint16_t *out, float *work, long ahead) {
   const __m512i low = _mm512_set1_epi32(0x0f), low16 = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
   if (type == F16 || type == BF16) {
     dequantize_row_avx2(type, row, work, k);
@@ -515,6 +520,7 @@ AVX512_BF16 static void decode_bf16(int type, const uint8_t *row, long k, uint16
   } else if (type == Q8_0) {
     for (long b = 0; b < k / QK; b++) {
       const uint8_t *p = row + b * 34;
+      ask_bf16(p + ahead, 34);
       __m512 d = half_bf16(p);
       __m512 lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))));
       __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))));
@@ -525,6 +531,7 @@ AVX512_BF16 static void decode_bf16(int type, const uint8_t *row, long k, uint16
     int five = type == Q5_0 || type == Q5_1, with_min = type == Q4_1 || type == Q5_1;
     for (long b = 0; b < k / QK; b++) {
       const uint8_t *p = row + b * bytes;
+      ask_bf16(p + ahead, bytes);
       __m512 d = half_bf16(p);
       __m512 m = with_min ? half_bf16(p + 2) : _mm512_mul_ps(d, _mm512_set1_ps(five ? -16.0f : -8.0f));
       __m512i index = nibble_words(p + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8));
@@ -540,6 +547,7 @@ AVX512_BF16 static void decode_bf16(int type, const uint8_t *row, long k, uint16
     long bytes = format_of(type).bytes;
     for (long sb = 0; sb < k / 256; sb++) {
       const uint8_t *p = row + sb * bytes, *qs = p + (type == Q4_K ? 16 : 48);
+      ask_bf16(p + ahead, bytes);
       float d = _cvtsh_ss((uint16_t)(p[0] | p[1] << 8)), dmin = _cvtsh_ss((uint16_t)(p[2] | p[3] << 8));
       uint8_t scale[8], min[8];
       k_scales(p + 4, scale, min);
@@ -561,6 +569,7 @@ AVX512_BF16 static void decode_bf16(int type, const uint8_t *row, long k, uint16
     const __m512i three = _mm512_set1_epi32(3), offset = _mm512_set1_epi32(32);
     for (long sb = 0; sb < k / 256; sb++) {
       const uint8_t *p = row + sb * 210;
+      ask_bf16(p + ahead, 210);
       float d = _cvtsh_ss((uint16_t)(p[208] | p[209] << 8));
 #pragma GCC unroll 8
       for (int s = 0; s < 8; s++) {
@@ -636,12 +645,9 @@ static int gemm_bf16(const float *x, const uint8_t *w, int type, float *y, long 
     float *wf = (float *)(wb + 4 * kp);
     long r0 = t * ROWS_PER_TASK;
     int valid = n - r0 < 4 ? (int)(n - r0) : 4;
-    /* the next task's rows (this thread's, under the static schedule) asked for while these are multiplied */
-    const char *next = (const char *)(w + (r0 + ROWS_PER_TASK) * row_bytes);
-    for (long o = 0; o < ROWS_PER_TASK * row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
     for (int i = 0; i < 4; i++) {
       if (i < valid) {
-        decode_bf16(type, w + (r0 + i) * row_bytes, k, wb + i * kp, wf);
+        decode_bf16(type, w + (r0 + i) * row_bytes, k, wb + i * kp, wf, ROWS_PER_TASK * row_bytes);
       } else {
         memset(wb + i * kp, 0, (size_t)kp * 2);
       }
