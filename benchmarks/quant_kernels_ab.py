@@ -5,7 +5,7 @@ on the same path, 1e-2 between different paths, which round differently). The sa
 two paths (``--before . --after-path bf16``).
 
 Run: ``python benchmarks/quant_kernels_ab.py --before /path/to/other/checkout [--isa avx512_vnni] [--path int8]
-[--after-isa avx512_bf16] [--after-path auto] [--quick]``.
+[--after-isa avx512_bf16] [--after-path auto] [--quick] [--shapes Q4_K:2048:2048,... --rows 5,8,16]``.
 Prints one line per shape, rows and threads: microseconds per call of each tree and before / after.
 """
 
@@ -57,6 +57,8 @@ def main() -> None:
     )
     parser.add_argument("--after-path", choices=list(PATHS), help="the after tree's path (else --path)")
     parser.add_argument("--quick", action="store_true", help="1 and 8 rows only")
+    parser.add_argument("--shapes", help="these shapes only, e.g. Q8_0:49152:576,Q4_K:2048:2048")
+    parser.add_argument("--rows", help="these row counts (with --shapes), e.g. 5,8,16")
     args = parser.parse_args()
     modes = {
         "before": (ISAS[args.isa], PATHS[args.path]),
@@ -71,6 +73,12 @@ def main() -> None:
         }
         rows = (1, 8) if args.quick else (1, 4, 8, 16)
         cases = [(*shape, m) for shape in SHAPES for m in rows] + [(*shape, 1) for shape in ONE_ROW]
+        if args.shapes:
+            chosen = [
+                (QType[t], int(n), int(k)) for t, n, k in (s.split(":") for s in args.shapes.split(","))
+            ]
+            counts = [int(m) for m in args.rows.split(",")] if args.rows else list(rows)
+            cases = [(*shape, m) for shape in chosen for m in counts]
         gen = torch.Generator().manual_seed(0)
         print(
             f"{'type':5s} {'out':>6s} {'in':>5s} {'rows':>4s} {'thr':>3s} {'before us':>10s} {'after us':>9s}  ratio"
