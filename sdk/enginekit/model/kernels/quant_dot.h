@@ -78,14 +78,25 @@ ISA static inline __m128i NAME(words)(const uint8_t *const *p) {
   return _mm_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
 }
 
-/* The bytes of four rows, eight per row (row r in bytes[r]), regrouped by position: byte j of rows 0-3 at 4j. */
-ISA static inline void NAME(transpose8)(const uint64_t *bytes, uint8_t *out) {
-  __m128i a = _mm_set_epi64x((long long)bytes[1], (long long)bytes[0]);
-  __m128i b = _mm_set_epi64x((long long)bytes[3], (long long)bytes[2]);
-  a = _mm_unpacklo_epi8(a, _mm_unpackhi_epi64(a, a)); /* rows 0, 1 interleaved */
-  b = _mm_unpacklo_epi8(b, _mm_unpackhi_epi64(b, b)); /* rows 2, 3 */
-  _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi16(a, b));
-  _mm_storeu_si128((__m128i *)(out + 16), _mm_unpackhi_epi16(a, b));
+/* The six-bit scales and minimums of the eight sub-blocks of four Q4_K / Q5_K rows' super-blocks (their twelve
+ * bytes at p[r] + 4), regrouped by sub-block: scale s of rows 0-3 at scales[4s], the same for mins. The four rows'
+ * words go through the bit operations at once, one row a lane; a byte shuffle then transposes each 4 x 4 bytes. */
+ISA static inline void NAME(k_scales4)(const uint8_t *const *p, uint8_t *scales, uint8_t *mins) {
+  const uint8_t *at[4] = {p[0] + 4, p[1] + 4, p[2] + 4, p[3] + 4};
+  __m128i s0 = NAME(words)(at);
+  for (int r = 0; r < 4; r++) at[r] += 4;
+  __m128i s1 = NAME(words)(at);
+  for (int r = 0; r < 4; r++) at[r] += 4;
+  __m128i s2 = NAME(words)(at);
+  const __m128i six = _mm_set1_epi32(0x3f3f3f3f), four = _mm_set1_epi32(0x0f0f0f0f), top = _mm_set1_epi32(0x30303030);
+  const __m128i by_position = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m128i scale_lo = _mm_and_si128(s0, six), min_lo = _mm_and_si128(s1, six);
+  __m128i scale_hi = _mm_or_si128(_mm_and_si128(s2, four), _mm_and_si128(_mm_srli_epi32(s0, 2), top));
+  __m128i min_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi32(s2, 4), four), _mm_and_si128(_mm_srli_epi32(s1, 2), top));
+  _mm_storeu_si128((__m128i *)scales, _mm_shuffle_epi8(scale_lo, by_position));
+  _mm_storeu_si128((__m128i *)(scales + 16), _mm_shuffle_epi8(scale_hi, by_position));
+  _mm_storeu_si128((__m128i *)mins, _mm_shuffle_epi8(min_lo, by_position));
+  _mm_storeu_si128((__m128i *)(mins + 16), _mm_shuffle_epi8(min_hi, by_position));
 }
 
 /* Weight rows rows[0..3] of `type` against C quantized input rows from r0, into y[c * ldy + r] for the first
@@ -129,16 +140,8 @@ ISA static inline __attribute__((always_inline)) void NAME(group)(int type, int 
       __m256 dm = _mm256_cvtph_ps(NAME(words)(p)); /* d and dmin of each row */
       __m128 d = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(dm, evens));
       __m128 dmin = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(dm, odds));
-      uint64_t scale[4], min[4];
-      for (int r = 0; r < 4; r++) { /* k_scales, four sub-blocks to a 32-bit word */
-        uint32_t s[3];
-        memcpy(s, p[r] + 4, sizeof s);
-        scale[r] = (s[0] & 0x3f3f3f3fu) | (uint64_t)((s[2] & 0x0f0f0f0fu) | ((s[0] >> 2) & 0x30303030u)) << 32;
-        min[r] = (s[1] & 0x3f3f3f3fu) | (uint64_t)(((s[2] >> 4) & 0x0f0f0f0fu) | ((s[1] >> 2) & 0x30303030u)) << 32;
-      }
       uint8_t scales[32], mins[32];
-      NAME(transpose8)(scale, scales);
-      NAME(transpose8)(min, mins);
+      NAME(k_scales4)(p, scales, mins);
 #pragma GCC unroll 8
       for (int s = 0; s < 8; s++) {
         for (long o = 0; o < bytes / 2; o += 64)
