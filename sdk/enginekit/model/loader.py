@@ -34,6 +34,7 @@ from enginekit.model.kernels.native import native_quant_gemm
 from enginekit.model.kernels.quant_gemm import NATIVE_TYPES
 from enginekit.model.layers.embedding import Embedding
 from enginekit.model.layers.linear import Linear, linear_kernel
+from enginekit.model.layers.parallel_linear import Collectives
 from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
 from enginekit.model.text.chat_template import ChatTemplate, chat_template_from_folder, end_of_turn_token_ids
 from enginekit.model.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -101,15 +102,36 @@ def load_model(
     dtype: torch.dtype,
     seed: int = 0,
     quantization: Quantization = "auto",
+    comm: Collectives | None = None,
 ) -> Decoder:
     """Build the model on ``device`` in ``dtype`` with its weights (seeded random ones for the built-in model).
 
     ``quantization`` applies to GGUF files (see ``stored_tensor_names``): ``"auto"`` keeps the quantized
     matrices as stored where a kernel computes with them, ``"gguf"`` requires it, ``"none"`` dequantizes all.
+
+    ``comm``: this rank's tensor-parallel group; the model keeps this rank's slice of each split weight
+    (``shard_state``), float weights only: a GGUF file is dequantized at load under ``"auto"`` (logged), and
+    ``"gguf"`` is refused.
     """
     config, source = spec.config, spec.source
+    if comm is not None:
+        check_tensor_parallel(config, comm.size)
+        if source.format == "gguf" and quantization != "none":
+            if quantization == "gguf":
+                raise EngineStartupError(
+                    f"quantization='gguf' keeps a GGUF file's weights as stored, which tensor parallelism "
+                    f"(tensor_parallel_size={comm.size}) cannot split yet: use quantization='auto' or 'none' "
+                    "(float weights, each rank its slice), or tensor_parallel_size=1",
+                    phase="model load",
+                )
+            logger.info(
+                "GGUF weights dequantized at load to %s: tensor_parallel_size=%d splits float weights only",
+                str(dtype).removeprefix("torch."),
+                comm.size,
+            )
+            quantization = "none"
     with torch.device("meta"):
-        module = Decoder(config)
+        module = Decoder(config, comm)
     stored: dict[str, StoredWeight | QuantizedWeight] = {}
     if source.format == "gguf":
         assert source.path is not None
@@ -141,6 +163,8 @@ def load_model(
             assert source.path is not None
             weights = read_hf_weights(source.path)
         state = _fuse(_checked(weights, config, source.path), config)
+    if comm is not None:
+        state = shard_state(module, state)
     module.load_state_dict(state, strict=False, assign=True)
     _use_stored(module, stored, config)
     if config.tie_word_embeddings and module.embed_tokens.weight is not None:
@@ -148,17 +172,47 @@ def load_model(
     module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
     kernel_name, kernel = linear_kernel(device, dtype)
     count = module.use_linear_kernel(kernel)
-    native = module.use_layer_ops(layer_ops(config, device, dtype))
+    native = module.use_layer_ops(layer_ops(config, device, dtype, module.tensor_parallel_size))
     logger.info(
-        "model loaded on %s in %s; its %d projections run %s%s; norms and attention: %s",
+        "model loaded on %s in %s%s; its %d projections run %s%s; norms and attention: %s",
         device,
         dtype,
+        f" (tensor-parallel rank {comm.rank} of {comm.size})" if comm is not None else "",
         count,
         kernel_name,
         _describe_stored(stored),
         "native layer operations" if native else "torch",
     )
     return module
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """Refuse a model that ``size`` tensor-parallel ranks cannot split evenly, naming what and what would work."""
+    counts = {
+        "attention heads": config.num_heads,
+        "KV heads": config.num_kv_heads,
+        "intermediate features": config.intermediate_size,
+    }
+    uneven = [f"{count} {what}" for what, count in counts.items() if count % size]
+    if uneven:
+        works = [n for n in range(1, max(counts.values()) + 1) if all(c % n == 0 for c in counts.values())]
+        raise EngineStartupError(
+            f"tensor_parallel_size={size} does not split this model's {', '.join(uneven)} evenly "
+            f"(each rank holds an equal share); sizes that work: {', '.join(map(str, works))}",
+            phase="model load",
+        )
+
+
+def shard_state(module: Decoder, state: dict) -> dict:
+    """Each split weight of ``state`` replaced by this rank's slice (a copy: the full tensor is freed with
+    ``state``'s reference to it); the others (norms) whole."""
+    sharded = {}
+    for name in list(state):
+        owner = module.get_submodule(name.rpartition(".")[0])
+        full = state.pop(name)
+        shard = getattr(owner, "shard", None)
+        sharded[name] = shard(name, full) if shard is not None else full
+    return sharded
 
 
 def stored_tensor_names(
