@@ -70,6 +70,13 @@ SECTIONS: tuple[Section, ...] = (
         "render_dp_bench",
     ),
     Section(
+        "tp",
+        "What do two tensor-parallel ranks give over one on this CPU?",
+        "benchmarks.bench_tp",
+        "run_tp_bench",
+        "render_tp_bench",
+    ),
+    Section(
         "threads",
         "How do the thread defaults fare on a quiet and on a loaded machine?",
         "benchmarks.bench_threads",

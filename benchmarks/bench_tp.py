@@ -1,0 +1,177 @@
+"""Tensor parallelism on this CPU: two model ranks of one engine against one rank with all the threads and with
+one thread, and what a gloo all_reduce costs (each decode step pays 2 per layer, one for the embedding and a
+gather of the logits)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+from .common import (
+    REPO_ROOT,
+    engines_up,
+    equal_workload,
+    interleave,
+    log,
+    paired_ratio,
+    rate_runners,
+    session,
+    usable_cores,
+)
+from .figures import rate, ratio, summary
+from .stats import markdown_table
+
+ALL = "TP=1, all threads"
+ONE = "TP=1, 1 thread"
+TWO = "TP=2"  # the engine's threads shared out: all threads / 2 per rank
+ALLREDUCE_ROWS = (1, 16, 64)
+
+
+def sizes(quick: bool) -> dict[str, Any]:
+    if quick:
+        return dict(builtin=((1, 16), (16, 32), 2), llama=((1, 16), (16, 32), 2))
+    return dict(builtin=((1, 16), (32, 64), 4), llama=((1, 16), (32, 64), 4))
+
+
+def run_tp_bench(quick: bool) -> dict[str, Any]:
+    ctx = session()
+    cores = usable_cores()
+    size = sizes(quick)
+    variants = {
+        ALL: {"mode": "mp", "num_threads": cores},
+        ONE: {"mode": "mp", "num_threads": 1},
+        TWO: {"mode": "mp", "tensor_parallel_size": 2, "num_threads": cores},
+    }
+    models = {}
+    for key in ("builtin", "llama"):
+        spec = ctx.model(key)
+        concurrency_list, (prompt_len, output_len), repeats = size[key]
+        rows = []
+        with engines_up(
+            spec, variants, equal_workload(max(concurrency_list), prompt_len, output_len)
+        ) as engines:
+            threads = {
+                name: engine.call_utility("debug_process", rank=0)["torch_threads"]
+                for name, engine in engines.items()
+            }
+            for concurrency in concurrency_list:
+                log(f"tp: {key} x{concurrency}")
+                batch = equal_workload(concurrency, prompt_len, output_len)
+                samples = interleave(rate_runners(engines, spec, batch), repeats=repeats, warmup=1)
+                rows.append(
+                    {
+                        "concurrency": concurrency,
+                        "rates": {name: summary(values) for name, values in samples.items()},
+                        "against_all": summary(paired_ratio(samples[TWO], samples[ALL])),
+                        "against_one": summary(paired_ratio(samples[TWO], samples[ONE])),
+                    }
+                )
+        config = spec.config
+        models[key] = {
+            "label": spec.label,
+            "lengths": [prompt_len, output_len],
+            "repeats": repeats,
+            "rows": rows,
+            "threads": threads,
+            "hidden": config.hidden_size,
+            "collectives_per_step": 2 * config.num_layers + 2,
+        }
+    hidden_sizes = sorted({model["hidden"] for model in models.values()})
+    allreduce = {str(hidden): allreduce_us(hidden, 50 if quick else 200) for hidden in hidden_sizes}
+    return {"cores": cores, "models": models, "allreduce_us": allreduce}
+
+
+def allreduce_us(hidden: int, iterations: int) -> dict[str, float]:
+    """Median microseconds of one gloo all_reduce of ``[rows, hidden]`` float32 between two processes (the
+    group the engine uses: ``enginekit.model.parallel.ProcessGroup``), for each of ``ALLREDUCE_ROWS``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "benchmarks.bench_tp", str(port), str(hidden), str(iterations)]
+    procs = [
+        subprocess.Popen([*command, str(rank)], cwd=REPO_ROOT, stdout=subprocess.PIPE) for rank in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    return json.loads(outputs[0])
+
+
+def _allreduce_rank(port: int, hidden: int, iterations: int, rank: int) -> None:
+    import datetime
+    import time
+
+    import torch
+    from torch._C._distributed_c10d import TCPStore
+
+    from enginekit.model.parallel import ProcessGroup
+
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    group = ProcessGroup(rank, 2, torch.device("cpu"), store=store)
+    found = {}
+    for rows in ALLREDUCE_ROWS:
+        tensor = torch.ones(rows, hidden)
+        times = []
+        for i in range(iterations + 20):
+            start = time.perf_counter()
+            group.all_reduce(tensor)
+            if i >= 20:
+                times.append((time.perf_counter() - start) * 1e6)
+            tensor.fill_(1.0)
+        found[str(rows)] = statistics.median(times)
+    group.close()
+    if rank == 0:
+        print(json.dumps(found))
+
+
+def render_tp_bench(figures: dict[str, Any]) -> str:
+    parts = [
+        f'`Engine(..., mode="mp")` three ways, all up at once and run alternately: one rank with all '
+        f"{figures['cores']} threads, one rank with one thread, and `tensor_parallel_size=2` (the engine's "
+        f"{figures['cores']} threads shared out: each rank runs its share). *N* requests submitted at once through "
+        "`generate`. Greedy tokens are the same in all three.\n"
+    ]
+    for model in figures["models"].values():
+        rows = [
+            [
+                row["concurrency"],
+                rate(row["rates"][ALL], 0),
+                rate(row["rates"][ONE], 0),
+                rate(row["rates"][TWO], 0),
+                ratio(row["against_all"]),
+                ratio(row["against_one"]),
+            ]
+            for row in model["rows"]
+        ]
+        threads = ", ".join(f"{name}: {count}" for name, count in model["threads"].items())
+        cost = figures["allreduce_us"][str(model["hidden"])]
+        per_step = model["collectives_per_step"]
+        parts.append(
+            f"**{model['label']}**: {model['lengths'][0]}-token prompts, {model['lengths'][1]} tokens each, "
+            f"{model['repeats']} rounds; tokens/s. torch threads of rank 0: {threads}. A step pays {per_step} "
+            f"collectives (2 per layer, the embedding's sum, the logits' gather); one all_reduce of a "
+            f"[1, {model['hidden']}] row costs {cost['1']:.0f} µs here ({cost['16']:.0f} µs at 16 rows, "
+            f"{cost['64']:.0f} µs at 64), about {per_step * cost['1'] / 1000:.2f} ms per one-request decode step "
+            "before any compute.\n\n"
+            + markdown_table(
+                ["concurrent", ALL, ONE, TWO, "TP=2 / TP=1 all threads", "TP=2 / TP=1 1 thread"],
+                rows,
+                ["r", "r", "r", "r", "r", "r"],
+            )
+        )
+    parts.append(
+        "Why it does not pay here: both ranks share the same two cores the one-rank engine uses, so TP=2 adds no "
+        "compute, only splits each product in two (each half too small to keep a core busy on these models) and "
+        "adds the collectives above, each a round trip through the kernel's loopback TCP that waits for the "
+        "slower rank. Tensor parallelism pays where each rank has its own device (GPUs over NVLink) and the "
+        "model is too big or too slow for one; on a CPU, data parallelism (the section above) is the way to use "
+        "more cores."
+    )
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    _allreduce_rank(*(int(arg) for arg in sys.argv[1:5]))
