@@ -203,3 +203,13 @@ def test_a_gguf_file_is_split_as_float_weights(tmp_path):
         assert tokens(engine.generate(PROMPTS[:3], GREEDY)) == reference
     with pytest.raises(EngineStartupError, match=r"quantization='gguf'.*tensor_parallel_size=2"):
         Engine(str(path), mode="mp", num_kv_blocks=64, tensor_parallel_size=2, quantization="gguf")
+
+
+def test_a_killed_engine_process_takes_its_workers_with_it(checkpoints):
+    engine = Engine(str(checkpoints["llama"]), mode="mp", num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        (worker_pid,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
+        os.kill(engine.client.engine_pids[0], signal.SIGKILL)
+        assert wait_gone([worker_pid], 5) == []
+    finally:
+        engine.shutdown()

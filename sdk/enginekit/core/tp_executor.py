@@ -16,6 +16,7 @@ closes, and the executor names the worker that died.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import select
@@ -24,14 +25,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from enginekit.config import EngineConfig
 from enginekit.errors import EngineStartupError
 from enginekit.model.batch import ScheduledBatch
-from enginekit.model.parallel import ProcessGroup, broadcast_batch, host_store, pack_batch, stop_header
+from enginekit.model.parallel import (
+    ProcessGroup,
+    broadcast_batch,
+    host_store,
+    pack_batch,
+    stop_header,
+    worker_key,
+)
 from enginekit.model.runner import ExecutorError, ModelRunner
 from enginekit.model.sampler import SamplerOutput
 from enginekit.wire.messages import TensorParallelWorkerArgs
@@ -74,6 +82,7 @@ class TensorParallelExecutor:
                 self._spawn(args, env)
             self._watcher = threading.Thread(target=self._watch, name="enginekit-tp-watch", daemon=True)
             self._watcher.start()
+            self._wait_for_workers(store)
             self.group = ProcessGroup(0, self.size, device, store=store)
         except BaseException:
             self.shutdown()
@@ -94,6 +103,19 @@ class TensorParallelExecutor:
         self._pipes.append(fd)
         self._pidfds.append(os.pidfd_open(worker.pid))
         write_frame(fd, args)
+
+    def _wait_for_workers(self, store: Any) -> None:
+        """Wait until every worker has reached the store (it then joins the group at once), failing the start as
+        soon as one dies (an import error, a bad device): the group's own rendezvous would wait its full deadline."""
+        for rank in range(1, self.size):
+            while True:
+                try:
+                    store.wait([worker_key(rank)], datetime.timedelta(seconds=0.2))
+                    break
+                except RuntimeError:  # DistStoreError: not there yet
+                    reason = self.death_reason()
+                    if reason is not None:
+                        raise EngineStartupError(f"{reason} while starting", phase="model load") from None
 
     # ---- liveness -----------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from enginekit.core.resources import resolve_device
 from enginekit.model.loader import load_model, load_model_spec
-from enginekit.model.parallel import HEADER, ProcessGroup, receive_batch
+from enginekit.model.parallel import HEADER, ProcessGroup, join_store, receive_batch
 from enginekit.model.runner import ModelRunner
 from enginekit.wire.messages import TensorParallelWorkerArgs
 
@@ -55,7 +55,9 @@ def run_worker(args: TensorParallelWorkerArgs, stdin_fd: int) -> None:
         torch.cuda.set_device(device)
     torch.set_num_threads(args.num_threads)
     spec = load_model_spec(config.model, config.revision)
-    group = ProcessGroup(args.rank, args.size, device, port=args.store_port)
+    group = ProcessGroup(
+        args.rank, args.size, device, store=join_store(args.rank, args.size, args.store_port)
+    )
     runner = None
     try:
         model = load_model(

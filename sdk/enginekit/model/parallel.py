@@ -45,6 +45,19 @@ def host_store(world_size: int) -> TCPStore:
     )
 
 
+def worker_key(rank: int) -> str:
+    """The store key a worker sets once it is up, before it joins the group (rank 0 waits for it, watching the
+    worker)."""
+    return f"enginekit-worker-{rank}"
+
+
+def join_store(rank: int, size: int, port: int) -> TCPStore:
+    """A worker's connection to rank 0's store, announced under ``worker_key``."""
+    store = TCPStore(STORE_HOST, port, size, False, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    store.set(worker_key(rank), "up")
+    return store
+
+
 class ProcessGroup:
     """This process's rank in the tensor-parallel group: the collectives the parallel layers call."""
 
