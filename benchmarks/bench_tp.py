@@ -127,6 +127,16 @@ def _allreduce_rank(port: int, hidden: int, iterations: int, rank: int) -> None:
         print(json.dumps(found))
 
 
+def _step_times(model: dict[str, Any]) -> str:
+    """One request's decode step time per variant (1 / its tokens/s), when the run had a one-request row."""
+    single = [row for row in model["rows"] if row["concurrency"] == 1]
+    if not single:
+        return ""
+    step_ms = {name: 1000 / values["median"] for name, values in single[0]["rates"].items()}
+    listed = ", ".join(f"{name} {ms:.1f} ms" for name, ms in step_ms.items())
+    return f"At one request a step takes {listed}."
+
+
 def render_tp_bench(figures: dict[str, Any]) -> str:
     parts = [
         f'`Engine(..., mode="mp")` three ways, all up at once and run alternately: one rank with all '
@@ -155,7 +165,7 @@ def render_tp_bench(figures: dict[str, Any]) -> str:
             f"collectives (2 per layer, the embedding's sum, the logits' gather); one all_reduce of a "
             f"[1, {model['hidden']}] row costs {cost['1']:.0f} µs here ({cost['16']:.0f} µs at 16 rows, "
             f"{cost['64']:.0f} µs at 64), about {per_step * cost['1'] / 1000:.2f} ms per one-request decode step "
-            "before any compute.\n\n"
+            f"before any compute. {_step_times(model)}\n\n"
             + markdown_table(
                 ["concurrent", ALL, ONE, TWO, "TP=2 / TP=1 all threads", "TP=2 / TP=1 1 thread"],
                 rows,
