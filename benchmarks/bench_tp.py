@@ -177,7 +177,7 @@ def render_tp_bench(figures: dict[str, Any]) -> str:
         "compute, only splits each product in two (each half too small to keep a core busy on these models) and "
         "adds the collectives above, each a round trip through the kernel's loopback TCP that waits for the "
         "slower rank. Tensor parallelism pays where each rank has its own device (GPUs over NVLink) and the "
-        "model is too big or too slow for one; on a CPU, data parallelism (the section above) is the way to use "
+        "model is too big or too slow for one; on a CPU, data parallelism (the `dp` section) is the way to use "
         "more cores."
     )
     return "\n".join(parts)
