@@ -1,5 +1,5 @@
-"""The float32 projections on CPU: the native GEMMs (``skinny_gemm.c``, ``packed_gemm.c``) against oneDNN and MKL
-with the weight packed once, as at load, and against the kernels that read it in place.
+"""The float32 projections on CPU: the native skinny GEMM (``skinny_gemm.c``) against oneDNN and MKL with the weight
+packed once, as at load, and against the kernels that read it in place.
 
 Each kernel runs the default model's projection shapes (SmolLM2-135M: fused QKV, output, fused gate/up, down,
 LM head) at 1 to 128 rows, interleaved sample by sample so that background load hits all of them alike; a
@@ -10,7 +10,7 @@ figure is the best of ``repeats`` timings, in microseconds a call. The kernels:
 - ``onednn packed``: the same with the weight reordered once for oneDNN (``mkldnn._reorder_linear_weight``);
 - ``mkl packed``: MKL's packed GEMM, the weight packed once for the call's row count
   (``mkl._mkl_reorder_linear_weight``; one packing per row count, so not usable for varying batches as is);
-- ``skinny`` and ``packed``: the native kernels (AVX2 and FMA code on either ISA).
+- ``skinny``: the native kernel (AVX2 and FMA code on either ISA), at up to 128 rows.
 
 Run: ``python -m benchmarks.bench_gemm [--isa avx512|avx2|both] [--quick]``; prints one JSON object per ISA
 (``measure``'s dict). ``avx2`` caps torch's own kernels at AVX2 (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from enginekit.model.kernels.native import native_packed_gemm, native_skinny_gemm
+from enginekit.model.kernels.native import MAX_ROWS, native_skinny_gemm
 
 # out, in of the default model's projections (hidden 576, 9 + 2 x 3 heads of 64, intermediate 1536, vocab 49152)
 SHAPES = {
@@ -42,7 +42,7 @@ SHAPES = {
     "down": (576, 1536),
     "lm_head": (49152, 576),
 }
-ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 256, 512)
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
@@ -55,11 +55,9 @@ def _kernels(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tenso
     if torch.backends.mkl.is_available():
         mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
         kernels["mkl packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl_packed, weight, None, rows)
-    skinny, packed = native_skinny_gemm(), native_packed_gemm()
-    if skinny is not None:
+    skinny = native_skinny_gemm()
+    if skinny is not None and rows <= MAX_ROWS:
         kernels["skinny"] = lambda x: skinny(x, weight, None)
-    if packed is not None:
-        kernels["packed"] = lambda x: packed(x, weight, None)
     return kernels
 
 
@@ -118,7 +116,7 @@ def _args(quick: bool) -> str:
 def markdown(figures: dict) -> str:
     """One table of ``measure``'s figures: microseconds a call, the fastest of each row in bold."""
     us = figures["us"]
-    kernels = list(next(iter(us.values())))
+    kernels = list(dict.fromkeys(k for row in us.values() for k in row))
     lines = [
         f"torch kernels at {figures['isa']} (oneDNN: {figures['onednn_max_isa']}), {figures['threads']} threads; "
         "microseconds a call, best of the interleaved repeats; the fastest in bold.",
@@ -128,7 +126,10 @@ def markdown(figures: dict) -> str:
     ]
     for key, row in us.items():
         fastest = min(row.values())
-        cells = [f"**{row[k]:.0f}**" if row[k] == fastest else f"{row[k]:.0f}" for k in kernels]
+        cells = [
+            "-" if k not in row else f"**{row[k]:.0f}**" if row[k] == fastest else f"{row[k]:.0f}"
+            for k in kernels
+        ]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -16,7 +16,7 @@ from . import llama_cpp_runner
 from .bench_limits import machine_limits
 from .bench_real import gguf_streamed_bytes, streamed_bytes
 from .bench_scaling import DecodeBench, headroom
-from .bench_steps import CONTEXT, PARTS, breakdown
+from .bench_steps import CONTEXT, breakdown, breakdown_table
 from .common import (
     ModelSpec,
     engine_batch_runner,
@@ -298,17 +298,9 @@ def render_quantized_bench(figures: dict[str, Any]) -> str:
         f'`"none"` {rss["none"]["rss"] / _MB:.0f} MB ({rss["none"]["rss"] / rss["auto"]["rss"]:.2f}x).\n'
     )
     steps = figures["steps"]
-    columns = steps["columns"]
-    batches = list(columns)
-    rows = [
-        [what]
-        + [f"{columns[b][key]:.2f} ({100 * columns[b][key] / columns[b]['step']:.0f}%)" for b in batches]
-        for key, what in PARTS
-    ]
-    rows.append(["**whole step**"] + [f"**{columns[b]['step']:.2f}**" for b in batches])
     parts.append(
         f"**Where a step's time goes** (weights as stored, pure decode at context {steps['context']}, "
         f"{steps['steps']} steps, ms per step and share):\n\n"
-        + markdown_table(["part", *(f"batch {b}" for b in batches)], rows, ["l"] + ["r"] * len(batches))
+        + breakdown_table(steps["columns"], list(steps["columns"]), digits=2)
     )
     return "\n".join(parts)

@@ -9,7 +9,7 @@ from typing import Any
 from . import llama_cpp_runner
 from .baselines import clear_model_cache
 from .bench_limits import machine_limits, peak_gflops
-from .bench_throughput import measure_rows, rows_table, transformers_at_its_best, transformers_text
+from .bench_throughput import measure_concurrencies, rows_table, transformers_at_its_best, transformers_text
 from .common import (
     ModelSpec,
     engine_batch_runner,
@@ -67,11 +67,7 @@ def run_real_bench(quick: bool) -> dict[str, Any]:
     engine = make_engine(spec, "inproc", num_threads=threads, num_kv_blocks=kv_blocks_for(largest) + 64)
     try:
         streamed = streamed_bytes(engine)
-        rows = []
-        for index, concurrency in enumerate(size["concurrency"]):
-            log(f"real: x{concurrency}")
-            warmup = 1 if index == 0 or best["options"]["compiled"] else 0
-            rows += measure_rows(engine, spec, concurrency, size, threads, best, warmup=warmup)
+        rows = measure_concurrencies(engine, spec, size, threads, best, "real:")
     finally:
         engine.shutdown()
         clear_model_cache()

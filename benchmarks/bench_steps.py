@@ -125,17 +125,7 @@ def render_steps_bench(figures: dict[str, Any]) -> str:
     ]
     batches = [str(b) for b in figures["batches"]]
     for model in figures["models"].values():
-        columns = model["columns"]
-        rows = [
-            [label]
-            + [f"{columns[b][key]:.3f} ({100 * columns[b][key] / columns[b]['step']:.0f}%)" for b in batches]
-            for key, label in PARTS
-        ]
-        rows.append(["**whole step**"] + [f"**{columns[b]['step']:.3f}**" for b in batches])
-        parts.append(
-            f"**{model['label']}**\n\n"
-            + markdown_table(["part", *(f"batch {b}" for b in batches)], rows, ["l"] + ["r"] * len(batches))
-        )
+        parts.append(f"**{model['label']}**\n\n" + breakdown_table(model["columns"], batches, digits=3))
         parts.append(
             f"cProfile at batch {model['profile_batch']}:\n\n"
             + markdown_table(
@@ -144,7 +134,7 @@ def render_steps_bench(figures: dict[str, Any]) -> str:
                 ["l", "r", "r", "r"],
             )
         )
-        one = columns[batches[0]]
+        one = model["columns"][batches[0]]
         python = one["schedule"] + one["prepare"] + one["append"] + one["cache_blocks"] + one["other"]
         parts.append(
             f"At batch {batches[0]}, {100 * python / one['step']:.0f}% of a step is bookkeeping outside the forward "
@@ -159,6 +149,20 @@ def render_steps_bench(figures: dict[str, Any]) -> str:
             + ").\n"
         )
     return "\n".join(parts)
+
+
+def breakdown_table(columns: dict[str, dict[str, float]], batches: list[str], digits: int) -> str:
+    """``breakdown``'s figures by batch as a table: each part's milliseconds a step and share, then the step."""
+    rows = [
+        [label]
+        + [
+            f"{columns[b][key]:.{digits}f} ({100 * columns[b][key] / columns[b]['step']:.0f}%)"
+            for b in batches
+        ]
+        for key, label in PARTS
+    ]
+    rows.append(["**whole step**"] + [f"**{columns[b]['step']:.{digits}f}**" for b in batches])
+    return markdown_table(["part", *(f"batch {b}" for b in batches)], rows, ["l"] + ["r"] * len(batches))
 
 
 def breakdown(bench: DecodeBench, batch: int, steps: int) -> dict[str, float]:

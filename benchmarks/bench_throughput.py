@@ -70,13 +70,8 @@ def run_throughput_bench(quick: bool) -> dict[str, Any]:
     for spec in ctx.models():
         best = transformers_at_its_best(spec, size, threads)
         engine = make_engine(spec, "inproc", num_threads=threads, num_kv_blocks=kv_blocks_for(_largest(size)))
-        rows: list[dict[str, Any]] = []
         try:
-            for index, concurrency in enumerate(size["concurrency"]):
-                log(f"throughput: {spec.key} x{concurrency}")
-                # a compiled transformers model compiles again for new shapes: each concurrency warms up
-                warmup = 1 if index == 0 or best["options"]["compiled"] else 0
-                rows += measure_rows(engine, spec, concurrency, size, threads, best, warmup=warmup)
+            rows = measure_concurrencies(engine, spec, size, threads, best, f"throughput: {spec.key}")
         finally:
             engine.shutdown()
             clear_model_cache()
@@ -179,6 +174,19 @@ def transformers_at_its_best(spec: ModelSpec, size: dict[str, Any], threads: int
         or size.get("compile_why_not", "a quick run leaves out its minutes of compiling"),
         "options": dict(zip(("cache", "compiled"), HF_VARIANTS[chosen])),
     }
+
+
+def measure_concurrencies(
+    engine: Any, spec: ModelSpec, size: dict[str, Any], threads: int, best: dict[str, Any], tag: str
+) -> list[dict[str, Any]]:
+    """``measure_rows`` at each of the size's concurrencies; ``tag`` begins each progress line."""
+    rows: list[dict[str, Any]] = []
+    for index, concurrency in enumerate(size["concurrency"]):
+        log(f"{tag} x{concurrency}")
+        # a compiled transformers model compiles again for new shapes: each concurrency warms up
+        warmup = 1 if index == 0 or best["options"]["compiled"] else 0
+        rows += measure_rows(engine, spec, concurrency, size, threads, best, warmup=warmup)
+    return rows
 
 
 def measure_rows(

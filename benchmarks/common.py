@@ -153,17 +153,18 @@ def _save_hf_llama(folder: Path, config: Any, weights: dict) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def _llama_model(folder: Path) -> ModelSpec:
+def _tiny_model(folder: Path, architecture: str, label: str) -> ModelSpec:
+    """A tiny random checkpoint of ``architecture`` (tests/hf_checkpoints.py) of the tiny Llama's sizes."""
     from enginekit.model.formats.hf import read_hf_config
 
     checkpoints = _import_file("hf_checkpoints", REPO_ROOT / "tests" / "hf_checkpoints.py")
     checkpoints.build_checkpoint(
-        folder, "llama", max_position_embeddings=LLAMA_MAX_POSITIONS, seed=0, **LLAMA_SIZES
+        folder, architecture, max_position_embeddings=LLAMA_MAX_POSITIONS, seed=0, **LLAMA_SIZES
     )
     config = read_hf_config(folder)
     return ModelSpec(
-        key="llama",
-        label="tiny random Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocab 4096)",
+        key=architecture,
+        label=label,
         engine_model=str(folder),
         hf_path=str(folder),
         config=config,
@@ -171,23 +172,16 @@ def _llama_model(folder: Path) -> ModelSpec:
     )
 
 
+def _llama_model(folder: Path) -> ModelSpec:
+    return _tiny_model(
+        folder, "llama", "tiny random Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocab 4096)"
+    )
+
+
 def _qwen3_model(folder: Path) -> ModelSpec:
     """A second architecture: a tiny random Qwen3 (q/k norms) of the tiny Llama's sizes."""
-    from enginekit.model.formats.hf import read_hf_config
-
-    checkpoints = _import_file("hf_checkpoints", REPO_ROOT / "tests" / "hf_checkpoints.py")
-    checkpoints.build_checkpoint(
-        folder, "qwen3", max_position_embeddings=LLAMA_MAX_POSITIONS, seed=0, **LLAMA_SIZES
-    )
-    config = read_hf_config(folder)
-    return ModelSpec(
-        key="qwen3",
-        label="tiny random Qwen3 (hidden 256, 4 layers, 8 heads, 4 KV heads, q/k norms, vocab 4096)",
-        engine_model=str(folder),
-        hf_path=str(folder),
-        config=config,
-        token_range=(2, config.vocab_size),
-    )
+    label = "tiny random Qwen3 (hidden 256, 4 layers, 8 heads, 4 KV heads, q/k norms, vocab 4096)"
+    return _tiny_model(folder, "qwen3", label)
 
 
 def _smollm2_model(folder: Path) -> ModelSpec:

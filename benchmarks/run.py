@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.list:
         for section in SECTIONS:
-            print(f"{section.name:12s} {section.question}{'  (optional)' if section.optional else ''}")
+            print(
+                f"{section.name:12s} {section.question}{'  (optional)' if section.optional or section.needs else ''}"
+            )
         return 0
     selected = [s.strip() for s in args.only.split(",") if s.strip()] or list(BY_NAME)
     unknown = [s for s in selected if s not in BY_NAME]
@@ -108,9 +110,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run, _ = section.load()
             except ModuleNotFoundError as error:
-                if not section.optional or error.name != section.module:
+                if section.needs and error.name == section.needs:
+                    entry["skipped"] = (
+                        f"`{section.needs}` is not installed (`pip install 'enginekit[{section.needs}]'`)"
+                    )
+                elif section.optional and error.name == section.module:
+                    entry["skipped"] = f"`{section.module.replace('.', '/')}.py` is not in this checkout"
+                else:
                     raise
-                entry["skipped"] = f"`{section.module.replace('.', '/')}.py` is not in this checkout"
                 log(f"== {name}: skipped ({entry['skipped']})")
                 continue
             entry["figures"] = run(args.quick)

@@ -2,8 +2,9 @@
 
 A section is a name, a question, a function ``run(quick: bool) -> dict`` that measures and returns its figures
 (plain JSON values, see ``benchmarks/figures.py``), and a function ``render(figures: dict) -> str`` that
-writes its part of the page from those figures alone. A section whose module is not there (``optional``) is
-skipped with a note on the page; a section without a renderer gets its figures as a generic table.
+writes its part of the page from those figures alone. A section whose module is not there (``optional``), or
+whose optional package is not installed (``needs``), is skipped with a note on the page; a section without a
+renderer gets its figures as a generic table.
 
 To add one: write ``benchmarks/bench_x.py`` with ``run_x_bench(quick) -> dict`` (and, better,
 ``render_x_bench(figures) -> str``), then add a line below.
@@ -25,6 +26,7 @@ class Section:
     run: str  # the module's function(quick: bool) -> dict of figures
     render: str = ""  # the module's function(figures) -> markdown ("": a generic table of the figures)
     optional: bool = False  # the module may be missing: skip the section with a note
+    needs: str = ""  # an optional package the module imports: without it, skip the section with a note
 
     def load(self) -> tuple[Callable[[bool], dict[str, Any]], Callable[[dict[str, Any]], str] | None]:
         """The run and render functions; ``ModuleNotFoundError`` if an optional section's module is missing."""
@@ -75,6 +77,14 @@ SECTIONS: tuple[Section, ...] = (
         "benchmarks.bench_tp",
         "run_tp_bench",
         "render_tp_bench",
+    ),
+    Section(
+        "ray",
+        "What does placing the data-parallel ranks with Ray cost?",
+        "benchmarks.bench_ray",
+        "run_ray_bench",
+        "render_ray_bench",
+        needs="ray",
     ),
     Section(
         "threads",

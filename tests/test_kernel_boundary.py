@@ -14,7 +14,6 @@ from enginekit.model.kernels.library import SOURCES
 from enginekit.model.kernels.native import (
     native_layer_ops,
     native_library,
-    native_packed_gemm,
     native_quant_gemm,
     native_skinny_gemm,
 )
@@ -27,7 +26,7 @@ QUERIES = {
     "enginekit_skinny_max_rows",
     "enginekit_skinny_supported",
     "enginekit_layer_ops_limits",
-    "enginekit_packed_gemm_scratch",
+    "enginekit_panel_gemm_scratch",
     "enginekit_quant_isa",
     "enginekit_quant_format",
     "enginekit_panel_gemm",  # called from C only (quant_gemm.c)
@@ -58,9 +57,8 @@ def _refuses(call, error: type[Exception] = ValueError, match: str | None = None
         call()
 
 
-@pytest.mark.parametrize("name", ["skinny", "packed"])
-def test_gemms_refuse_wrong_dtypes_shapes_and_layouts(name: str) -> None:
-    gemm = native_skinny_gemm() if name == "skinny" else native_packed_gemm()
+def test_the_gemm_refuses_wrong_dtypes_shapes_and_layouts() -> None:
+    gemm = native_skinny_gemm()
     x, w, b = torch.randn(3, 16), torch.randn(5, 16), torch.randn(5)
     assert torch.allclose(gemm(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5)
     _refuses(lambda: gemm(x.double(), w, b), TypeError, "float32")
@@ -74,10 +72,9 @@ def test_gemms_refuse_wrong_dtypes_shapes_and_layouts(name: str) -> None:
     _refuses(lambda: gemm(x, "weights", b), TypeError)
 
 
-def test_gemms_refuse_their_own_limits() -> None:
+def test_the_gemm_refuses_its_own_limits() -> None:
     _refuses(lambda: native_skinny_gemm()(torch.randn(16, 3).T, torch.randn(5, 16), None), match="contiguous")
     _refuses(lambda: native_skinny_gemm()(torch.randn(129, 16), torch.randn(5, 16), None), match="128 rows")
-    _refuses(lambda: native_packed_gemm()(torch.randn(16, 3).T, torch.randn(5, 16), None), match="row")
 
 
 def test_rms_norm_and_silu_mul_refuse_mismatched_sizes() -> None:

@@ -1,4 +1,4 @@
-"""The native kernels (the skinny and packed GEMMs and the layer operations): correct at every shape, built once per cache,
+"""The native kernels (the skinny GEMM and the layer operations): correct at every shape, built once per cache,
 on torch's thread pool, and a clean fallback to torch's code wherever they cannot be built."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from enginekit import Engine, SamplingParams
 from enginekit.model.kernels import native as native_module
 from enginekit.model.kernels.library import DISABLE_ENV, native_kernels_status
-from enginekit.model.kernels.native import MAX_ROWS, native_layer_ops, native_packed_gemm, native_skinny_gemm
-from enginekit.model.layers.linear import PACKED_MIN_DEPTH, PACKED_MIN_ROWS, linear_kernel
+from enginekit.model.kernels.native import MAX_ROWS, native_layer_ops, native_skinny_gemm
+from enginekit.model.layers.linear import SKINNY_MAX_ROWS, linear_kernel
 
 BUILDABLE = (
     sys.platform == "linux"
@@ -40,9 +40,9 @@ PROBE = textwrap.dedent(
     logging.getLogger("enginekit.model").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
     logging.getLogger("enginekit.model").setLevel(logging.INFO)
     from enginekit.model.layers.linear import linear_kernel
-    from enginekit.model.kernels.native import native_layer_ops, native_packed_gemm, native_skinny_gemm, _openmp_runtimes
+    from enginekit.model.kernels.native import native_layer_ops, native_skinny_gemm, _openmp_runtimes
     kernel = native_skinny_gemm()
-    print(json.dumps({"native": kernel is not None, "packed": native_packed_gemm() is not None, "layer_ops": native_layer_ops() is not None, "kernel": linear_kernel(torch.device("cpu"), torch.float32)[0],
+    print(json.dumps({"native": kernel is not None, "layer_ops": native_layer_ops() is not None, "kernel": linear_kernel(torch.device("cpu"), torch.float32)[0],
                       "runtimes": sorted(_openmp_runtimes()), "log": records}))
     """
 )
@@ -104,61 +104,37 @@ def test_refuses_more_rows_than_it_takes() -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 23, 24, 25, 96, 129, 2048])  # whole and partial micro-panels
-@pytest.mark.parametrize(
-    ("out", "cols", "bias"),
-    [(3072, 576, False), (576, 1536, True), (17, 19, True), (1, 8, False), (530, 3, True), (16, 256, False)],
-)
-def test_packed_gemm_matches_f_linear(rows: int, out: int, cols: int, bias: bool, threads: int) -> None:
-    """Whole and partial panels of 16 columns, one to several tasks a thread, the serial and parallel paths."""
-    _check_against_f_linear(native_packed_gemm(), rows, out, cols, bias, threads)
-
-
-@needs_native
-def test_packed_gemm_reads_rows_a_stride_apart() -> None:
-    kernel = native_packed_gemm()
-    assert kernel is not None
-    gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(200, 960, generator=gen)
-    x, w = qkv[:, 192:768], torch.randn(40, 576, generator=gen)  # rows 960 floats apart
-    assert not x.is_contiguous() and x.stride(-1) == 1
-    torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
-
-
-@needs_native
 def test_model_kernel_picks_by_rows_and_width(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Packed from PACKED_MIN_ROWS rows on inputs PACKED_MIN_DEPTH wide, the skinny GEMM below (and for narrow
-    inputs up to MAX_ROWS), torch's kernels past both; every path agrees with F.linear."""
+    """The skinny GEMM up to SKINNY_MAX_ROWS rows, oneDNN past them on large weights or calls, F.linear for the
+    rest; every path agrees with F.linear."""
     from enginekit.model.layers import linear as llama
 
     name, kernel = linear_kernel(torch.device("cpu"), torch.float32)
-    assert name.startswith(f"native packed GEMM from {PACKED_MIN_ROWS} rows"), name
-    assert f"native skinny GEMM at 1-{MAX_ROWS} rows" in name, name
+    assert name.startswith(f"native skinny GEMM at 1-{SKINNY_MAX_ROWS} rows"), name
     assert "native" not in linear_kernel(torch.device("cpu"), torch.float32, native=False)[0]
     calls: list[str] = []
-    skinny, packed = native_skinny_gemm(), native_packed_gemm()
+    skinny, onednn = native_skinny_gemm(), llama._onednn_linear()
+    assert onednn is not None
     monkeypatch.setattr(llama, "native_skinny_gemm", lambda: lambda *a: calls.append("skinny") or skinny(*a))
-    monkeypatch.setattr(llama, "native_packed_gemm", lambda: lambda *a: calls.append("packed") or packed(*a))
+    monkeypatch.setattr(llama, "_onednn_linear", lambda: lambda *a: calls.append("onednn") or onednn(*a))
     kernel = linear_kernel(torch.device("cpu"), torch.float32)[1]
     gen = torch.Generator().manual_seed(0)
-    cases = [  # rows, input width, the kernel expected
-        (1, 576, "skinny"),
-        (9, 576, "skinny"),
-        (PACKED_MIN_ROWS - 1, 576, "skinny"),
-        (PACKED_MIN_ROWS, 576, "packed"),
-        (2048, PACKED_MIN_DEPTH, "packed"),
-        (MAX_ROWS, PACKED_MIN_DEPTH - 1, "skinny"),
-        (MAX_ROWS + 1, PACKED_MIN_DEPTH - 1, "torch"),
-        (0, 576, "torch"),
+    cases = [  # rows, input width, outputs, the kernel expected
+        (1, 576, 600, "skinny"),
+        (9, 576, 600, "skinny"),
+        (SKINNY_MAX_ROWS, 576, 600, "skinny"),
+        (SKINNY_MAX_ROWS + 1, 576, 1024, "onednn"),  # a weight of ONEDNN_MIN_WEIGHT_NUMEL or more
+        (2048, 64, 600, "onednn"),  # a call of ONEDNN_MIN_WORK or more
+        (SKINNY_MAX_ROWS + 1, 64, 600, "torch"),  # small weight, small call
+        (0, 576, 600, "torch"),
     ]
-    for rows, width, expected in cases:
+    for rows, width, outputs, expected in cases:
         calls.clear()
-        x, w = torch.randn(rows, width, generator=gen), torch.randn(600, width, generator=gen)
+        x, w = torch.randn(rows, width, generator=gen), torch.randn(outputs, width, generator=gen)
         torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
         assert calls == ([] if expected == "torch" else [expected]), (rows, width, calls)
     # Inputs whose rows are not contiguous go to torch's kernels, not to the raw pointer.
-    x = torch.randn(576, 200, generator=gen).t()
+    x = torch.randn(576, 9, generator=gen).t()
     calls.clear()
     torch.testing.assert_close(kernel(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
     assert calls == []
@@ -315,8 +291,8 @@ def test_builtin_model_samples_the_same_tokens_with_and_without_native_layer_ops
 @needs_native
 def test_built_once_per_cache_and_shares_torchs_openmp(tmp_path: Path) -> None:
     first = _probe(tmp_path)
-    assert first["native"] and first["packed"] and first["layer_ops"], first
-    assert first["kernel"].startswith("native packed GEMM"), first
+    assert first["native"] and first["layer_ops"], first
+    assert first["kernel"].startswith("native skinny GEMM"), first
     assert len(first["runtimes"]) == 1, f"a second OpenMP runtime was loaded: {first['runtimes']}"
     built = list((tmp_path / "native").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so", built
@@ -342,7 +318,7 @@ def test_concurrent_first_builds_publish_one_library(tmp_path: Path) -> None:
 
 def test_falls_back_without_a_compiler(tmp_path: Path) -> None:
     result = _probe(tmp_path, CC=str(tmp_path / "no-such-cc"))
-    assert not result["native"] and not result["packed"]
+    assert not result["native"]
     assert not result["layer_ops"]
     assert "native" not in result["kernel"] and result["kernel"].endswith("F.linear"), result
     assert any("native kernels not used" in line and "failed" in line for line in result["log"]), result
@@ -350,12 +326,7 @@ def test_falls_back_without_a_compiler(tmp_path: Path) -> None:
 
 def test_can_be_turned_off(tmp_path: Path) -> None:
     result = _probe(tmp_path, ENGINEKIT_NATIVE_KERNELS="0")
-    assert (
-        not result["native"]
-        and not result["packed"]
-        and not result["layer_ops"]
-        and not (tmp_path / "native").exists()
-    )
+    assert not result["native"] and not result["layer_ops"] and not (tmp_path / "native").exists()
     assert any("ENGINEKIT_NATIVE_KERNELS=0" in line for line in result["log"]), result
 
 

@@ -2,6 +2,7 @@
 over CURVE-protected TCP with the keys file it wrote. Proven here with real processes on loopback: the same
 tokens as one engine, a kill of the remote rank, a front end that dies, restart, and refusals."""
 
+import logging
 import os
 import shutil
 import signal
@@ -284,7 +285,8 @@ def test_a_remote_rank_of_another_wire_version_fails_the_start_naming_both_versi
     assert len(reply) == 1 and theirs in reply[0].reason and ours in reply[0].reason and not reply[0].retry
 
 
-def test_shutdown_with_a_remote_rank_leaves_nothing_behind(tmp_path, reference):
+def test_shutdown_with_a_remote_rank_leaves_nothing_behind(tmp_path, reference, caplog):
+    caplog.set_level(logging.INFO, logger="enginekit")
     keys, port = tmp_path / "keys.json", free_port_triple()
     Launcher.shared()
     before = snapshot()
@@ -298,6 +300,10 @@ def test_shutdown_with_a_remote_rank_leaves_nothing_behind(tmp_path, reference):
     assert wait_gone([local_pid], 10) == []
     diff = wait_until_clean(before, timeout=15)  # the watch thread, its socket, pipes and monitor included
     assert not diff.leaks(), diff.leaks()
+    # The remote rank was told to go: its hang-up is news for the log, not a warning, even when it hangs up
+    # while the front end still waits for the local rank.
+    hang_ups = [r for r in caplog.records if "hung up" in r.getMessage()]
+    assert hang_ups and all(r.levelno == logging.INFO for r in hang_ups), [r.levelname for r in hang_ups]
 
 
 def test_a_remote_rank_that_fails_to_start_sends_its_error_to_the_front_end(tmp_path):

@@ -67,6 +67,9 @@ class ClientResources:
 
     def close(self) -> None:
         """Stop receiving, then stop the processes (the receiver watches their pidfds), then close the sockets."""
+        for engine in self.engines:  # every remote rank was told to go: none of their hang-ups is a surprise
+            if isinstance(engine.process, RemoteRank):
+                engine.process.stopping = True
         if self.receiver is not None:
             self.receiver.close()
         for engine in self.engines:

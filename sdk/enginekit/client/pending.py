@@ -63,19 +63,15 @@ def _settle(future: AnyFuture, result: Any, error: BaseException | None) -> None
     if isinstance(future, asyncio.Future):
         loop = future.get_loop()
         if asyncio._get_running_loop() is loop:  # on the loop's own thread (the async reader)
-            _set_async(future, result, error)
+            _complete(future, result, error)
         elif not loop.is_closed():
-            loop.call_soon_threadsafe(_set_async, future, result, error)
+            loop.call_soon_threadsafe(_complete, future, result, error)
         return
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    _complete(future, result, error)
 
 
-def _set_async(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+def _complete(future: AnyFuture, result: Any, error: BaseException | None) -> None:
+    """Settle ``future`` (on its loop's thread for an asyncio one) unless it already is."""
     if future.done():
         return
     if error is not None:

@@ -1,5 +1,5 @@
 /* What the native kernels share: the instruction-set attributes their functions are compiled for, the horizontal
- * sum of a vector, and the panel-packing GEMM driver of packed_gemm.c, which quant_gemm.c runs with a weight
+ * sum of a vector, and the panel-packing GEMM driver of panel_gemm.c, which quant_gemm.c runs with a weight
  * packer that dequantizes GGUF blocks.
  *
  * The library is compiled without -mavx2: each function says which instructions it may use, and the code that
@@ -27,9 +27,9 @@ AVX2 static inline float hsum8(__m256 v) {
 typedef void (*enginekit_pack_fn)(const void *weights, long n, long k, long panel, float *wp, float *work);
 
 /* y = x W^T (+ bias) for x [m, k] with rows `ldx` floats apart, y [m, n] contiguous, W packed panel by panel by
- * `pack`; `scratch` holds enginekit_packed_gemm_scratch(k, threads) floats (packed_gemm.c). */
+ * `pack`; `scratch` holds enginekit_panel_gemm_scratch(k, threads) floats (panel_gemm.c). */
 void enginekit_panel_gemm(const float *x, long ldx, enginekit_pack_fn pack, const void *weights, const float *bias,
                           float *y, long m, long n, long k, float *scratch, int threads);
-long enginekit_packed_gemm_scratch(long k, int threads);
+long enginekit_panel_gemm_scratch(long k, int threads);
 
 #endif

@@ -19,6 +19,21 @@ ATTENTION_SHAPES = (
     ),
 )
 
+
+# What paged attention reads besides the queries and the cache, the same in every entry point that attends:
+# each query's row of the block tables (row i when ``table_rows`` is None) and its context length, for queries
+# counted by the dimension ``rows``; and how the scores are taken.
+def block_tables(rows: str) -> tuple[Tensor | Stride, ...]:
+    return (
+        Tensor("block_tables", ("table_count", "table_width"), I64, layout="rows"),
+        Stride("block_tables"),
+        Tensor("table_rows", (rows,), I64, optional=True),
+        Tensor("context_lens", (rows,), I64),
+    )
+
+
+SCORES = (Scalar("scale", ctypes.c_float), Scalar("window", ctypes.c_long), Scalar("softcap", ctypes.c_float))
+
 SKINNY_GEMM = Entry(
     "enginekit_skinny_gemm",
     (
@@ -33,23 +48,6 @@ SKINNY_GEMM = Entry(
     ),
     ctypes.c_int,
     {-1: "takes 1 to 128 rows"},
-)
-PACKED_GEMM = Entry(
-    "enginekit_packed_gemm",
-    (
-        Tensor("x", ("M", "K"), layout="rows"),
-        Stride("x"),
-        Tensor("weight", ("N", "K")),
-        Tensor("bias", ("N",), optional=True),
-        Output("out", ("M", "N")),
-        Size("M"),
-        Size("N"),
-        Size("K"),
-        THREADS,
-    ),
-    ctypes.c_int,
-    {-1: "is out of memory"},
-    requires=(("M >= 1 and N >= 1 and K >= 1", "takes at least one row, output and input ({M}, {N}, {K})"),),
 )
 RMS_NORM = Entry(
     "enginekit_rms_norm",
@@ -104,10 +102,7 @@ PAGED_ATTENTION = Entry(
         Stride("q"),
         KV_CACHE,
         Part("kv_cache", 1),
-        Tensor("block_tables", ("table_count", "table_width"), I64, layout="rows"),
-        Stride("block_tables"),
-        Tensor("table_rows", ("N",), I64, optional=True),
-        Tensor("context_lens", ("N",), I64),
+        *block_tables("N"),
         Output("out", ("N", "heads", "D")),
         Size("N"),
         Size("heads"),
@@ -117,9 +112,7 @@ PAGED_ATTENTION = Entry(
         Size("num_slots"),
         Size("table_count"),
         Size("table_width"),
-        Scalar("scale", ctypes.c_float),
-        Scalar("window", ctypes.c_long),
-        Scalar("softcap", ctypes.c_float),
+        *SCORES,
         THREADS,
     ),
     ctypes.c_int,
@@ -214,16 +207,11 @@ STORED_LAYER = Entry(
         Size("kv_heads"),
         Size("D"),
         Size("num_slots"),
-        Tensor("block_tables", ("table_count", "table_width"), I64, layout="rows"),
-        Stride("block_tables"),
-        Tensor("table_rows", ("T",), I64, optional=True),
-        Tensor("context_lens", ("T",), I64),
+        *block_tables("T"),
         Size("table_count"),
         Size("table_width"),
         Size("block_size"),
-        Scalar("scale", ctypes.c_float),
-        Scalar("window", ctypes.c_long),
-        Scalar("softcap", ctypes.c_float),
+        *SCORES,
         THREADS,
         Scalar("isa"),
     ),
@@ -244,7 +232,6 @@ STORED_LAYER = Entry(
 
 ENTRY_POINTS = (
     SKINNY_GEMM,
-    PACKED_GEMM,
     RMS_NORM,
     SILU_MUL,
     ROPE_WRITE_CACHE,

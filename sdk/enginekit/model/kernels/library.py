@@ -34,7 +34,7 @@ logger = logging.getLogger("enginekit.model")
 FOLDER = Path(__file__).parent
 SOURCES = tuple(
     FOLDER / name
-    for name in ("skinny_gemm.c", "packed_gemm.c", "layer_ops.c", "quant_gemm.c", "stored_layer.c")
+    for name in ("skinny_gemm.c", "panel_gemm.c", "layer_ops.c", "quant_gemm.c", "stored_layer.c")
 )
 HEADERS = (FOLDER / "common.h", FOLDER / "quant_dot.h")
 MAX_ROWS = 128  # ENGINEKIT_MAX_ROWS in skinny_gemm.c; checked at load

@@ -8,9 +8,6 @@ process (``library.py``), each entry point called through one checked boundary (
   read bandwidth at one row, and take longer with every row they add; ``skinny_gemm.c`` reads each weight
   once for all the rows (up to ``SKINNY_ROWS``, 8). Past that a step is bound by arithmetic, and its
   register-blocked tiles keep the multiply-add units busier (see docs/benchmarks.md).
-- :func:`native_packed_gemm`: the float32 product of any number of rows with a weight, for prefill steps and
-  the largest decode steps: the weight packed on every call into panels of 16 columns, and a 6x16 micro-kernel
-  that keeps the multiply-add units busy (see ``packed_gemm.c``).
 - :func:`native_layer_ops`: a decoder layer's small float32 operations: RMS norm, rotary embedding fused with
   the KV-cache write, and attention of single queries (decodes, prefill tokens) that reads the paged cache in
   place (``LayerOps``).
@@ -42,7 +39,7 @@ from enginekit.model.kernels.library import (
     _openmp_runtimes,
     native_library,
 )
-from enginekit.model.kernels.probes import probe_gemm, probe_layer_ops, probe_packed_gemm
+from enginekit.model.kernels.probes import probe_gemm, probe_layer_ops
 from enginekit.model.kernels.quant_gemm import QuantGemm, native_quant_gemm, quant_gemm
 
 __all__ = [
@@ -56,7 +53,6 @@ __all__ = [
     "_openmp_runtimes",
     "native_layer_ops",
     "native_library",
-    "native_packed_gemm",
     "native_quant_gemm",
     "native_skinny_gemm",
     "quant_gemm",
@@ -88,33 +84,6 @@ def native_skinny_gemm() -> SkinnyGemm | None:
         probe_gemm(gemm)
     except NativeUnavailable as reason:
         logger.warning("native skinny-GEMM kernel not used: %s", reason)
-        return None
-    return gemm
-
-
-@functools.cache
-def native_packed_gemm() -> SkinnyGemm | None:
-    """``gemm(x, weight, bias)`` for a float32 ``x`` of any number of rows (each row contiguous) and a contiguous
-    ``weight`` on CPU, or ``None`` (logged why).
-
-    Built and probed on the first call in a process; later calls return the same function. Each call packs the
-    weight into a scratch of a few megabytes at most, allocated per call by the C code.
-    """
-    lib = native_library()
-    if lib is None:
-        return None
-    kernel = entries.PACKED_GEMM.bind(lib)
-    get_threads = torch.get_num_threads
-
-    def gemm(
-        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
-    ) -> torch.Tensor:
-        return kernel(x=x, weight=weight, bias=bias, threads=threads or get_threads())
-
-    try:
-        probe_packed_gemm(gemm)
-    except NativeUnavailable as reason:
-        logger.warning("native packed-GEMM kernel not used: %s", reason)
         return None
     return gemm
 

@@ -32,21 +32,6 @@ def probe_gemm(gemm: Callable[..., torch.Tensor]) -> None:
                 )
 
 
-def probe_packed_gemm(gemm: Callable[..., torch.Tensor]) -> None:
-    """The kernel against ``F.linear`` on shapes that take every path: full and partial micro-panels of rows and
-    panels of columns, one and several panels a task, rows a stride apart, a bias, on one and two threads."""
-    gen = torch.Generator().manual_seed(0)
-    for m, n, k, with_bias in [(1, 5, 7, True), (6, 16, 8, False), (29, 40, 19, True), (100, 530, 45, True)]:
-        rows = torch.randn(m, k + 3, generator=gen)
-        x, w = rows[:, :k], torch.randn(n, k, generator=gen)  # rows k + 3 floats apart
-        b = torch.randn(n, generator=gen) if with_bias else None
-        for threads in (1, 2):
-            if not torch.allclose(gemm(x, w, b, threads), F.linear(x, w, b), rtol=1e-4, atol=1e-4):
-                raise NativeUnavailable(
-                    f"it disagrees with F.linear on a probe ({m}x{k} by {n}x{k}, {threads} threads)"
-                )
-
-
 def probe_layer_ops(ops: LayerOps) -> None:
     """Each layer operation against the torch formula the model uses otherwise, on shapes that take every path:
     head sizes with and without a vector tail, grouped and plain heads, contexts of one token, of part of a block

@@ -15,7 +15,7 @@
  *   a step (the largest magnitude of its four values / 127) per value (see docs/models.md for the cost in quality);
  * - the float path (F16 and BF16 at a few rows; every type without AVX2): each weight row dequantized into the L1
  *   cache and multiplied into every input row with float multiply-adds, no quantization of the input;
- * - the panel path (many rows): the weight dequantized panel by panel into packed_gemm.c's panels, and its 6x16
+ * - the panel path (many rows): the weight dequantized panel by panel into panel_gemm.c's panels, and its 6x16
  *   micro-kernel: a prefill step is bound by arithmetic, and the dequantization is paid once for all the rows.
  * Dequantization is bit-exact with gguf-py's (the same float products, in the same order, never fused).
  * Weight rows are split over OpenMP threads (torch's pool). Built with the other kernels into one library by
@@ -496,7 +496,7 @@ static int gemm_float(const float *x, const uint8_t *w, int type, float *y, long
   return OK;
 }
 
-/* ---- The panel path: packed_gemm.c's driver with a packer that dequantizes. */
+/* ---- The panel path: panel_gemm.c's driver with a packer that dequantizes. */
 
 typedef struct {
   const uint8_t *w;
@@ -520,7 +520,7 @@ AVX2_F16C static void pack_stored_panel(const void *weights, long n, long k, lon
 static int gemm_panels(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads) {
   format f = format_of(type);
   stored_weight s = {w, type, k / f.block * f.bytes};
-  float *scratch = aligned_alloc(64, ((size_t)enginekit_packed_gemm_scratch(k, threads) * 4 + 63) / 64 * 64);
+  float *scratch = aligned_alloc(64, ((size_t)enginekit_panel_gemm_scratch(k, threads) * 4 + 63) / 64 * 64);
   if (!scratch) return NO_MEMORY;
   enginekit_panel_gemm(x, k, pack_stored_panel, &s, NULL, y, m, n, k, scratch, threads);
   free(scratch);

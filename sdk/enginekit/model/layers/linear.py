@@ -1,4 +1,4 @@
-"""Linear layers and the CPU kernel that runs them (``linear_kernel``): the native GEMMs, oneDNN or ``F.linear``;
+"""Linear layers and the CPU kernel that runs them (``linear_kernel``): the native skinny GEMM, oneDNN or ``F.linear``;
 a layer whose weight is kept as a GGUF file stores it runs that weight's own product instead
 (``quant_linear.QuantizedWeight``)."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from enginekit.model.kernels.native import MAX_ROWS, native_packed_gemm, native_skinny_gemm
+from enginekit.model.kernels.native import MAX_ROWS, native_skinny_gemm
 from enginekit.model.layers.quant_linear import QuantizedWeight
 
 logger = logging.getLogger("enginekit.model")
@@ -46,62 +46,60 @@ class Linear(nn.Linear):
     __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"
 
 
-# The thresholds below come from measurements (docs/benchmarks_gemm.md, benchmarks/bench_gemm.py): oneDNN's fixed
-# cost per call loses to F.linear on small weights and small calls; the packed GEMM pays off from about 96 rows
-# on inputs at least 256 wide.
+# The thresholds below come from measurements (docs/benchmarks_gemm.md, benchmarks/bench_gemm.py): the skinny GEMM
+# wins up to a few dozen rows and oneDNN past them; oneDNN's fixed cost per call loses to F.linear on small weights
+# and small calls.
+SKINNY_MAX_ROWS = min(64, MAX_ROWS)  # the skinny GEMM takes up to MAX_ROWS
 ONEDNN_MIN_WEIGHT_NUMEL = 1 << 19
 ONEDNN_MIN_WORK = 1 << 25  # rows x weight elements
-PACKED_MIN_ROWS = 96
-PACKED_MIN_DEPTH = 256  # input features
 
 
 def linear_kernel(
     device: torch.device, dtype: torch.dtype, *, native: bool = True
 ) -> tuple[str, LinearKernel]:
     """The fastest correct kernel for the model's projections on this device, with its name (``native=False``:
-    without the native GEMMs, to measure what they give).
+    without the native GEMM, to measure what it gives).
 
     On CPU in float32 it picks per call, by the input's rows and the weight's size:
 
-    - **``PACKED_MIN_ROWS`` (96) rows or more, inputs ``PACKED_MIN_DEPTH`` (256) wide or more** (a prefill step,
-      the largest decode steps): the native packed GEMM of ``packed_gemm.c``;
-    - **otherwise 1 to ``MAX_ROWS`` (128) rows** (a decode step): the native skinny GEMM of ``skinny_gemm.c``.
-      Up to 8 rows it reads each weight once for all the rows; past that it runs register-blocked tiles;
+    - **1 to ``SKINNY_MAX_ROWS`` (64) rows** (a decode step, a short prefill chunk): the native skinny GEMM of
+      ``skinny_gemm.c``. Up to 8 rows it reads each weight once for all the rows; past that it runs
+      register-blocked tiles;
     - past those, and where the native library cannot be built or loaded (``enginekit.model.kernels.native`` then
       returns ``None``), **weights of ``ONEDNN_MIN_WEIGHT_NUMEL`` elements or more, or calls of
-      ``ONEDNN_MIN_WORK`` multiply-adds or more**: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, the kernel
-      torch's own compiler emits for a CPU linear). It reads the same ``[out, in]`` weights in place, and is
-      used when this torch build has it and it agrees with ``F.linear`` on a probe. Its fixed cost per call
-      loses to ``F.linear`` on smaller weights;
+      ``ONEDNN_MIN_WORK`` multiply-adds or more**: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``,
+      the kernel torch's own compiler emits for a CPU linear). It reads the same ``[out, in]`` weights in place,
+      and is used when this torch build has it and it agrees with ``F.linear`` on a probe. Its fixed cost per
+      call loses to ``F.linear`` on smaller weights;
     - otherwise ``F.linear``, which is also the kernel on other devices and dtypes.
 
-    The figures behind each choice, and how they compare with oneDNN and MKL given weights packed once, are on
-    docs/benchmarks_gemm.md (``benchmarks/bench_gemm.py``).
+    The weights are not reordered once for oneDNN: that measured 3-10% faster past 64 rows but keeps a second
+    copy of every float32 weight. The figures behind each choice are on docs/benchmarks_gemm.md
+    (``benchmarks/bench_gemm.py``).
     """
     if device.type != "cpu" or dtype != torch.float32:
         return "F.linear", F.linear
     onednn = _onednn_linear()
     skinny = native_skinny_gemm() if native else None
-    packed = native_packed_gemm() if native else None
-    if onednn is None and skinny is None and packed is None:
+    if onednn is None and skinny is None:
         return "F.linear", F.linear
 
     def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous():
-            rows = x.shape[0]
-            if packed is not None and rows >= PACKED_MIN_ROWS and weight.shape[1] >= PACKED_MIN_DEPTH:
-                return packed(x, weight, bias)
-            if skinny is not None and 0 < rows <= MAX_ROWS and x.is_contiguous():
-                return skinny(x, weight, bias)
+        if (
+            skinny is not None
+            and x.dim() == 2
+            and 0 < x.shape[0] <= SKINNY_MAX_ROWS
+            and x.is_contiguous()
+            and weight.is_contiguous()
+        ):
+            return skinny(x, weight, bias)
         if onednn is not None and (
             weight.numel() >= ONEDNN_MIN_WEIGHT_NUMEL or x.numel() * weight.shape[0] >= ONEDNN_MIN_WORK
         ):
             return onednn(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
-    parts = [f"native packed GEMM from {PACKED_MIN_ROWS} rows {PACKED_MIN_DEPTH} wide"] if packed else []
-    if skinny is not None:
-        parts.append(f"native skinny GEMM at 1-{MAX_ROWS} rows")
+    parts = [f"native skinny GEMM at 1-{SKINNY_MAX_ROWS} rows"] if skinny is not None else []
     if onednn is not None:
         parts.append(
             f"oneDNN from {ONEDNN_MIN_WEIGHT_NUMEL} weight elements or {ONEDNN_MIN_WORK} multiply-adds"

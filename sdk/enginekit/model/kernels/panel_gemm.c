@@ -1,17 +1,17 @@
-/* Float32 products of many rows with a weight matrix, for x86-64 CPUs with AVX2 and FMA:
- * y[m, n] = x[m, k] W[n, k]^T (+ b[n]), W row-major, any m >= 1.
+/* The panel-packing GEMM driver that quant_gemm.c's panel path runs (many rows, a weight kept as stored), for
+ * x86-64 CPUs with AVX2 and FMA: y[m, n] = x[m, k] W^T (+ b[n]), any m >= 1, with W given as a packer.
  *
- * A prefill step (hundreds to thousands of rows) is bound by arithmetic. The weight is packed on every call into
- * panels of 16 output columns, [panel][k][16] (zero past n): one cache line per k. A 6x16 micro-kernel then keeps
- * 6 rows x 16 columns of sums in twelve registers; per k it loads two vectors of the panel and broadcasts one
- * value from each of six rows of x, eight loads for twelve multiply-adds, so the multiply-add units, not the
- * loads, set the pace (the dot-product tiles of skinny_gemm.c need seven loads per twelve and a horizontal sum
- * at the end). Each task packs a few panels and runs all of x against them, on one core: a panel packed on
- * another core would have to travel between the cores' caches (at 128 rows that made two threads no faster
- * than one). The packing reads the weight once a call (a small part of a long prefill's product, not of a short
- * one: docs/benchmarks_gemm.md), and the scratch stays small
- * (MAX_GROUP panels a thread) even for an LM head.
- * Built with skinny_gemm.c and layer_ops.c into one library by enginekit/model/native.py.
+ * A prefill step (hundreds to thousands of rows) is bound by arithmetic. The packer writes the weight into panels
+ * of 16 output columns, [panel][k][16] (zero past n): one cache line per k; quant_gemm.c's packer dequantizes the
+ * stored blocks as it goes, which a weight kept as stored needs on every call anyway. A 6x16 micro-kernel then
+ * keeps 6 rows x 16 columns of sums in twelve registers; per k it loads two vectors of the panel and broadcasts
+ * one value from each of six rows of x, eight loads for twelve multiply-adds, so the multiply-add units, not the
+ * loads, set the pace. Each task packs a few panels and runs all of x against them, on one core: a panel packed
+ * on another core would have to travel between the cores' caches. The scratch stays small (MAX_GROUP panels a
+ * thread) even for an LM head.
+ *
+ * Float32 weights do not come here: past the skinny GEMM's rows they go to oneDNN, which measured as fast as
+ * this driver with a float32 packer (docs/benchmarks_gemm.md), so that packer was removed.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -30,24 +30,7 @@ static long thread_scratch(long k) { return MAX_GROUP * NR * k + (k + 7) / 8 * 8
 
 /* Floats of scratch a call on `threads` threads needs: each thread's packed panels and a row for the packer, and
  * their alignment. */
-long enginekit_packed_gemm_scratch(long k, int threads) { return threads * thread_scratch(k) + 8; }
-
-/* Columns [p * NR, p * NR + NR) of W^T as panel p: wp[kk * NR + j] = W[p * NR + j, kk], zero past n. */
-AVX2 static void pack_panel(const void *weights, long n, long k, long p, float *wp, float *work) {
-  const float *w = weights;
-  (void)work;
-  long n0 = p * NR, cols = n - n0 < NR ? n - n0 : NR;
-  if (cols == NR) { /* the common case, with a constant trip count the compiler vectorises */
-    for (long kk = 0; kk < k; kk++)
-      for (long j = 0; j < NR; j++) wp[kk * NR + j] = w[(n0 + j) * k + kk];
-    return;
-  }
-  for (long kk = 0; kk < k; kk++) {
-    float *dst = wp + kk * NR;
-    for (long j = 0; j < cols; j++) dst[j] = w[(n0 + j) * k + kk];
-    for (long j = cols; j < NR; j++) dst[j] = 0.0f;
-  }
-}
+long enginekit_panel_gemm_scratch(long k, int threads) { return threads * thread_scratch(k) + 8; }
 
 /* y[r, c] = x[r, :] . panel[:, c] (+ bias[c]) for `rows` <= MR rows of x (`ldx` apart) and `cols` <= NR columns.
  * Missing rows read row 0 again; their sums are dropped. */
@@ -86,7 +69,7 @@ AVX2 static void micro_kernel(const float *x, long ldx, int rows, const float *w
 }
 
 /* y = x W^T (+ bias): x [m, k] with rows `ldx` floats apart, W packed by `pack`, y [m, n] contiguous; `scratch`
- * holds enginekit_packed_gemm_scratch(k, threads) floats. Each task packs a group of panels into its thread's part
+ * holds enginekit_panel_gemm_scratch(k, threads) floats. Each task packs a group of panels into its thread's part
  * of the scratch (so they are in that core's caches), then runs every micro-panel of x against them. */
 AVX2 void enginekit_panel_gemm(const float *x, long ldx, enginekit_pack_fn pack, const void *weights,
                                const float *bias, float *y, long m, long n, long k, float *scratch, int threads) {
@@ -106,15 +89,4 @@ AVX2 void enginekit_panel_gemm(const float *x, long ldx, enginekit_pack_fn pack,
                      bias ? bias + column : NULL, y + r * n + column, n, n - column < NR ? (int)(n - column) : NR);
       }
   }
-}
-
-/* y = x W^T (+ bias) for a float32 W [n, k], contiguous. The scratch (a few megabytes at most) is allocated per
- * call: after the first, the allocator hands back the same memory. Returns 0, or -1 if it cannot be allocated. */
-AVX2 int enginekit_packed_gemm(const float *x, long ldx, const float *w, const float *bias, float *y, long m, long n,
-                               long k, int threads) {
-  float *scratch = malloc(enginekit_packed_gemm_scratch(k, threads) * sizeof(float));
-  if (!scratch) return -1;
-  enginekit_panel_gemm(x, ldx, pack_panel, w, bias, y, m, n, k, scratch, threads);
-  free(scratch);
-  return 0;
 }
