@@ -82,7 +82,73 @@ def run_tp_bench(quick: bool) -> dict[str, Any]:
         }
     hidden_sizes = sorted({model["hidden"] for model in models.values()})
     allreduce = {str(hidden): allreduce_us(hidden, 50 if quick else 200) for hidden in hidden_sizes}
-    return {"cores": cores, "models": models, "allreduce_us": allreduce}
+    spec = ctx.model("llama")
+    return {
+        "cores": cores,
+        "models": models,
+        "allreduce_us": allreduce,
+        "parity": parity(spec),
+        "death_s": [death_latency_s(spec) for _ in range(3)],
+    }
+
+
+def parity(spec: Any) -> dict[str, Any]:
+    """Greedy tokens and their logprobs at TP=2 against TP=1: equal tokens, and the largest logprob difference
+    (the row-parallel sums add partial products in another order)."""
+    import torch
+
+    from enginekit import Engine, SamplingParams
+
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": list(range(10 + i, 30 + 3 * i))} for i in range(8)]
+    found = {}
+    for size in (1, 2):
+        with Engine(spec.engine_model, mode="mp", num_kv_blocks=128, tensor_parallel_size=size) as engine:
+            outputs = engine.generate(prompts, params, progress=False)
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        logprobs = [
+            [s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs
+        ]
+        found[size] = tokens, torch.tensor(logprobs)
+    return {
+        "same_tokens": found[1][0] == found[2][0],
+        "max_logprob_diff": float((found[1][1] - found[2][1]).abs().max()),
+    }
+
+
+def death_latency_s(spec: Any) -> float:
+    """Seconds from a SIGKILL of the worker, mid-generate, to the call's ``EngineDeadError``."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from enginekit import Engine, EngineDeadError, SamplingParams
+
+    engine = Engine(spec.engine_model, mode="mp", num_kv_blocks=256, tensor_parallel_size=2)
+    failed: list[float] = []
+
+    def generate() -> None:
+        try:
+            engine.generate(
+                [{"prompt_token_ids": [10, 20, 30]}],
+                SamplingParams(max_tokens=3000, ignore_eos=True),
+                progress=False,
+            )
+        except EngineDeadError:
+            failed.append(time.monotonic())
+
+    try:
+        (worker,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
+        caller = threading.Thread(target=generate)
+        caller.start()
+        time.sleep(1.0)
+        killed = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        caller.join(30)
+    finally:
+        engine.shutdown()
+    return failed[0] - killed if failed else float("nan")
 
 
 def allreduce_us(hidden: int, iterations: int) -> dict[str, float]:
@@ -171,6 +237,14 @@ def render_tp_bench(figures: dict[str, Any]) -> str:
                 rows,
                 ["r", "r", "r", "r", "r", "r"],
             )
+        )
+    parity_found, deaths = figures.get("parity"), figures.get("death_s")
+    if parity_found is not None:
+        parts.append(
+            f"Parity on the tiny Llama, 8 prompts x 32 greedy tokens: the same tokens at TP=2 as at TP=1: "
+            f"{'yes' if parity_found['same_tokens'] else 'NO'}; largest logprob difference "
+            f"{parity_found['max_logprob_diff']:.1e}. A worker killed mid-generate fails the call with "
+            f"`EngineDeadError` after {', '.join(f'{s * 1000:.0f}' for s in deaths)} ms (3 tries).\n"
         )
     parts.append(
         "Why it does not pay here: both ranks share the same two cores the one-rank engine uses, so TP=2 adds no "
