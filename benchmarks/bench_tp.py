@@ -208,7 +208,7 @@ def render_tp_bench(figures: dict[str, Any]) -> str:
         f'`Engine(..., mode="mp")` three ways, all up at once and run alternately: one rank with all '
         f"{figures['cores']} threads, one rank with one thread, and `tensor_parallel_size=2` (the engine's "
         f"{figures['cores']} threads shared out: each rank runs its share). *N* requests submitted at once through "
-        "`generate`. Greedy tokens are the same in all three.\n"
+        "`generate`. Greedy tokens are the same in all three (`tests/test_tensor_parallel.py`; the parity line below).\n"
     ]
     for model in figures["models"].values():
         rows = [
