@@ -177,6 +177,14 @@ def test_heads_that_do_not_split_are_refused_naming_them(tmp_path):
         Engine(str(path), mode="mp", num_kv_blocks=16, tensor_parallel_size=3)
 
 
+def test_spawned_engine_process_runs_its_workers_too(checkpoints, references):
+    greedy, _, _ = references["llama"]
+    with Engine(
+        str(checkpoints["llama"]), mode="mp", num_kv_blocks=128, tensor_parallel_size=2, start_method="spawn"
+    ) as engine:
+        assert tokens(engine.generate(PROMPTS, GREEDY)) == greedy
+
+
 def test_in_process_mode_is_refused():
     with pytest.raises(EngineStartupError, match="mode='mp' or 'async'"):
         Engine("builtin", mode="inproc", tensor_parallel_size=2)
@@ -187,6 +195,16 @@ def test_in_process_mode_is_refused():
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1"),
         ({"tensor_parallel_size": 2, "cuda_graphs": True}, "cuda_graphs=True"),
+        (
+            {
+                "tensor_parallel_size": 2,
+                "data_parallel_size": 2,
+                "data_parallel_size_local": 1,
+                "address": "tcp://127.0.0.1:5555",
+                "data_parallel_keys": "/nonexistent/keys.json",
+            },
+            "does not combine with Ray or remote ranks",
+        ),
     ],
 )
 def test_bad_tensor_parallel_options_fail_before_anything_starts(options, message):

@@ -95,10 +95,13 @@ class EngineCoreProc(EngineCore):
             if args.config.adaptive_threads and self.device.type == "cpu" and self.executor is None
             else None
         )
-        if (
-            self.executor is not None
-        ):  # a worker's death while idle fails the engine at the next loop iteration
+        # a worker's death while idle fails the engine at the next loop iteration (one that died before the watch
+        # could tell anyone, at the first)
+        if self.executor is not None:
             self.executor.on_death = lambda reason: self.input_queue.put_nowait(ExecutorFailed(reason))
+            reason = self.executor.death_reason()
+            if reason is not None:
+                self.input_queue.put_nowait(ExecutorFailed(reason))
         self.report_phase("handshake")
         try:
             self._wait_for_input_thread()
