@@ -231,3 +231,18 @@ def test_a_killed_engine_process_takes_its_workers_with_it(checkpoints):
         assert wait_gone([worker_pid], 5) == []
     finally:
         engine.shutdown()
+
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once(tmp_path):
+    """Rank 0 waits for each worker's store key while watching the worker: a worker that cannot even read the
+    model (here: a folder that is not there) fails the start within seconds, not at the group's deadline."""
+    from enginekit.config import EngineConfig
+    from enginekit.core.tp_executor import TensorParallelExecutor
+
+    config = EngineConfig.from_options(str(tmp_path / "missing"), tensor_parallel_size=2)
+    started = time.monotonic()
+    with pytest.raises(
+        EngineStartupError, match=r"tensor-parallel worker rank 1 \(pid \d+\) exited with code 1"
+    ):
+        TensorParallelExecutor(config, torch.device("cpu"))
+    assert time.monotonic() - started < 30
