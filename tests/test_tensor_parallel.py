@@ -240,9 +240,12 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once(tmp_path):
     from enginekit.core.tp_executor import TensorParallelExecutor
 
     config = EngineConfig.from_options(str(tmp_path / "missing"), tensor_parallel_size=2)
-    started = time.monotonic()
-    with pytest.raises(
-        EngineStartupError, match=r"tensor-parallel worker rank 1 \(pid \d+\) exited with code 1"
-    ):
-        TensorParallelExecutor(config, torch.device("cpu"))
+    started, threads = time.monotonic(), torch.get_num_threads()  # the executor sets this process's share
+    try:
+        with pytest.raises(
+            EngineStartupError, match=r"tensor-parallel worker rank 1 \(pid \d+\) exited with code 1"
+        ):
+            TensorParallelExecutor(config, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
     assert time.monotonic() - started < 30
