@@ -93,10 +93,11 @@ def test_prompt_embeddings_and_prompt_logprobs_reach_every_rank(checkpoints):
     assert torch.allclose(torch.tensor(ours), torch.tensor(theirs), atol=1e-4)
 
 
-def test_a_killed_worker_is_the_engines_death_and_restart_works(checkpoints):
+@pytest.mark.parametrize("mode", ["mp", "async"])
+def test_a_killed_worker_is_the_engines_death_and_restart_works(checkpoints, mode):
     Launcher.shared()
     before = snapshot()
-    engine = Engine(str(checkpoints["llama"]), mode="mp", num_kv_blocks=256, tensor_parallel_size=2)
+    engine = Engine(str(checkpoints["llama"]), mode=mode, num_kv_blocks=256, tensor_parallel_size=2)
     try:
         engine_pid = engine.client.engine_pids[0]
         (worker_pid,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
