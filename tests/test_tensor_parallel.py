@@ -93,10 +93,11 @@ def test_prompt_embeddings_and_prompt_logprobs_reach_every_rank(checkpoints):
     assert torch.allclose(torch.tensor(ours), torch.tensor(theirs), atol=1e-4)
 
 
-def test_a_killed_worker_is_the_engines_death_and_restart_works(checkpoints):
+@pytest.mark.parametrize("mode", ["mp", "async"])
+def test_a_killed_worker_is_the_engines_death_and_restart_works(checkpoints, mode):
     Launcher.shared()
     before = snapshot()
-    engine = Engine(str(checkpoints["llama"]), mode="mp", num_kv_blocks=256, tensor_parallel_size=2)
+    engine = Engine(str(checkpoints["llama"]), mode=mode, num_kv_blocks=256, tensor_parallel_size=2)
     try:
         engine_pid = engine.client.engine_pids[0]
         (worker_pid,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
@@ -231,3 +232,21 @@ def test_a_killed_engine_process_takes_its_workers_with_it(checkpoints):
         assert wait_gone([worker_pid], 5) == []
     finally:
         engine.shutdown()
+
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once(tmp_path):
+    """Rank 0 waits for each worker's store key while watching the worker: a worker that cannot even read the
+    model (here: a folder that is not there) fails the start within seconds, not at the group's deadline."""
+    from enginekit.config import EngineConfig
+    from enginekit.core.tp_executor import TensorParallelExecutor
+
+    config = EngineConfig.from_options(str(tmp_path / "missing"), tensor_parallel_size=2)
+    started, threads = time.monotonic(), torch.get_num_threads()  # the executor sets this process's share
+    try:
+        with pytest.raises(
+            EngineStartupError, match=r"tensor-parallel worker rank 1 \(pid \d+\) exited with code 1"
+        ):
+            TensorParallelExecutor(config, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert time.monotonic() - started < 30
