@@ -116,10 +116,8 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
     arch = family.gguf_arch
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    rope = config.get("rope_parameters") or {}
-    rope = rope.get(
-        "full_attention", rope
-    )  # Gemma 3: the global layers' (llama.cpp fixes the sliding ones' base)
+    rope_by_layer_type = config.get("rope_parameters") or {}
+    rope = rope_by_layer_type.get("full_attention", rope_by_layer_type)  # Gemma 3: the global layers'
     writer = GGUFWriter(path, arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -127,7 +125,12 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch != "gemma2":  # Gemma2Model writes its own keys, no rope base (llama.cpp reads 10000)
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if "sliding_attention" in rope_by_layer_type:  # the sliding layers' base, as TextModel writes it
+        writer.add_float32(
+            f"{arch}.rope.freq_base_swa", rope_by_layer_type["sliding_attention"]["rope_theta"]
+        )
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     if config.get("head_dim") is not None:
@@ -141,10 +144,14 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
         writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
     else:
         _add_rope_scaling(writer, arch, rope)
-    if arch == "gemma2":  # its soft-capping
+    if arch == "gemma2":  # its soft-capping, always
         writer.add_float32(f"{arch}.attn_logit_softcapping", config["attn_logit_softcapping"])
         writer.add_float32(f"{arch}.final_logit_softcapping", config["final_logit_softcapping"])
-    if family.norm_plus_one:  # the window (llama.cpp spreads it over the layers in Gemma's pattern)
+    if arch == "gemma3" and config.get("final_logit_softcapping"):  # only when set
+        writer.add_float32(f"{arch}.final_logit_softcapping", config["final_logit_softcapping"])
+    # the window (llama.cpp spreads it over the layers in Gemma's pattern); Gemma 3 without one when every
+    # layer attends fully (sliding_window_pattern 1)
+    if arch == "gemma2" or (arch == "gemma3" and config.get("sliding_window_pattern") != 1):
         writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
     _add_tokenizer(writer, folder, config)
 

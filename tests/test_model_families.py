@@ -269,3 +269,49 @@ def test_a_gemma_gguf_reads_as_its_folder(tmp_path, arch):
     )
     assert [getattr(gguf, f) for f in fields] == [getattr(folder, f) for f in fields]
     assert gguf.attention_scale == 0.0 and folder.attention_scale == options["head_dim"] ** -0.5
+
+
+def _gemma_header(tmp_path, arch, drop=(), **metadata):
+    from enginekit.model.formats.gguf_header import read_gguf_header
+    from hf_to_gguf import write_gguf_from_hf
+
+    _, options = GGUF_CASES[arch]
+    path = build_checkpoint(tmp_path / arch, arch, **options)
+    header = read_gguf_header(write_gguf_from_hf(path, tmp_path / f"{arch}.gguf"))
+    kept = {k: v for k, v in header.metadata.items() if k.removeprefix(f"{arch}.") not in drop}
+    return header._replace(metadata=kept | {f"{arch}.{k}": v for k, v in metadata.items()})
+
+
+def test_a_gemma2_file_without_its_keys_reads_with_llama_cpps_defaults(tmp_path):
+    """llama.cpp's Gemma 2 defaults (src/models/gemma2.cpp): a 4096 window, soft-capping 50 and 30, every other
+    layer sliding, the global rope base on the sliding layers."""
+    from enginekit.model.formats.gguf import read_gguf_config
+
+    drop = ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
+    config = read_gguf_config(_gemma_header(tmp_path, "gemma2", drop))
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+    assert config.layer_windows == (4096, 0) and config.rope_local_theta == 0.0
+
+
+def test_a_gemma_files_window_pattern_and_sliding_rope_base_are_read(tmp_path):
+    """``attention.sliding_window_pattern`` as a period or one flag per layer, and ``rope.freq_base_swa``."""
+    from enginekit.model.formats.gguf import read_gguf_config
+
+    header = _gemma_header(tmp_path, "gemma3")
+    assert read_gguf_config(header).layer_windows == (8, 8, 8, 8, 8, 0)
+    assert read_gguf_config(header).rope_local_theta == 10000.0
+    period = header._replace(metadata=header.metadata | {"gemma3.attention.sliding_window_pattern": 3})
+    assert read_gguf_config(period).layer_windows == (8, 8, 0, 8, 8, 0)
+    flags = [True, False, True, False, False, True]
+    per_layer = header._replace(metadata=header.metadata | {"gemma3.attention.sliding_window_pattern": flags})
+    assert read_gguf_config(per_layer).layer_windows == (8, 0, 8, 0, 0, 8)
+    base = header._replace(metadata=header.metadata | {"gemma3.rope.freq_base_swa": 20000.0})
+    assert read_gguf_config(base).rope_local_theta == 20000.0
+    # without the key, llama.cpp's 10000; without a window, every layer global
+    unsaid = {k: v for k, v in header.metadata.items() if k != "gemma3.rope.freq_base_swa"}
+    assert read_gguf_config(header._replace(metadata=unsaid)).rope_local_theta == 10000.0
+    no_window = {k: v for k, v in header.metadata.items() if k != "gemma3.attention.sliding_window"}
+    assert read_gguf_config(header._replace(metadata=no_window)).layer_windows == ()
+    bad = header._replace(metadata=header.metadata | {"gemma3.attention.sliding_window_pattern": [True]})
+    with pytest.raises(EngineStartupError, match="one flag per layer"):
+        read_gguf_config(bad)
