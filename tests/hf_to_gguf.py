@@ -11,6 +11,8 @@ Phi-3 (``phi3``): its fused ``attn_qkv`` and ``ffn_up`` (gate and up rows), and 
 ``original_context_length``. Gemma 2 (``gemma2``): norms stored as (1 + weight), its sandwich norms as
 ``post_attention_norm``, ``ffn_norm`` (before the MLP) and ``post_ffw_norm``, no ``output.weight`` (the head is the
 embedding), and the ``attn_logit_softcapping``, ``final_logit_softcapping`` and ``attention.sliding_window`` keys.
+Gemma 3 (``gemma3``): also q/k norms, ``rope.freq_base_swa`` (the sliding layers' base) and the final
+soft-capping when set; ``Gemma3ForConditionalGeneration`` as its text model alone.
 The tokenizer (the byte-level BPE of ``hf_checkpoints``) goes in as ``gpt2`` tokens
 and merges.
 """
@@ -53,7 +55,21 @@ FAMILIES = {
     "Phi3ForCausalLM": Family("phi3", False),
     "Gemma2ForCausalLM": Family("gemma2", False, GEMMA_NORMS, norm_plus_one=True),
     "Gemma3ForCausalLM": Family("gemma3", False, GEMMA_NORMS, norm_plus_one=True),
+    # its text model: the converter reads text_config over the outer config, drops the vision tower and projector
+    # (another file, the mmproj, holds them) and the language_model. prefix
+    "Gemma3ForConditionalGeneration": Family("gemma3", False, GEMMA_NORMS, norm_plus_one=True),
 }
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.", ""),
+)
 RENAMES = (
     ("model.embed_tokens.", "token_embd."),
     ("model.norm.", "output_norm."),
@@ -113,6 +129,7 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
 
     config = json.loads((folder / "config.json").read_text())
     family = FAMILIES[config["architectures"][0]]
+    config = {**config, **config.get("text_config", {})}
     arch = family.gguf_arch
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -167,6 +184,12 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for hf_name, tensor in weights.items():
+        if hf_name.startswith(VISION_PREFIXES):
+            continue
+        for old, new in TEXT_PREFIXES:
+            if hf_name.startswith(old):
+                hf_name = new + hf_name[len(old) :]
+                break
         name = gguf_tensor_name(hf_name, family)
         if family.permute_qk and (".attn_q." in name or ".attn_k." in name):
             tensor = interleave_rotary_halves(tensor, heads if ".attn_q." in name else kv_heads)
