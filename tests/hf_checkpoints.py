@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-Arch = Literal["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3"]
+Arch = Literal["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3", "gemma3-mm"]
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -47,6 +47,7 @@ DEFAULT_ROPE_THETA = {
     "mistral": 1000000.0,
     "gemma2": 10000.0,
     "gemma3": 1000000.0,  # the global layers'; the sliding ones 10000 (GEMMA3_LOCAL_THETA)
+    "gemma3-mm": 1000000.0,
     "qwen3": 1000000.0,
     "phi3": 10000.0,
 }
@@ -192,12 +193,16 @@ def _make_config(
             final_logit_softcapping=5.0,
             pad_token_id=eos_id,
         )
-    if arch == "gemma3":  # every sixth layer global (as released), the sliding ones with their own rope base
-        from transformers import Gemma3TextConfig
+    if arch in (
+        "gemma3",
+        "gemma3-mm",
+    ):  # every sixth layer global (as released), the sliding ones with their own
+        # rope base; gemma3-mm: Gemma3ForConditionalGeneration, the same text model with a one-layer vision tower
+        from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
         options: dict[str, Any] = dict(common)
         rope = options.pop("rope_parameters")
-        return Gemma3TextConfig(
+        text = Gemma3TextConfig(
             **options,
             head_dim=head_dim or hidden_size // num_heads,
             hidden_activation="gelu_pytorch_tanh",
@@ -210,6 +215,25 @@ def _make_config(
             },
             pad_token_id=eos_id,
         )
+        if arch == "gemma3":
+            return text
+        vision = SiglipVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        return Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            pad_token_id=eos_id,
+        )
     raise ValueError(f"unknown arch {arch!r}; expected 'llama', 'qwen2' or 'mistral'")
 
 
@@ -217,6 +241,7 @@ def _model_class(arch: Arch):
     from transformers import (
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
+        Gemma3ForConditionalGeneration,
         LlamaForCausalLM,
         MistralForCausalLM,
         Phi3ForCausalLM,
@@ -232,6 +257,7 @@ def _model_class(arch: Arch):
         "phi3": Phi3ForCausalLM,
         "gemma2": Gemma2ForCausalLM,
         "gemma3": Gemma3ForCausalLM,
+        "gemma3-mm": Gemma3ForConditionalGeneration,
     }
     return classes[arch]
 
@@ -248,9 +274,10 @@ def _init_weights(model: torch.nn.Module, seed: int, init_std: float, tied: bool
     signs.
     """
     gen = torch.Generator().manual_seed(seed)
-    hidden = model.config.hidden_size
+    hidden = model.config.get_text_config().hidden_size
     head_std = LOGIT_STD / hidden**0.5
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        name = name.replace("model.language_model.", "model.")  # a vision-language model's text model
         shape = param.shape
         if name.endswith("norm.weight"):
             value = 0.5 + torch.rand(shape, generator=gen)
@@ -400,7 +427,13 @@ def _load_hf_model(path: Path):
 
     with _quiet():
         kwargs = {"dtype": torch.float32, "local_files_only": True}
-        model = AutoModelForCausalLM.from_pretrained(Path(path), **kwargs)
+        architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+        if architectures == ["Gemma3ForConditionalGeneration"]:  # by name: the reference is that class
+            from transformers import Gemma3ForConditionalGeneration
+
+            model = Gemma3ForConditionalGeneration.from_pretrained(Path(path), **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(Path(path), **kwargs)
     return model.eval()
 
 

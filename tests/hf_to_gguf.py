@@ -11,6 +11,8 @@ Phi-3 (``phi3``): its fused ``attn_qkv`` and ``ffn_up`` (gate and up rows), and 
 ``original_context_length``. Gemma 2 (``gemma2``): norms stored as (1 + weight), its sandwich norms as
 ``post_attention_norm``, ``ffn_norm`` (before the MLP) and ``post_ffw_norm``, no ``output.weight`` (the head is the
 embedding), and the ``attn_logit_softcapping``, ``final_logit_softcapping`` and ``attention.sliding_window`` keys.
+Gemma 3 (``gemma3``): also q/k norms, ``rope.freq_base_swa`` (the sliding layers' base) and the final
+soft-capping when set; ``Gemma3ForConditionalGeneration`` as its text model alone.
 The tokenizer (the byte-level BPE of ``hf_checkpoints``) goes in as ``gpt2`` tokens
 and merges.
 """
@@ -53,7 +55,21 @@ FAMILIES = {
     "Phi3ForCausalLM": Family("phi3", False),
     "Gemma2ForCausalLM": Family("gemma2", False, GEMMA_NORMS, norm_plus_one=True),
     "Gemma3ForCausalLM": Family("gemma3", False, GEMMA_NORMS, norm_plus_one=True),
+    # its text model: the converter reads text_config over the outer config, drops the vision tower and projector
+    # (another file, the mmproj, holds them) and the language_model. prefix
+    "Gemma3ForConditionalGeneration": Family("gemma3", False, GEMMA_NORMS, norm_plus_one=True),
 }
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.", ""),
+)
 RENAMES = (
     ("model.embed_tokens.", "token_embd."),
     ("model.norm.", "output_norm."),
@@ -113,13 +129,12 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
 
     config = json.loads((folder / "config.json").read_text())
     family = FAMILIES[config["architectures"][0]]
+    config = {**config, **config.get("text_config", {})}
     arch = family.gguf_arch
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    rope = config.get("rope_parameters") or {}
-    rope = rope.get(
-        "full_attention", rope
-    )  # Gemma 3: the global layers' (llama.cpp fixes the sliding ones' base)
+    rope_by_layer_type = config.get("rope_parameters") or {}
+    rope = rope_by_layer_type.get("full_attention", rope_by_layer_type)  # Gemma 3: the global layers'
     writer = GGUFWriter(path, arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -127,7 +142,12 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch != "gemma2":  # Gemma2Model writes its own keys, no rope base (llama.cpp reads 10000)
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if "sliding_attention" in rope_by_layer_type:  # the sliding layers' base, as TextModel writes it
+        writer.add_float32(
+            f"{arch}.rope.freq_base_swa", rope_by_layer_type["sliding_attention"]["rope_theta"]
+        )
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     if config.get("head_dim") is not None:
@@ -141,10 +161,14 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
         writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
     else:
         _add_rope_scaling(writer, arch, rope)
-    if arch == "gemma2":  # its soft-capping
+    if arch == "gemma2":  # its soft-capping, always
         writer.add_float32(f"{arch}.attn_logit_softcapping", config["attn_logit_softcapping"])
         writer.add_float32(f"{arch}.final_logit_softcapping", config["final_logit_softcapping"])
-    if family.norm_plus_one:  # the window (llama.cpp spreads it over the layers in Gemma's pattern)
+    if arch == "gemma3" and config.get("final_logit_softcapping"):  # only when set
+        writer.add_float32(f"{arch}.final_logit_softcapping", config["final_logit_softcapping"])
+    # the window (llama.cpp spreads it over the layers in Gemma's pattern); Gemma 3 without one when every
+    # layer attends fully (sliding_window_pattern 1)
+    if arch == "gemma2" or (arch == "gemma3" and config.get("sliding_window_pattern") != 1):
         writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
     _add_tokenizer(writer, folder, config)
 
@@ -160,6 +184,12 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for hf_name, tensor in weights.items():
+        if hf_name.startswith(VISION_PREFIXES):
+            continue
+        for old, new in TEXT_PREFIXES:
+            if hf_name.startswith(old):
+                hf_name = new + hf_name[len(old) :]
+                break
         name = gguf_tensor_name(hf_name, family)
         if family.permute_qk and (".attn_q." in name or ".attn_k." in name):
             tensor = interleave_rotary_halves(tensor, heads if ".attn_q." in name else kv_heads)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from chat_templates import FAMILIES, MISTRAL
+from chat_templates import FAMILIES, GEMMA_2, MISTRAL, NO_SYSTEM_ROLE
 from enginekit import Engine, SamplingParams
 from enginekit.model.text.chat_template import ChatTemplate
 from hf_checkpoints import build_checkpoint
@@ -51,7 +51,17 @@ def render_both(family: str, conversation, add_generation_prompt: bool = True, *
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_each_family_renders_as_transformers(family, name, add_generation_prompt):
-    ours, theirs = render_both(family, CONVERSATIONS[name], add_generation_prompt)
+    conversation = CONVERSATIONS[name]
+    if family in NO_SYSTEM_ROLE and conversation[0]["role"] == "system":  # both refuse it, with its message
+        source, bos, eos = FAMILIES[family]
+        with pytest.raises(Exception, match=NO_SYSTEM_ROLE[family]):
+            reference_render(
+                source, conversation, add_generation_prompt=add_generation_prompt, bos=bos, eos=eos
+            )
+        with pytest.raises(ValueError, match=NO_SYSTEM_ROLE[family]):
+            ChatTemplate(source, bos_token=bos, eos_token=eos).render(conversation)
+        return
+    ours, theirs = render_both(family, conversation, add_generation_prompt)
     assert ours == theirs
 
 
@@ -156,3 +166,35 @@ def test_chat_passes_template_variables(tmp_path):
         assert out.prompt == expected and out.prompt.endswith("<think>\n\n</think>\n\n")
         with pytest.raises(TypeError, match="chat_template_kwargs must be a dict of template variables"):
             engine.chat(THINKING, params, chat_template=QWEN_3, chat_template_kwargs=["enable_thinking"])
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory):
+    """A tiny Gemma 2 checkpoint whose tokenizer_config.json carries Gemma 2's template."""
+    path = build_checkpoint(tmp_path_factory.mktemp("gemma2") / "g", "gemma2", sliding_window=8)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": GEMMA_2}))
+    return path
+
+
+@pytest.mark.parametrize("mode", ["inproc", "mp", "async"])
+def test_gemmas_refusal_of_a_system_message_in_every_mode(gemma_folder, mode):
+    with_system = CONVERSATIONS["with system"]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    refused = r"chat template from .*tokenizer_config.json.* failed: System role not supported"
+    with Engine(str(gemma_folder), mode=mode, num_kv_blocks=32, max_model_len=128) as engine:
+        with pytest.raises(ValueError, match=refused):
+            engine.chat(with_system, params)
+        with pytest.raises(ValueError, match=refused):
+            list(engine.stream_chat(with_system, params))
+        if mode == "async":
+
+            async def achat():
+                with pytest.raises(ValueError, match=refused):
+                    await engine.achat(with_system, params)
+
+            asyncio.run(achat())
+        out = engine.chat(CONVERSATIONS["one user turn"], params)[0]  # the engine still serves
+        assert out.prompt == reference_render(
+            GEMMA_2, CONVERSATIONS["one user turn"], add_generation_prompt=True, bos="<s>", eos="</s>"
+        )

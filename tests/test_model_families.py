@@ -29,6 +29,11 @@ LONGROPE = {
 }
 
 
+def vocab_of(path) -> int:
+    config = json.loads((path / "config.json").read_text())
+    return config.get("text_config", config)["vocab_size"]
+
+
 def prompts(vocab_size: int, seed: int = 0, lengths=(1, 7, 33, 70)) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(2, vocab_size) for _ in range(n)] for n in lengths]
@@ -59,6 +64,10 @@ CASES = {
     "gemma2": ("gemma2", {"sliding_window": 8}),
     # Gemma 3: q/k norms; layers 0-4 slide with rope base 1e4, layer 5 attends fully with 1e6
     "gemma3": ("gemma3", {"sliding_window": 8, "num_layers": 6}),
+    # Gemma 3's linear rope scaling: the global layer alone (the sliding ones rotate unscaled)
+    "gemma3-linear-rope": ("gemma3", {"sliding_window": 8, "num_layers": 6, "rope_parameters": LINEAR}),
+    # Gemma3ForConditionalGeneration (Gemma 3 4B-27B as released): its text model, under language_model.model.*
+    "gemma3-multimodal": ("gemma3-mm", {"sliding_window": 8, "num_layers": 6, "tie_word_embeddings": True}),
     "gemma2-tied-gqa1": ("gemma2", {"sliding_window": 12, "num_kv_heads": 4, "tie_word_embeddings": True}),
 }
 
@@ -77,9 +86,7 @@ def run_engine(path, batch, mode="inproc"):
 def test_greedy_tokens_match_transformers(tmp_path, case):
     arch, options = CASES[case]
     path = build_checkpoint(tmp_path / case, arch, **options)
-    batch = prompts(
-        json.loads((path / "config.json").read_text())["vocab_size"], lengths=LENGTHS.get(case, LENGTHS[""])
-    )
+    batch = prompts(vocab_of(path), lengths=LENGTHS.get(case, LENGTHS[""]))
     assert run_engine(path, batch) == hf_greedy(path, batch, MAX_TOKENS)
 
 
@@ -88,7 +95,7 @@ def test_longrope_sequences_past_the_original_length_share_no_blocks_with_shorte
     the prefix cache must not hand one's blocks to the other (each request runs alone, after the previous one
     cached its blocks)."""
     path = build_checkpoint(tmp_path / "phi3", "phi3", rope_parameters=LONGROPE, seed=1)
-    short, long = prompts(json.loads((path / "config.json").read_text())["vocab_size"], lengths=(40, 70))
+    short, long = prompts(vocab_of(path), lengths=(40, 70))
     batch = [short, short[:40] + long[40:], short]
     expected = hf_greedy(path, batch, MAX_TOKENS)
     with Engine(str(path), mode="inproc", block_size=8, num_kv_blocks=64, max_model_len=256) as engine:
@@ -103,12 +110,13 @@ def test_longrope_sequences_past_the_original_length_share_no_blocks_with_shorte
         ("phi3", {"rope_parameters": LONGROPE, "seed": 1}, LENGTHS["phi3.5-longrope"]),
         ("qwen2", {"sliding_window": 12}, LENGTHS[""]),
         ("gemma2", {"sliding_window": 8}, LENGTHS[""]),
+        ("gemma3", {"sliding_window": 8, "num_layers": 6, "rope_parameters": LINEAR}, LENGTHS[""]),
     ],
-    ids=["qwen3", "phi3", "qwen2-window", "gemma2"],
+    ids=["qwen3", "phi3", "qwen2-window", "gemma2", "gemma3"],
 )
 def test_background_process_matches_transformers(tmp_path, arch, options, lengths):
     path = build_checkpoint(tmp_path / arch, arch, **options)
-    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=1, lengths=lengths)
+    batch = prompts(vocab_of(path), seed=1, lengths=lengths)
     assert run_engine(path, batch, mode="mp") == hf_greedy(path, batch, MAX_TOKENS)
 
 
@@ -116,7 +124,7 @@ def test_the_rope_scaling_changes_the_tokens(tmp_path):
     """The llama3 parity case above would pass with the scaling ignored if it did not change the tokens."""
     plain = build_checkpoint(tmp_path / "plain", "llama")
     scaled = build_checkpoint(tmp_path / "scaled", "llama", rope_parameters=LLAMA3)
-    batch = prompts(json.loads((plain / "config.json").read_text())["vocab_size"])
+    batch = prompts(vocab_of(plain))
     assert hf_greedy(plain, batch, MAX_TOKENS) != hf_greedy(scaled, batch, MAX_TOKENS)
 
 
@@ -125,7 +133,7 @@ def test_the_sliding_window_changes_the_tokens(tmp_path, arch):
     """The window parity cases above would pass with the window ignored if it did not change the tokens."""
     full = build_checkpoint(tmp_path / "full", arch)
     windowed = build_checkpoint(tmp_path / "windowed", arch, sliding_window=8)
-    batch = prompts(json.loads((full / "config.json").read_text())["vocab_size"])
+    batch = prompts(vocab_of(full))
     assert hf_greedy(full, batch, MAX_TOKENS) != hf_greedy(windowed, batch, MAX_TOKENS)
 
 
@@ -159,7 +167,7 @@ def test_unsupported_options_are_refused_by_name(tmp_path, change, named):
 def test_each_gemma2_option_changes_the_tokens(tmp_path, option):
     """The gemma2 parity cases would pass with an option ignored if it did not change the tokens."""
     path = build_checkpoint(tmp_path / "gemma2", "gemma2", sliding_window=8)
-    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"])
+    batch = prompts(vocab_of(path))
     expected = hf_greedy(path, batch, MAX_TOKENS)
     config = json.loads((path / "config.json").read_text())
     config[option] = None if option != "query_pre_attn_scalar" else config["head_dim"]
@@ -193,6 +201,21 @@ GGUF_CASES = {
     # the file cannot carry query_pre_attn_scalar (24 in these checkpoints): llama.cpp scales by head_dim ** -0.5
     "gemma2": ("gemma2", {"sliding_window": 8, "head_dim": 24, "tie_word_embeddings": True}),
     "gemma3": ("gemma3", {"sliding_window": 8, "num_layers": 6, "head_dim": 24, "tie_word_embeddings": True}),
+    "gemma3-linear-rope": (
+        "gemma3",
+        {
+            "sliding_window": 8,
+            "num_layers": 6,
+            "head_dim": 24,
+            "tie_word_embeddings": True,
+            "rope_parameters": LINEAR,
+        },
+    ),
+    # llama.cpp's converter reads Gemma3ForConditionalGeneration's text model (text_config, language_model.*)
+    "gemma3-multimodal": (
+        "gemma3-mm",
+        {"sliding_window": 8, "num_layers": 6, "head_dim": 24, "tie_word_embeddings": True},
+    ),
 }
 
 
@@ -231,7 +254,7 @@ def test_gguf_greedy_tokens_match_transformers(tmp_path, case, weight_type, quan
     if weight_type == "F16":
         round_weights_to_f16(path)
     gguf = write_gguf_from_hf(path, tmp_path / f"{case}.gguf", Q[weight_type])
-    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    vocab_size = vocab_of(path)
     batch = prompts(
         vocab_size, seed=2 if case != "phi3.5-longrope" else 0, lengths=LENGTHS.get(case, LENGTHS[""])
     )
@@ -244,7 +267,7 @@ def test_gguf_in_the_background_process_matches_transformers(tmp_path):
     path = build_checkpoint(tmp_path / "llama3", "llama", rope_parameters=LLAMA3)
     round_weights_to_f16(path)
     gguf = write_gguf_from_hf(path, tmp_path / "llama3.gguf", Q.F16)
-    batch = prompts(json.loads((path / "config.json").read_text())["vocab_size"], seed=3)
+    batch = prompts(vocab_of(path), seed=3)
     assert run_gguf_engine(gguf, batch, "auto", mode="mp") == hf_greedy(path, batch, MAX_TOKENS)
 
 
@@ -269,3 +292,141 @@ def test_a_gemma_gguf_reads_as_its_folder(tmp_path, arch):
     )
     assert [getattr(gguf, f) for f in fields] == [getattr(folder, f) for f in fields]
     assert gguf.attention_scale == 0.0 and folder.attention_scale == options["head_dim"] ** -0.5
+
+
+def _gemma_header(tmp_path, arch, drop=(), **metadata):
+    from enginekit.model.formats.gguf_header import read_gguf_header
+    from hf_to_gguf import write_gguf_from_hf
+
+    _, options = GGUF_CASES[arch]
+    path = build_checkpoint(tmp_path / arch, arch, **options)
+    header = read_gguf_header(write_gguf_from_hf(path, tmp_path / f"{arch}.gguf"))
+    kept = {k: v for k, v in header.metadata.items() if k.removeprefix(f"{arch}.") not in drop}
+    return header._replace(metadata=kept | {f"{arch}.{k}": v for k, v in metadata.items()})
+
+
+def test_a_gemma2_file_without_its_keys_reads_with_llama_cpps_defaults(tmp_path):
+    """llama.cpp's Gemma 2 defaults (src/models/gemma2.cpp): a 4096 window, soft-capping 50 and 30, every other
+    layer sliding, the global rope base on the sliding layers."""
+    from enginekit.model.formats.gguf import read_gguf_config
+
+    drop = ("attention.sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
+    config = read_gguf_config(_gemma_header(tmp_path, "gemma2", drop))
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+    assert config.layer_windows == (4096, 0) and config.rope_local_theta == 0.0
+
+
+def test_a_gemma_files_window_pattern_and_sliding_rope_base_are_read(tmp_path):
+    """``attention.sliding_window_pattern`` as a period or one flag per layer, and ``rope.freq_base_swa``."""
+    from enginekit.model.formats.gguf import read_gguf_config
+
+    header = _gemma_header(tmp_path, "gemma3")
+    assert read_gguf_config(header).layer_windows == (8, 8, 8, 8, 8, 0)
+    assert read_gguf_config(header).rope_local_theta == 10000.0
+    period = header._replace(metadata=header.metadata | {"gemma3.attention.sliding_window_pattern": 3})
+    assert read_gguf_config(period).layer_windows == (8, 8, 0, 8, 8, 0)
+    flags = [True, False, True, False, False, True]
+    per_layer = header._replace(metadata=header.metadata | {"gemma3.attention.sliding_window_pattern": flags})
+    assert read_gguf_config(per_layer).layer_windows == (8, 0, 8, 0, 0, 8)
+    base = header._replace(metadata=header.metadata | {"gemma3.rope.freq_base_swa": 20000.0})
+    assert read_gguf_config(base).rope_local_theta == 20000.0
+    # without the key, llama.cpp's 10000; without a window, every layer global
+    unsaid = {k: v for k, v in header.metadata.items() if k != "gemma3.rope.freq_base_swa"}
+    assert read_gguf_config(header._replace(metadata=unsaid)).rope_local_theta == 10000.0
+    no_window = {k: v for k, v in header.metadata.items() if k != "gemma3.attention.sliding_window"}
+    assert read_gguf_config(header._replace(metadata=no_window)).layer_windows == ()
+    bad = header._replace(metadata=header.metadata | {"gemma3.attention.sliding_window_pattern": [True]})
+    with pytest.raises(EngineStartupError, match="one flag per layer"):
+        read_gguf_config(bad)
+
+
+def test_gemma3_multimodal_text_weights_under_either_prefix_and_no_vision_read(tmp_path, caplog):
+    """transformers has saved the language model as language_model.model.* (the hub's originals) and as
+    model.language_model.*; both load, the vision tower and projector are left unread (logged), and the scaling
+    test below shows the linear rope scaling changes these tokens."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    path = build_checkpoint(
+        tmp_path / "mm", "gemma3-mm", sliding_window=8, num_layers=6, tie_word_embeddings=True
+    )
+    batch = prompts(vocab_of(path), seed=4)
+    expected = hf_greedy(path, batch, MAX_TOKENS)
+    weights = load_file(path / "model.safetensors")
+    assert any(k.startswith("language_model.model.") for k in weights)
+    renamed = {
+        k.replace("language_model.model.", "model.language_model.")
+        .replace("vision_tower.", "model.vision_tower.")
+        .replace("multi_modal_projector.", "model.multi_modal_projector."): v
+        for k, v in weights.items()
+    }
+    save_file(renamed, path / "model.safetensors", {"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="enginekit.model"):
+        assert run_engine(path, batch) == expected
+    assert "vision tower and projector are not used" in caplog.text
+
+
+def test_gemma3_linear_rope_scaling_changes_the_tokens(tmp_path):
+    """The gemma3-linear-rope cases would pass with the scaling ignored if it did not change the tokens."""
+    plain = build_checkpoint(tmp_path / "plain", "gemma3", sliding_window=8, num_layers=6)
+    scaled = build_checkpoint(
+        tmp_path / "scaled", "gemma3", sliding_window=8, num_layers=6, rope_parameters=LINEAR
+    )
+    batch = prompts(vocab_of(plain))
+    assert hf_greedy(plain, batch, MAX_TOKENS) != hf_greedy(scaled, batch, MAX_TOKENS)
+
+
+def test_a_released_gemma3_multimodal_config_reads_as_transformers_reads_it(tmp_path):
+    """Gemma 3 4B's config.json lists few text keys and no layer_types: the rest are the config class's defaults
+    (the window on five layers of six, 8 heads of 256, query_pre_attn_scalar 256, rope bases 1e6 and 1e4)."""
+    from transformers import AutoConfig
+
+    from enginekit.model.formats.hf import read_hf_config
+
+    text = {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    }
+    raw = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "eos_token_id": [1, 106],
+        "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 16, "num_hidden_layers": 1},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = read_hf_config(tmp_path)
+    theirs = AutoConfig.from_pretrained(tmp_path).text_config
+    full = theirs.rope_parameters["full_attention"]
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_dim, ours.vocab_size) == (
+        theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+        theirs.head_dim,
+        theirs.vocab_size,
+    )
+    assert ours.layer_windows == tuple(1024 if t == "sliding_attention" else 0 for t in theirs.layer_types)
+    assert (ours.rope_theta, ours.rope_type, ours.rope_parameters["factor"]) == (
+        full["rope_theta"],
+        full["rope_type"],
+        full["factor"],
+    )
+    assert ours.rope_local_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"]
+    assert ours.attention_scale == theirs.query_pre_attn_scalar**-0.5
+    assert ours.tie_word_embeddings and ours.eos_token_ids == (1, 106)
+
+
+def test_a_gemma2_config_without_layer_types_slides_every_other_layer(tmp_path):
+    """Gemma 2's released configs predate layer_types: its config class slides the even layers."""
+    from enginekit.model.formats.hf import read_hf_config
+
+    path = build_checkpoint(tmp_path / "gemma2", "gemma2", sliding_window=8, num_layers=4)
+    config = json.loads((path / "config.json").read_text())
+    with_types = read_hf_config(path).layer_windows
+    del config["layer_types"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert read_hf_config(path).layer_windows == with_types == (8, 0, 8, 0)

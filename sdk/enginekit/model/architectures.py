@@ -7,6 +7,8 @@ activation, an attention option) is a field here, a flag in ``ModelConfig`` and 
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -28,14 +30,29 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True):
     norm_plus_one: bool = False
     sandwich_norms: bool = False
     scale_embeddings: bool = False
-    # What a GGUF file leaves unsaid: the MLP activation, and llama.cpp's sliding-window pattern (of every n
-    # layers the first n - 1 slide, the last attends to everything; 0: the window, if any, on every layer)
+    # Hugging Face: the vision-language classes whose ``text_config`` and language-model weights are this decoder
+    # (their vision tower and projector are not read); what the config classes fill in for keys a config.json
+    # leaves out (released multimodal configs list few); and, when a config lists no ``layer_types``, the
+    # sliding pattern its class derives (of every n layers the last attends fully; ``sliding_window_pattern``
+    # overrides n; 0: the window on every layer)
+    hf_multimodal_classes: tuple[str, ...] = ()
+    hf_defaults: tuple[tuple[str, Any], ...] = ()
+    hf_window_pattern: int = 0
+    # What a GGUF file may leave unsaid, and llama.cpp's defaults for it: the MLP activation; the sliding-window
+    # pattern when {arch}.attention.sliding_window_pattern is absent (of every n layers the first n - 1 slide, the
+    # last attends to everything; 0: the window, if any, on every layer); the window when
+    # {arch}.attention.sliding_window is absent (0: none); the soft-capping when its key is absent
     gguf_activation: str = "silu"
     gguf_window_pattern: int = 0
+    gguf_default_window: int = 0
+    gguf_default_attn_softcap: float = 0.0
+    gguf_default_final_softcap: float = 0.0
     # Gemma in llama.cpp: scores scaled by head_dim ** -0.5, save the model of this many layers (the 27B), scaled
     # by (hidden / heads) ** -0.5 (its query_pre_attn_scalar, which the file does not carry); 0: head_dim ** -0.5
     gguf_hidden_scale_layers: int = 0
-    gguf_local_rope: bool = False  # the sliding layers' rope base is {arch}.rope.freq_base_swa, else 10000
+    # the sliding layers' rope base when {arch}.rope.freq_base_swa is absent (0: the global layers' base), and
+    # whether they rotate without the rope scaling (Gemma 3: the linear scaling is the global layers' alone)
+    gguf_local_rope_base: float = 0.0
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -60,24 +77,44 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         norm_plus_one=True,
         sandwich_norms=True,
         scale_embeddings=True,
+        hf_window_pattern=2,
         gguf_activation="gelu_pytorch_tanh",
         gguf_window_pattern=2,
+        gguf_default_window=4096,
+        gguf_default_attn_softcap=50.0,
+        gguf_default_final_softcap=30.0,
         gguf_hidden_scale_layers=46,
     ),
     # Gemma 3 (text): Gemma 2's pieces with q/k norms, no soft-capping, and the sliding layers' own rope base
     Architecture(
         name="gemma3",
         hf_classes=("Gemma3ForCausalLM",),
+        hf_multimodal_classes=("Gemma3ForConditionalGeneration",),
         gguf_names=("gemma3",),
         sliding_window="always",
         qk_norm=True,
         norm_plus_one=True,
         sandwich_norms=True,
         scale_embeddings=True,
+        hf_defaults=(
+            ("vocab_size", 262208),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 4),
+            ("head_dim", 256),
+            ("hidden_activation", "gelu_pytorch_tanh"),
+            ("max_position_embeddings", 131072),
+            ("rms_norm_eps", 1e-6),
+            ("rope_theta", 1000000.0),
+            ("rope_local_base_freq", 10000.0),
+            ("query_pre_attn_scalar", 256),
+            ("sliding_window", 4096),
+            ("tie_word_embeddings", True),
+        ),
+        hf_window_pattern=6,
         gguf_activation="gelu_pytorch_tanh",
         gguf_window_pattern=6,
         gguf_hidden_scale_layers=62,
-        gguf_local_rope=True,
+        gguf_local_rope_base=10000.0,
     ),
     Architecture(name="qwen3", hf_classes=("Qwen3ForCausalLM",), gguf_names=("qwen3",), qk_norm=True),
     Architecture(
@@ -97,7 +134,9 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def by_hf_class(classes: list[str]) -> Architecture | None:
-    return next((a for c in classes for a in ARCHITECTURES if c in a.hf_classes), None)
+    return next(
+        (a for c in classes for a in ARCHITECTURES if c in a.hf_classes + a.hf_multimodal_classes), None
+    )
 
 
 def by_gguf_name(name: str) -> Architecture | None:

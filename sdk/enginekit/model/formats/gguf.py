@@ -18,7 +18,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from enginekit.model.architectures import ARCHITECTURES, by_gguf_name, by_name
+from enginekit.model.architectures import ARCHITECTURES, Architecture, by_gguf_name, by_name
 from enginekit.model.config import ModelConfig
 from enginekit.model.formats.gguf_header import GGUFHeader, GGUFTensorInfo, gguf_error, read_gguf_header
 
@@ -77,17 +77,13 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
     rope_type, rope_parameters, freq_factors, short_factors, long_factors = _rope(header, arch, head_dim)
     max_positions = _required_int(header, f"{arch}.context_length")
     num_layers = _required_int(header, f"{arch}.block_count")
-    # the window applies to every layer, or to the sliding ones of the architecture's pattern (Gemma 2: the even)
-    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
-    pattern = spec.gguf_window_pattern
-    layer_windows = (
-        tuple(window if not pattern or (i + 1) % pattern else 0 for i in range(num_layers)) if window else ()
-    )
+    layer_windows = _layer_windows(header, arch, spec, num_layers)
     eos_ids = (meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"))
     attention_scale = 0.0  # see Architecture.gguf_hidden_scale_layers
     if spec.gguf_hidden_scale_layers and num_layers == spec.gguf_hidden_scale_layers:
         attention_scale = (hidden_size // num_heads) ** -0.5
-    local_theta = _float32(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if spec.gguf_local_rope else 0.0
+    rope_theta = _float32(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    local_theta = _local_rope_theta(header, arch, spec, rope_theta, rope_type) if layer_windows else 0.0
     return ModelConfig(
         architecture=spec.name,
         vocab_size=_vocab_size(header, arch),
@@ -100,13 +96,17 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         sandwich_norms=spec.sandwich_norms,
         scale_embeddings=spec.scale_embeddings,
         attention_scale=attention_scale,
-        attn_logit_softcap=_float32(meta.get(f"{arch}.attn_logit_softcapping") or 0.0),
-        final_logit_softcap=_float32(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
+        attn_logit_softcap=_float32(
+            meta.get(f"{arch}.attn_logit_softcapping", spec.gguf_default_attn_softcap)
+        ),
+        final_logit_softcap=_float32(
+            meta.get(f"{arch}.final_logit_softcapping", spec.gguf_default_final_softcap)
+        ),
         num_heads=num_heads,
         num_kv_heads=_required_int(header, f"{arch}.attention.head_count_kv", default=num_heads),
         head_dim=head_dim,
         rms_norm_eps=_float32(_required(header, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_float32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=rope_theta,
         rope_local_theta=local_theta,
         max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in header.tensors,
@@ -197,6 +197,53 @@ def dequantizable_types() -> frozenset[GGMLQuantizationType]:
     return frozenset(found)
 
 
+def _layer_windows(header: GGUFHeader, arch: str, spec: Architecture, num_layers: int) -> tuple[int, ...]:
+    """Each layer's window as llama.cpp spreads ``{arch}.attention.sliding_window`` over the layers (absent: the
+    architecture's default; 0: none): ``{arch}.attention.sliding_window_pattern`` as one flag per layer or as a
+    period n (of every n layers the first n - 1 slide; 0: all), else the architecture's period."""
+    meta = header.metadata
+    window = int(meta.get(f"{arch}.attention.sliding_window", spec.gguf_default_window) or 0)
+    if not window:
+        return ()
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", spec.gguf_window_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers or not all(isinstance(flag, bool) for flag in pattern):
+            raise gguf_error(
+                header.path,
+                f"metadata key {arch}.attention.sliding_window_pattern is {pattern!r}, expected one flag per "
+                f"layer ({num_layers}) or one period",
+            )
+        return tuple(window if slides else 0 for slides in pattern)
+    if not isinstance(pattern, int) or isinstance(pattern, bool):
+        raise gguf_error(
+            header.path,
+            f"metadata key {arch}.attention.sliding_window_pattern is {pattern!r}, expected a period",
+        )
+    return tuple(window if not pattern or i % pattern < pattern - 1 else 0 for i in range(num_layers))
+
+
+def _local_rope_theta(
+    header: GGUFHeader, arch: str, spec: Architecture, rope_theta: float, rope_type: str
+) -> float:
+    """The sliding layers' rope base (``ModelConfig.rope_local_theta``; 0: the global layers' tables):
+    ``{arch}.rope.freq_base_swa``, else the architecture's default (Gemma 3: 10000, unscaled)."""
+    base = header.metadata.get(f"{arch}.rope.freq_base_swa")
+    if base is None:
+        return spec.gguf_local_rope_base
+    base = _float32(base)
+    if spec.gguf_local_rope_base:
+        return base
+    if base == rope_theta:
+        return 0.0
+    if rope_type != "default":  # llama.cpp scales these layers as the others; our local tables are unscaled
+        raise gguf_error(
+            header.path,
+            f"unsupported: {arch}.rope.freq_base_swa with rope scaling {rope_type!r} on the sliding layers; "
+            "supported: a sliding-layer base without scaling",
+        )
+    return base
+
+
 def _required(header: GGUFHeader, key: str) -> Any:
     if key not in header.metadata:
         raise gguf_error(header.path, f"missing metadata key {key!r}")
@@ -216,6 +263,11 @@ def _float32(value: float) -> float:
 
 
 def _vocab_size(header: GGUFHeader, arch: str) -> int:
+    """The embedding's rows (llama.cpp's Gemma 3 converter drops the rows past the tokenizer's), else the
+    ``{arch}.vocab_size`` key or the token list's length."""
+    embedding = header.tensors.get("token_embd.weight")
+    if embedding is not None and len(embedding.shape) == 2:
+        return embedding.shape[0]
     size = header.metadata.get(f"{arch}.vocab_size")
     if size is None and isinstance(header.metadata.get("tokenizer.ggml.tokens"), list):
         size = len(header.metadata["tokenizer.ggml.tokens"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -11,7 +12,9 @@ from enginekit.errors import EngineStartupError
 from enginekit.model.architectures import ACTIVATIONS, ARCHITECTURES, ROPE_TYPES, Architecture, by_hf_class
 from enginekit.model.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = {c: a.name for a in ARCHITECTURES for c in a.hf_classes}
+logger = logging.getLogger("enginekit.model")
+
+SUPPORTED_ARCHITECTURES = {c: a.name for a in ARCHITECTURES for c in a.hf_classes + a.hf_multimodal_classes}
 # the keys each rope type needs, besides rope_theta
 _ROPE_KEYS = {
     "default": (),
@@ -51,6 +54,10 @@ def read_hf_config(folder: Path) -> ModelConfig:
             phase="model load",
         )
     arch = spec.name
+    if any(c in spec.hf_multimodal_classes for c in architectures):
+        raw = _text_config(raw, config_path)
+    raw = dict(spec.hf_defaults) | raw
+    required = _Required(raw, config_path)
     num_heads = required.int("num_attention_heads")
     hidden_size = required.int("hidden_size")
     head_dim = raw.get("head_dim") or hidden_size // num_heads
@@ -122,14 +129,58 @@ def _layer_windows(raw: dict, spec: Architecture, num_layers: int, config_path: 
                 phase="model load",
             )
         return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    pattern = raw.get("sliding_window_pattern", spec.hf_window_pattern)
+    if (
+        spec.hf_window_pattern and isinstance(pattern, int) and pattern > 0
+    ):  # Gemma: the last of every n global
+        return tuple(window if (layer + 1) % pattern else 0 for layer in range(num_layers))
     first = raw.get("max_window_layers", 0) if spec.sliding_window == "flag" else 0
     return tuple(window if layer >= first else 0 for layer in range(num_layers))
 
 
+def _text_config(raw: dict, config_path: Path) -> dict:
+    """A vision-language config's text model: its ``text_config``, with the token ids and the tied head from the
+    outer config where the text one leaves them out."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise EngineStartupError(
+            f"{config_path} names {raw.get('architectures')} but has no text_config", phase="model load"
+        )
+    outer = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in raw}
+    return outer | text
+
+
+# Where vision-language checkpoints keep their language model, by how transformers saved them (the hub's
+# originals: language_model.model.*; transformers 4.52 and later in memory: model.language_model.*), and the
+# prefixes of what the text model does not read (the vision tower, the projector)
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_UNUSED_PREFIXES = (
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+)
+
+
+def _text_name(name: str) -> str | None:
+    """The text model's name for a checkpoint tensor (a plain decoder's names unchanged); None: not read."""
+    if name.startswith(_UNUSED_PREFIXES):
+        return None
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face checkpoint folder's ``*.safetensors`` files, by name."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """Every tensor of a Hugging Face checkpoint folder's ``*.safetensors`` files that the decoder reads, by name;
+    a vision-language checkpoint's language model under the plain decoder's names, its vision tower and
+    projector left unread (logged at INFO)."""
+    from safetensors import SafetensorError, safe_open
 
     index = folder / "model.safetensors.index.json"
     try:
@@ -141,13 +192,26 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     if not files:
         raise EngineStartupError(f"model folder {folder} has no *.safetensors weights", phase="model load")
     weights: dict[str, torch.Tensor] = {}
+    unused = 0
     for name in files:
         try:
-            weights.update(load_file(folder / name))
+            with safe_open(folder / name, "pt") as file:
+                for key in file.keys():  # noqa: SIM118 (a safetensors file is not a mapping)
+                    text_name = _text_name(key)
+                    if text_name is None:
+                        unused += 1
+                        continue
+                    weights[text_name] = file.get_tensor(key)
         except (SafetensorError, OSError, ValueError) as error:
             raise EngineStartupError(
                 f"cannot read weights file {folder / name}: {error}", phase="model load"
             ) from error
+    if unused:
+        logger.info(
+            "%s: %d tensors of the vision tower and projector are not used (the engine reads text only)",
+            folder,
+            unused,
+        )
     return weights
 
 
