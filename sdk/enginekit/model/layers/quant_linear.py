@@ -43,7 +43,8 @@ class QuantizedWeight:
 
     ``exact_top`` (the LM head): the ``exact_top`` largest outputs of each row computed again from the input
     unquantized. At a decode step (up to ``INT8_MAX_ROWS`` rows) the kernels quantize the input to int8, as
-    llama.cpp does, which moves each output by about 1% of its size: the hidden states of the next layer absorb
+    llama.cpp does (or, on CPUs with AVX-512 BF16 from ``BF16_MIN_ROWS`` rows, round input and weight to bf16),
+    which moves each output by up to about 1% of its size: the hidden states of the next layer absorb
     that, but a logit is a choice, and it flips greedy choices of a small model (SmolLM2-135M answers "What is
     the capital of France?" with "L'Étoile, la Cité, ..." that way, in llama.cpp too). The candidates' rows cost
     ``M x exact_top`` dot products; computing the whole head without int8 would cost three times the step's
