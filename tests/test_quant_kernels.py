@@ -20,7 +20,6 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from enginekit.model.kernels.quant_gemm import (
-    INT8_MAX_ROWS,
     NATIVE_TYPES,
     QuantGemm,
     bf16_error_bound,
@@ -164,12 +163,9 @@ def test_product_matches_the_dequantized_weight_on_every_isa_and_path(qtype: QTy
         for path in _paths(qtype, isa):
             result = NATIVE(x, blocks, qtype, out_features, in_features, isa=isa, path=path)
             blocky = qtype not in (QType.F16, QType.BF16)  # auto: int8 up to 16 rows, and always without AVX2
-            # auto with AVX-512 BF16: bf16 from BF16_MIN_ROWS to 16 rows
+            # auto with AVX-512 BF16: bf16 from bf16_min_rows on (a prefill's rows included)
             bf16 = path == "bf16" or (
-                path == "auto"
-                and blocky
-                and isa == "avx512_bf16"
-                and bf16_min_rows(qtype) <= rows <= INT8_MAX_ROWS
+                path == "auto" and blocky and isa == "avx512_bf16" and bf16_min_rows(qtype) <= rows
             )
             int8 = not bf16 and (
                 path == "int8" or (path == "auto" and blocky and (rows <= 16 or isa == "scalar"))
@@ -314,7 +310,7 @@ def test_quant_gemm_is_native_where_the_library_loads() -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
 def test_an_lm_head_computes_its_largest_outputs_from_the_unquantized_input(rows):
     from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
 
@@ -328,6 +324,7 @@ def test_an_lm_head_computes_its_largest_outputs_from_the_unquantized_input(rows
     top = plain.topk(8, dim=1).indices  # the outputs computed again
     torch.testing.assert_close(head.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
     assert torch.equal(head.argmax(dim=1), exact.argmax(dim=1))
-    if rows <= 16:  # the int8 path: the other outputs keep its values, which differ from the exact ones
+    if rows <= 16 or "avx512_bf16" in NATIVE.isas():
+        # the int8 or bf16 path: the other outputs keep its values, which differ from the exact ones
         rest = torch.ones_like(head, dtype=torch.bool).scatter_(1, top, False)
         assert torch.equal(head[rest], plain[rest]) and not torch.equal(plain[rest], exact[rest])

@@ -1,7 +1,8 @@
 """Quality of the weights as stored: on real text, each token's log-likelihood with the GGUF file's quantized
 tensors computed as stored (``quantization="gguf"``) against the same file dequantized to float32
 (``quantization="none"``). At up to 16 rows a step (decode, and prefill in small chunks) the block types' products
-take their input quantized to int8 blocks; above that they run in float32 on dequantized panels. Both are scored:
+take their input quantized to int8 blocks; above that they run in float32 on dequantized panels; on CPUs with
+AVX-512 BF16, from 6 rows on (a prefill included) input and weight are rounded to bf16 instead. Both are scored:
 the prompt in one step, and in chunks of 8 tokens (the decode kernels). A wrong kernel (a scale, a nibble order, a minimum) moves these
 by whole nats; the quantization of the activations alone moves them by a few hundredths at most."""
 

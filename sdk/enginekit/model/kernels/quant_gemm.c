@@ -13,9 +13,11 @@
  *   prefetcher). Against one row at a time with one accumulator this measured 1.5-1.7x at one input row and 1.3-1.9x at
  *   eight on the default model's Q4_1 shapes (benchmarks/quant_kernels_ab.py). Quantizing the input costs at most half
  *   a step (the largest magnitude of its four values / 127) per value (see docs/models.md for the cost in quality);
- * - the bf16 path (block types, BF16_MIN_ROWS to INT8_MAX_ROWS rows, on CPUs with AVX-512 BF16): the input rows and
- *   each task's four dequantized weight rows rounded to bf16 once per call, then vdpbf16ps with no scaling left in the
- *   inner loop (see gemm_bf16), where the int8 path is bound by its per-four-values float work;
+ * - the bf16 path (block types from BF16_MIN_ROWS rows on, a prefill's included, on CPUs with AVX-512 BF16): the
+ *   input rows and each task's four dequantized weight rows rounded to bf16 once per chunk of input rows, then
+ *   vdpbf16ps with no scaling left in the inner loop (see gemm_bf16): from 6 rows it beats the int8 path, bound by
+ *   its per-four-values float work, and at any count of rows the panel path, bound by float32 multiply-adds (16 a
+ *   vector where vdpbf16ps does 32);
  * - the float path (F16 and BF16 at a few rows; every type without AVX2): each weight row dequantized into the L1
  *   cache and multiplied into every input row with float multiply-adds, no quantization of the input;
  * - the panel path (many rows): the weight dequantized panel by panel into panel_gemm.c's panels, and its 6x16
@@ -43,9 +45,10 @@ enum { OK = 0, BAD_TYPE = -1, BAD_SHAPE = -2, NO_MEMORY = -3, BAD_ISA = -4, BAD_
 #define INPUT_GROUP 4 /* input values per int8 scale (a multiple of 4 dividing QK): see quantize_rows */
 #endif
 #define INT8_MAX_ROWS 16              /* the int8 path up to this many rows, the panel path past it */
-#define BF16_MIN_ROWS 6               /* with AVX-512 BF16, the bf16 path from this many rows to INT8_MAX_ROWS */
+#define BF16_MIN_ROWS 6               /* with AVX-512 BF16, the bf16 path from this many rows on */
 #define BF16_MIN_ROWS_Q6_K 8          /* Q6_K's from this many: its values are converted 16 at a time, not looked up */
 #define BF16_TILE 6                   /* the bf16 path's input rows per pass over four decoded weight rows */
+#define BF16_CHUNK_VALUES (192L * 1024) /* the bf16 path's input rows per pass over the weight: this many values */
 #define FLOAT_MAX_ROWS 8              /* F16/BF16: the float path up to this many rows */
 #define ROWS_PER_TASK 4               /* weight rows per parallel task (a multiple of 4: the int8 path's group) */
 #define PREFETCH_ROWS 8               /* the int8 path asks for the weight this many rows ahead */
@@ -446,7 +449,7 @@ static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long 
   return OK;
 }
 
-/* ---- The bf16 path (AVX-512 BF16; BF16_MIN_ROWS to INT8_MAX_ROWS rows of a block type, or when asked). Each input
+/* ---- The bf16 path (AVX-512 BF16; BF16_MIN_ROWS rows of a block type or more, or when asked). Each input
  * row is rounded to bf16 once per call; each task's four weight rows are dequantized (dequantize_row's float32
  * values) and rounded to bf16 into the thread's L1-sized buffer once, then multiplied into the input rows
  * BF16_TILE at a time with vdpbf16ps (32 products a row pair per instruction, float32 sums): per 32 values, four
@@ -630,14 +633,35 @@ AVX512_BF16 static void bf16_tiles(int C, const uint16_t *wb, const uint16_t *xb
   }
 }
 
+static void bf16_chunk(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, long kp,
+                       long row_bytes, long tasks, char *memory, size_t input, size_t mine, uint16_t *xb,
+                       int threads);
+
 static int gemm_bf16(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads) {
   format f = format_of(type);
   long row_bytes = k / f.block * f.bytes, kp = (k + 31) / 32 * 32, tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
   /* the input rounded, then each thread's four rounded weight rows and one dequantized row */
-  size_t input = ((size_t)m * kp * 2 + 63) / 64 * 64, mine = ((size_t)4 * kp * 2 + (size_t)kp * 4 + 63) / 64 * 64;
+  /* the input in chunks of rows whose bf16 copy stays in the L2 cache (every task reads all of it), each chunk a
+   * pass over the weight: a prefill's rows share each decoded weight row by the chunk, not all at once */
+  long chunk = BF16_CHUNK_VALUES / kp > BF16_TILE ? BF16_CHUNK_VALUES / kp : BF16_TILE;
+  if (chunk > m) chunk = m;
+  size_t input = ((size_t)chunk * kp * 2 + 63) / 64 * 64, mine = ((size_t)4 * kp * 2 + (size_t)kp * 4 + 63) / 64 * 64;
   char *memory = aligned_alloc(64, input + mine * threads);
   if (!memory) return NO_MEMORY;
   uint16_t *xb = (uint16_t *)memory;
+  for (long first = 0; first < m; first += chunk) {
+    long rows = m - first < chunk ? m - first : chunk;
+    bf16_chunk(x + first * k, w, type, y + first * n, rows, n, k, kp, row_bytes, tasks, memory, input, mine, xb,
+               threads);
+  }
+  free(memory);
+  return OK;
+}
+
+/* One chunk of m input rows (see gemm_bf16) against every weight row. */
+static void bf16_chunk(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, long kp,
+                       long row_bytes, long tasks, char *memory, size_t input, size_t mine, uint16_t *xb,
+                       int threads) {
   round_rows_bf16(x, m, k, kp, xb);
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
   for (long t = 0; t < tasks; t++) {
@@ -659,8 +683,6 @@ static int gemm_bf16(const float *x, const uint8_t *w, int type, float *y, long 
       i += C;
     }
   }
-  free(memory);
-  return OK;
 }
 
 /* ---- The float path: a weight row dequantized, then float dot products with every input row. */
@@ -768,8 +790,8 @@ int enginekit_quant_gemm(const float *x, const uint8_t *w, int type, float *y, l
   }
   int blocks = f.block > 1;
   if (path == PATH_AUTO)
-    path = m > (blocks ? INT8_MAX_ROWS : FLOAT_MAX_ROWS) && isa != ISA_SCALAR  ? PATH_PANELS
-           : blocks && isa >= ISA_AVX512_BF16 && m >= (type == Q6_K ? BF16_MIN_ROWS_Q6_K : BF16_MIN_ROWS) ? PATH_BF16
+    path = blocks && isa >= ISA_AVX512_BF16 && m >= (type == Q6_K ? BF16_MIN_ROWS_Q6_K : BF16_MIN_ROWS) ? PATH_BF16
+           : m > (blocks ? INT8_MAX_ROWS : FLOAT_MAX_ROWS) && isa != ISA_SCALAR  ? PATH_PANELS
            : blocks                                                           ? PATH_INT8
                                                                               : PATH_FLOAT;
   if ((path == PATH_INT8 && !blocks) || (path == PATH_PANELS && isa == ISA_SCALAR) ||

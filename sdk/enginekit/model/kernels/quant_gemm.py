@@ -8,7 +8,7 @@ stores them, ``row_bytes = in_features / block_size * type_size`` (``gguf.GGML_Q
 quantize the input rows to int8 (blocks of 32 as llama.cpp does for its dot products, with one scale per
 ``INPUT_GROUP`` values; the cost in accuracy is in docs/models.md) for the block types at up to 16 rows, except
 that on CPUs with AVX-512 BF16 they round the input rows and the dequantized weight to bf16 from ``BF16_MIN_ROWS``
-rows (the bf16 path), and use float arithmetic otherwise; the portable path computes in float32 throughout.
+rows on, a prefill's included (the bf16 path), and use float arithmetic otherwise; the portable path computes in float32 throughout.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ Path = Literal["auto", "int8", "float", "panels", "bf16"]
 # enginekit_quant_isa in quant_gemm.c; "avx512_bf16": AVX-512 VNNI and BF16 both
 ISAS: dict[Isa, int] = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "avx512_bf16": 3}
 INT8_MAX_ROWS = 16  # as in quant_gemm.c: up to this many rows the input is quantized to int8, past it not
-BF16_MIN_ROWS = 6  # as in quant_gemm.c: with AVX-512 BF16, from this many rows to INT8_MAX_ROWS the bf16 path
+BF16_MIN_ROWS = 6  # as in quant_gemm.c: with AVX-512 BF16, the bf16 path from this many rows on
 BF16_MIN_ROWS_Q6_K = 8  # as in quant_gemm.c: Q6_K's (its values converted, not looked up)
 INPUT_GROUP = 4  # as in quant_gemm.c: input values per int8 scale
 ISA_NAMES: dict[int, Isa] = {code: name for name, code in ISAS.items()}

@@ -43,7 +43,7 @@ class QuantizedWeight:
 
     ``exact_top`` (the LM head): the ``exact_top`` largest outputs of each row computed again from the input
     unquantized. At a decode step (up to ``INT8_MAX_ROWS`` rows) the kernels quantize the input to int8, as
-    llama.cpp does (or, on CPUs with AVX-512 BF16 from ``BF16_MIN_ROWS`` rows, round input and weight to bf16),
+    llama.cpp does (or, on CPUs with AVX-512 BF16 from ``BF16_MIN_ROWS`` rows on, round input and weight to bf16),
     which moves each output by up to about 1% of its size: the hidden states of the next layer absorb
     that, but a logit is a choice, and it flips greedy choices of a small model (SmolLM2-135M answers "What is
     the capital of France?" with "L'Étoile, la Cité, ..." that way, in llama.cpp too). The candidates' rows cost
@@ -78,8 +78,10 @@ class QuantizedWeight:
             x = x.contiguous()
         products = self._products
         out = products[0](x) if len(products) == 1 else torch.cat([p(x) for p in products], dim=1)
-        if self.exact_top and 0 < x.shape[0] <= INT8_MAX_ROWS:
-            self._recompute_top(x, out)
+        # every row: the bf16 path (CPUs with AVX-512 BF16) rounds past 16 rows too; in chunks, to bound the
+        # dequantized candidate rows' memory
+        for first in range(0, x.shape[0] if self.exact_top else 0, INT8_MAX_ROWS):
+            self._recompute_top(x[first : first + INT8_MAX_ROWS], out[first : first + INT8_MAX_ROWS])
         if bias is not None:
             out += bias
         return out if len(shape) == 2 else out.view(*shape[:-1], self.out_features)
