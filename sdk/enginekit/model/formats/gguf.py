@@ -67,14 +67,14 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         )
     num_heads = _required_int(header, f"{arch}.attention.head_count")
     hidden_size = _required_int(header, f"{arch}.embedding_length")
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-    head_dim = head_dim or hidden_size // num_heads
+    head_dim = meta.get(f"{arch}.attention.key_length") or hidden_size // num_heads  # as llama.cpp reads it
     value_dim = meta.get(f"{arch}.attention.value_length", head_dim)
     if value_dim != head_dim:
         raise gguf_error(
             header.path, f"unsupported value heads of {value_dim} dims for key heads of {head_dim}"
         )
-    rope_type, rope_parameters, freq_factors, short_factors, long_factors = _rope(header, arch, head_dim)
+    rotary_dims = _rotary_dims(header, arch, spec, head_dim)
+    rope_type, rope_parameters, freq_factors, short_factors, long_factors = _rope(header, arch, rotary_dims)
     max_positions = _required_int(header, f"{arch}.context_length")
     num_layers = _required_int(header, f"{arch}.block_count")
     layer_windows = _layer_windows(header, arch, spec, num_layers)
@@ -107,6 +107,7 @@ def read_gguf_config(source: Path | GGUFHeader) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=_float32(_required(header, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=rope_theta,
+        rotary_dim=rotary_dims if rotary_dims != head_dim else 0,
         rope_local_theta=local_theta,
         max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in header.tensors,
@@ -332,7 +333,6 @@ def _rope(
                 f"tensor rope_freqs.weight has shape {list(info.shape)}, the config needs [{head_dim // 2}]",
             )
         freq_factors = tuple(float(x) for x in _dequantize(header, data, info).tolist())
-    _check_rotary_dims(header, arch, head_dim)
     return rope_type, params, freq_factors, (), ()
 
 
@@ -356,16 +356,24 @@ def _longrope(
     attn_factor = header.metadata.get(f"{arch}.rope.scaling.attn_factor")
     if isinstance(attn_factor, (int, float)):
         params["attention_factor"] = float(attn_factor)
-    _check_rotary_dims(header, arch, head_dim)
     return "longrope", params, (), factors[0], factors[1]
 
 
-def _check_rotary_dims(header: GGUFHeader, arch: str, head_dim: int) -> None:
-    rotary_dims = header.metadata.get(f"{arch}.rope.dimension_count", head_dim)
-    if rotary_dims != head_dim:
+def _rotary_dims(header: GGUFHeader, arch: str, spec: Architecture, head_dim: int) -> int:
+    """``{arch}.rope.dimension_count``: the leading dims of each head that rotate (llama.cpp's neox rotation pairs
+    them as transformers does), the rest passed through; below the head size only where the architecture's
+    reference does that (``Architecture.partial_rotary``)."""
+    dims = header.metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    if dims == head_dim:
+        return head_dim
+    if not spec.partial_rotary or not isinstance(dims, int) or not 0 < dims < head_dim or dims % 2:
+        supported = ", ".join(a.gguf_names[0] for a in ARCHITECTURES if a.partial_rotary and a.gguf_names)
         raise gguf_error(
-            header.path, f"unsupported partial rotary embedding ({rotary_dims} of {head_dim} dims)"
+            header.path,
+            f"unsupported partial rotary embedding ({dims} of {head_dim} dims) for {arch}; supported: every dim, "
+            f"or an even part of each head on {supported}",
         )
+    return dims
 
 
 _Plan = list[tuple[str, str, tuple[int, ...], int]]
