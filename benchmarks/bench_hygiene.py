@@ -9,7 +9,7 @@ from .common import greedy, log, make_engine, session
 from .figures import rate, summary, target
 from .stats import markdown_table
 
-MODES = ("inproc", "mp", "async", "mp, data_parallel_size=2")
+MODES = ("inproc", "mp", "async", "mp, data_parallel_size=2", "mp, tensor_parallel_size=2")
 _MIB = 2**20
 
 
@@ -20,9 +20,9 @@ def run_hygiene_bench(quick: bool) -> dict[str, Any]:
     spec = session().model("builtin")
     rows, targets = [], []
     for variant in MODES:
-        mode, _, dp = variant.partition(", ")
-        options = {"data_parallel_size": 2} if dp else {}
-        count = dp_restarts if dp else restarts
+        mode, _, option = variant.partition(", ")
+        options = {option.split("=")[0]: 2} if option else {}
+        count = dp_restarts if option else restarts
         log(f"hygiene: {variant}, {count} restarts")
         warm = make_engine(spec, mode, **options)
         _serve(warm)
@@ -30,19 +30,24 @@ def run_hygiene_bench(quick: bool) -> dict[str, Any]:
         time.sleep(0.5)  # let the warm-up engine's threads and process finish exiting
         baseline = snapshot()
         engine = make_engine(spec, mode, **options)
-        times, rss = [], []
+        times, rss, workers = [], [], []  # workers: tensor-parallel workers' pids (the engine's children)
         try:
             _serve(engine)
+            workers += _workers(engine)
             for _ in range(count):
                 t0 = time.perf_counter()
                 engine.restart()
                 times.append(time.perf_counter() - t0)
                 _serve(engine)
+                workers += _workers(engine)
                 rss.append(snapshot(collect=False).rss_bytes)
         finally:
             engine.shutdown()
         diff = wait_until_clean(baseline, timeout=15)
         leaks = diff.leaks()
+        left = [pid for pid in workers if _alive(pid)]
+        if left:
+            leaks = [*leaks, f"{len(left)} tensor-parallel workers left: {left}"]
         rows.append(
             {
                 "variant": variant,
@@ -95,7 +100,9 @@ def render_hygiene_bench(figures: dict[str, Any]) -> str:
         "`enginekit.diagnostics.snapshot()` is the baseline, an engine starts and `engine.restart()` runs again "
         "and again, each restart followed by a small `generate`; after `shutdown()`, `wait_until_clean` gives the "
         "engine 15 s to be back at the baseline. RSS per restart is the least-squares slope over the restarts; "
-        "the other columns are differences against the baseline after shutdown and must be zero.\n\n"
+        "the other columns are differences against the baseline after shutdown and must be zero. With "
+        "`tensor_parallel_size=2` the workers are the engine process's children, not this process's: their pids, "
+        "collected after every restart, must all be gone too (else the verdict names them).\n\n"
         + markdown_table(
             [
                 "mode",
@@ -122,6 +129,23 @@ def _serve(engine: Any) -> None:
     outputs = engine.generate(prompts, greedy(8), progress=False)
     if sum(len(o.outputs[0].token_ids) for o in outputs) != 32:
         raise RuntimeError("a restarted engine did not generate the expected tokens")
+
+
+def _workers(engine: Any) -> list[int]:
+    """The tensor-parallel workers of each rank (grandchildren of this process: diagnostics counts children)."""
+    if engine.config.tensor_parallel_size == 1 or engine.mode == "inproc":
+        return []
+    answers = engine.call_utility("debug_process")
+    answers = answers if isinstance(answers, list) else [answers]
+    return [pid for answer in answers for pid in answer["tensor_parallel_workers"]]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _slope(values: list[int]) -> float:

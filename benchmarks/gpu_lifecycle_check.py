@@ -18,6 +18,10 @@ Two checks, for a machine with an NVIDIA GPU:
    does not bind): passes when the device's used memory stays within the share asked for (plus 1 GiB: the
    profile cannot see allocations made later, such as cuBLAS workspaces) and 0.9 gives the larger cache.
 
+5. ``"tp"``: ``tensor_parallel_size=2`` (NCCL; needs two visible GPUs, else skipped and says so): the built-in
+   model's greedy tokens equal one rank's, and after 5 restarts no engine process or tensor-parallel worker still
+   runs or holds GPU memory.
+
 The ``"mp"`` check runs first, while this process has not initialised CUDA itself, so that
 ``nvidia-smi`` lists engine processes only. Without CUDA the script prints why and exits 0 (skipped);
 ``--cpu`` runs the same loops on the CPU to try the script itself. Exit status 1 means a check failed.
@@ -58,12 +62,14 @@ def main() -> int:
     device = "cpu" if args.cpu else "cuda"
     results: dict[str, Any] = {"device": device, "torch": torch.__version__, "restarts": args.restarts}
     results["mp"] = check_mp(device, args.restarts)  # first: this process has no CUDA context yet
+    results["tp"] = check_tp(device, 5)  # before this process touches CUDA, too
     results["inproc"] = check_inproc(device, args.restarts)
     results["decode"] = time_decode(device, (1, 8) if args.cpu else (1, 8, 32, 128))
     results["kv_sizing"] = None if args.cpu else check_kv_sizing(device)
     results["gpu"] = None if args.cpu else torch.cuda.get_device_name(0)
     results["passed"] = (
         results["mp"]["passed"]
+        and results["tp"]["passed"]
         and results["inproc"]["passed"]
         and (results["kv_sizing"] is None or results["kv_sizing"]["passed"])
     )
@@ -120,6 +126,56 @@ def check_mp(device: str, restarts: int) -> dict[str, Any]:
         "gpu_memory_used_before_mib": used_before,
         "gpu_memory_used_after_mib": used_after,
         "passed": not holding and not running and (growth is None or growth <= USED_MEMORY_TOLERANCE_MIB),
+    }
+
+
+def check_tp(device: str, restarts: int) -> dict[str, Any]:
+    """Two tensor-parallel ranks: the tokens of one, and nothing left running or holding GPU memory after
+    restarts (the workers are the engine process's children). Skipped (passed) with fewer than two GPUs."""
+    from enginekit import Engine
+
+    if device == "cuda":
+        visible = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        if not visible.isdigit() or int(visible) < 2:
+            return {
+                "skipped": f"tensor_parallel_size=2 needs two GPUs, {visible or '?'} visible",
+                "passed": True,
+            }
+    prompts = [f"tensor parallel {i}" for i in range(8)]
+    options = {"mode": "mp", "device": device, "kv_cache_memory_bytes": 256 * MIB}
+    with Engine("builtin", **options) as engine:
+        reference = [o.outputs[0].token_ids for o in engine.generate(prompts, _params())]
+    pids: list[int] = []
+    started = time.perf_counter()
+    engine = Engine("builtin", tensor_parallel_size=2, **options)
+    try:
+        same = True
+        for _ in range(restarts):
+            tokens = [o.outputs[0].token_ids for o in engine.generate(prompts, _params())]
+            same = same and tokens == reference
+            pids += [engine.engine_pid, *engine.call_utility("debug_process")["tensor_parallel_workers"]]
+            engine.restart()
+    finally:
+        engine.shutdown()
+    seconds = time.perf_counter() - started
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while True:
+        holding = sorted(set(pids) & set(gpu_processes() or {}))
+        running = sorted(pid for pid in pids if _running(pid))
+        if (not holding and not running) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return {
+        "seconds_per_restart": round(seconds / restarts, 3),
+        "same_greedy_tokens_as_one_rank": same,
+        "ours_holding_gpu_memory_after": holding,
+        "processes_still_running": running,
+        "passed": same and not holding and not running,
     }
 
 

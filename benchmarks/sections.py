@@ -72,6 +72,13 @@ SECTIONS: tuple[Section, ...] = (
         "render_dp_bench",
     ),
     Section(
+        "tp",
+        "What do two tensor-parallel ranks give over one on this CPU?",
+        "benchmarks.bench_tp",
+        "run_tp_bench",
+        "render_tp_bench",
+    ),
+    Section(
         "ray",
         "What does placing the data-parallel ranks with Ray cost?",
         "benchmarks.bench_ray",

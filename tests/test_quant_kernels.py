@@ -1,6 +1,7 @@
 """Products with GGUF weights as stored (``quant_gemm``): every type's dequantization bit-exact with gguf-py's, every
 type's product within float32 rounding of the dequantized weight's (within the int8 path's bound where the input is
-quantized), on every instruction set this CPU has and every path, and the portable form where the library is off.
+quantized, within the bf16 path's bound where input and weight are rounded to bf16), on every instruction set this
+CPU has and every path, and the portable form where the library is off.
 
 The block types gguf-py can quantize are made by it; the K-quants are built field by field (scales, minimums,
 quantized values packed as the format lays them out), and checked against the values they were built from."""
@@ -19,8 +20,11 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from enginekit.model.kernels.quant_gemm import (
+    INT8_MAX_ROWS,
     NATIVE_TYPES,
     QuantGemm,
+    bf16_error_bound,
+    bf16_min_rows,
     int8_error_bound,
     native_quant_gemm,
     quant_gemm,
@@ -128,19 +132,24 @@ def test_dequantization_of_subnormal_infinite_and_nan_halves_is_bit_exact() -> N
     assert torch.equal(native.view(torch.int32), dequantized(blocks, QType.F16, 2, 20).view(torch.int32))
 
 
-def _check_product(result: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, int8: bool) -> None:
-    """Within float32 rounding of the float64 product of the dequantized weight, plus the int8 path's bound."""
+def _check_product(
+    result: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, int8: bool, bf16: bool = False
+) -> None:
+    """Within float32 rounding of the float64 product of the dequantized weight, plus the int8 (or bf16) path's
+    bound."""
     reference = x.double() @ weight.double().T
     slack = 1e-5 * (x.abs() @ weight.abs().T).double() + 1e-6
     if int8:
         slack += int8_error_bound(x, weight).double() * 1.001
+    if bf16:
+        slack += bf16_error_bound(x, weight).double() * 1.001
     excess = (result.double() - reference).abs() - slack
     assert excess.max() <= 0, f"off by {excess.max():.3g} past the tolerance"
 
 
 def _paths(qtype: QType, isa: str) -> list[str]:
     paths = ["auto", "float"] + (["int8"] if qtype not in (QType.F16, QType.BF16) else [])
-    return paths + (["panels"] if isa != "scalar" else [])
+    return paths + (["panels"] if isa != "scalar" else []) + (["bf16"] if isa == "avx512_bf16" else [])
 
 
 @needs_native
@@ -155,8 +164,17 @@ def test_product_matches_the_dequantized_weight_on_every_isa_and_path(qtype: QTy
         for path in _paths(qtype, isa):
             result = NATIVE(x, blocks, qtype, out_features, in_features, isa=isa, path=path)
             blocky = qtype not in (QType.F16, QType.BF16)  # auto: int8 up to 16 rows, and always without AVX2
-            int8 = path == "int8" or (path == "auto" and blocky and (rows <= 16 or isa == "scalar"))
-            _check_product(result, x, weight, int8)
+            # auto with AVX-512 BF16: bf16 from BF16_MIN_ROWS to 16 rows
+            bf16 = path == "bf16" or (
+                path == "auto"
+                and blocky
+                and isa == "avx512_bf16"
+                and bf16_min_rows(qtype) <= rows <= INT8_MAX_ROWS
+            )
+            int8 = not bf16 and (
+                path == "int8" or (path == "auto" and blocky and (rows <= 16 or isa == "scalar"))
+            )
+            _check_product(result, x, weight, int8, bf16)
 
 
 @needs_native
@@ -174,6 +192,40 @@ def test_int8_path_at_every_row_count_up_to_sixteen(qtype: QType) -> None:
         for rows in range(1, 17):
             result = NATIVE(x[:rows], blocks, qtype, out_features, in_features, isa=isa, path="int8")
             _check_product(result, x[:rows], weight, int8=True)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_bf16_path_at_every_row_count_up_to_sixteen(qtype: QType) -> None:
+    """The bf16 path (CPUs with AVX-512 BF16) multiplies four decoded weight rows into the input rows six at a
+    time (split evenly): every count of rows a decode step can have, a number of outputs that leaves a partial
+    group of weight rows, and a width that is not whole vectors of 32 (F16, BF16)."""
+    assert NATIVE is not None
+    if "avx512_bf16" not in NATIVE.isas():
+        pytest.skip("this CPU lacks AVX-512 BF16")
+    in_features = 256 + (8 if qtype in (QType.F16, QType.BF16) else 0)
+    out_features = 38
+    blocks = stored(qtype, out_features, in_features, seed=7)
+    weight = dequantized(blocks, qtype, out_features, in_features)
+    x = torch.randn(16, in_features, generator=torch.Generator().manual_seed(8))
+    for rows in range(1, 17):
+        result = NATIVE(x[:rows], blocks, qtype, out_features, in_features, path="bf16")
+        _check_product(result, x[:rows], weight, int8=False, bf16=True)
+    for threads in (1, 2):  # tasks split over threads change nothing
+        assert torch.equal(
+            NATIVE(x, blocks, qtype, out_features, in_features, path="bf16", threads=threads),
+            NATIVE(x, blocks, qtype, out_features, in_features, path="bf16", threads=1),
+        )
+
+
+@needs_native
+def test_bf16_path_is_refused_without_avx512_bf16() -> None:
+    assert NATIVE is not None
+    blocks, x = stored(QType.Q4_1, 8, 64), torch.randn(6, 64)
+    for isa in NATIVE.isas():
+        if isa != "avx512_bf16":
+            with pytest.raises(ValueError, match="no such path"):
+                NATIVE(x, blocks, QType.Q4_1, 8, 64, isa=isa, path="bf16")
 
 
 @needs_native

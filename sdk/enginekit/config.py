@@ -124,6 +124,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         install 'enginekit[ray]'``). Each rank's bundle holds ``num_threads`` CPUs (1 if unset) and, on CUDA, one
         GPU; the ranks join the front end over CURVE-protected TCP, at the host of ``address`` (port ``0`` or
         none: free ports), else loopback on a one-node cluster and this node's address on a larger one.
+    tensor_parallel_size
+        Model ranks of each engine core (``"mp"`` and ``"async"`` modes): the core's process runs rank 0 and
+        starts ``tensor_parallel_size - 1`` worker processes; each rank holds its share of every layer's heads and
+        features, of the vocabulary and of the KV cache, and the ranks sum their partial products over
+        torch.distributed (gloo on CPU, NCCL on CUDA). The heads, KV heads and intermediate features must split
+        evenly; float weights only (a GGUF file is dequantized at load under ``quantization="auto"``). On CPU the
+        engine's threads are shared out between its ranks. With ``data_parallel_size`` each data-parallel rank has
+        its own ``tensor_parallel_size`` model ranks.
     structured_outputs_backend
         The library that compiles ``StructuredOutputsParams`` and computes their token masks: ``"llguidance"``
         (the default; installed with enginekit) or ``"xgrammar"`` (``pip install 'enginekit[xgrammar]'``). Both
@@ -166,6 +174,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_size_local: int | None = None
     data_parallel_keys: str | None = None
     data_parallel_backend: Literal["mp", "ray"] = "mp"
+    tensor_parallel_size: int = 1
     cuda_graphs: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
 
@@ -213,6 +222,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         self._check_data_parallel()
+        self._check_tensor_parallel()
         if self.structured_outputs_backend != "llguidance" and importlib.util.find_spec("xgrammar") is None:
             raise ImportError(
                 "structured_outputs_backend='xgrammar' needs the xgrammar package, which is not installed: "
@@ -240,6 +250,22 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 "data_parallel_load_balancing='external' runs one rank per front end: give data_parallel_rank"
             )
         self._check_remote_ranks()
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        _require(size >= 1, f"tensor_parallel_size must be at least 1, got {size}")
+        if size == 1:
+            return
+        if self.cuda_graphs:
+            raise ValueError(
+                f"cuda_graphs=True does not run with tensor_parallel_size={size} yet: drop one of them"
+            )
+        if self.data_parallel_backend == "ray" or self.data_parallel_size_local is not None:
+            raise ValueError(
+                f"tensor_parallel_size={size} runs its workers beside each engine core this front end starts: "
+                "it does not combine with Ray or remote ranks (data_parallel_backend='ray', "
+                "data_parallel_size_local) yet"
+            )
 
     def _check_remote_ranks(self) -> None:
         local, size = self.data_parallel_size_local, self.data_parallel_size

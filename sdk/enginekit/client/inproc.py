@@ -18,7 +18,7 @@ from typing import Any
 from enginekit.client.base import EngineCoreClient
 from enginekit.config import EngineConfig
 from enginekit.core.engine_core import EngineCore
-from enginekit.errors import EngineDeadError, EngineShutdownError, UtilityCallError
+from enginekit.errors import EngineDeadError, EngineShutdownError, EngineStartupError, UtilityCallError
 from enginekit.interrupts import deferred_interrupts
 from enginekit.model.loader import ModelSpec
 from enginekit.wire.messages import (
@@ -34,6 +34,12 @@ class InprocClient(EngineCoreClient):
     mode = "inproc"
 
     def __init__(self, config: EngineConfig, spec: ModelSpec | None = None) -> None:
+        if config.tensor_parallel_size > 1:
+            raise EngineStartupError(
+                f"tensor_parallel_size={config.tensor_parallel_size} runs its model ranks beside an engine process: "
+                "use mode='mp' or 'async' (in-process mode runs one rank in this thread)",
+                phase="startup",
+            )
         self._core: EngineCore | None = EngineCore(config, spec)
         self._failure: str | None = None
         self._undelivered: list[EngineCoreOutputs] = []  # outputs of steps run while a utility call waited

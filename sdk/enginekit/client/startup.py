@@ -90,25 +90,49 @@ def rank_device(config: EngineConfig, rank: int, visible: int) -> str:
       device runs on it, ``cuda:0``: the usual setup of ``CUDA_VISIBLE_DEVICES=r`` per process (as vLLM's external
       load balancing is launched), or one rank per host. A process that sees every rank's device runs rank r on
       ``cuda:r``. Any other count is ambiguous and refused.
+
+    Under tensor parallelism (``tensor_parallel_size=N``) each rank's engine needs N devices in a row: rank r runs
+    on ``cuda:r*N`` and its model rank t on ``cuda:r*N+t``; a process that sees exactly N devices runs its one rank
+    on ``cuda:0``.
     """
     external = config.data_parallel_rank is not None
-    if external and visible == 1:
+    tp = config.tensor_parallel_size
+    if external and visible == tp:
         return "cuda:0"
     size = local_rank_count(config)
-    if visible >= size:
-        return f"cuda:{rank}"
+    if visible >= size * tp:
+        return f"cuda:{rank * tp}"
     name = "data_parallel_size_local" if config.data_parallel_remote_ranks else "data_parallel_size"
+    per = f" ({tp} each: tensor_parallel_size={tp})" if tp > 1 else ""
     if external:
+        if tp == 1:
+            raise ValueError(
+                f"data_parallel_rank={rank} of {name}={size} with {visible} visible CUDA devices: give each "
+                f"rank's process one device (CUDA_VISIBLE_DEVICES={rank}), or let it see all {size} (rank r runs "
+                "on cuda:r)"
+            )
         raise ValueError(
             f"data_parallel_rank={rank} of {name}={size} with {visible} visible CUDA devices: give each rank's "
-            f"process one device (CUDA_VISIBLE_DEVICES={rank}), or let it see all {size} (rank r runs on cuda:r)"
+            f"process its own{per}, or let it see all {size * tp} (rank r runs on cuda:r*{tp})"
         )
-    raise ValueError(f"{name}={size} needs {size} CUDA devices (rank r runs on cuda:r), {visible} visible")
+    raise ValueError(
+        f"{name}={size} needs {size * tp} CUDA devices{per} (rank r runs on cuda:{'r' if tp == 1 else f'r*{tp}'}), "
+        f"{visible} visible"
+    )
 
 
 def check_placement(config: EngineConfig) -> None:
     """Refuse more ranks than devices (GPUs on CUDA, cores on CPU), before anything starts."""
     size = local_rank_count(config)
+    tp = config.tensor_parallel_size
+    if (
+        tp > 1
+        and size <= 1
+        and (config.device or ("cuda" if _cuda_available() else "cpu")).startswith("cuda")
+    ):
+        visible = _visible_cuda_devices()
+        if visible < tp:
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} CUDA devices, {visible} visible")
     if size <= 1:
         return
     name = "data_parallel_size_local" if config.data_parallel_remote_ranks else "data_parallel_size"

@@ -36,10 +36,12 @@ from enginekit.core.resources import (
 from enginekit.core.scheduler import Scheduler
 from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.core.structured.manager import StructuredOutputManager
+from enginekit.core.tp_executor import TensorParallelExecutor
 from enginekit.core.validation import RequestLimits, validate_request
+from enginekit.errors import EngineStartupError
 from enginekit.model.batch import TokenBitmask
 from enginekit.model.kernels.library import native_kernels_status
-from enginekit.model.loader import ModelSpec, load_model, load_model_spec
+from enginekit.model.loader import ModelSpec, check_tensor_parallel, load_model, load_model_spec
 from enginekit.model.runner import ModelRunner
 from enginekit.model.text.vocabulary import bad_words_token_ids
 from enginekit.wire.messages import (
@@ -77,6 +79,9 @@ class EngineCore:
         self._previous_num_threads = torch.get_num_threads()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        self.executor: TensorParallelExecutor | None = (
+            None  # the other model ranks (tensor_parallel_size > 1)
+        )
         try:
             self._build(config, spec)
         except BaseException as error:
@@ -84,6 +89,9 @@ class EngineCore:
             # keeps the last traceback, and its frames (the model in _build's locals) with it.
             traceback.clear_frames(error.__traceback__)
             self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # frees the model a failed start built
+            if self.executor is not None:
+                self.executor.shutdown()
+                self.executor = None
             torch.set_num_threads(self._previous_num_threads)
             release_device_memory(self.device)
             raise
@@ -120,8 +128,22 @@ class EngineCore:
         self.model_config = model_config = spec.config
         self.tokenizer = spec.tokenizer
         cuda_at_start = self._cuda_memory() if self._profiles_cuda() else None
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(model_config, config.tensor_parallel_size)  # before any worker starts
+            if cuda_at_start is not None:
+                raise EngineStartupError(
+                    f"tensor_parallel_size={config.tensor_parallel_size} on CUDA needs the KV cache's size given "
+                    "(kv_cache_memory_bytes or num_kv_blocks): the profiling step does not run across ranks yet",
+                    phase="model load",
+                )
+            self.executor = TensorParallelExecutor(config, self.device, engine_index=self.engine_index)
         model = load_model(
-            spec, device=self.device, dtype=self.dtype, seed=config.seed, quantization=config.quantization
+            spec,
+            device=self.device,
+            dtype=self.dtype,
+            seed=config.seed,
+            quantization=config.quantization,
+            comm=self.executor.group if self.executor is not None else None,
         )
         budget = kv_cache_budget(config, model_config, self.device, self.dtype)
         if cuda_at_start is not None:
@@ -144,6 +166,8 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
+        if self.executor is not None:
+            self.executor.attach(self.runner, self.num_kv_blocks)
         if config.cuda_graphs and self.device.type != "cuda":
             logger.warning(
                 "cuda_graphs=True on %s: decode steps run the padded path without graphs", self.device
@@ -312,7 +336,7 @@ class EngineCore:
             batch.token_bitmask = TokenBitmask(
                 [row for row, _ in grammars], self.structured.bitmask(matchers)
             )
-        sampled = self.runner.execute(batch)
+        sampled = self.executor.execute(batch) if self.executor is not None else self.runner.execute(batch)
         self.num_steps += 1
         for request, num_new in scheduled.scheduled:
             request.num_computed_tokens += num_new
@@ -403,6 +427,9 @@ class EngineCore:
         self.structured.shutdown()
         if self.runner is not None:
             self.runner.release()
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
         # In-process, the thread count is the user's process-wide torch setting: give it back.
         torch.set_num_threads(self._previous_num_threads)
         release_device_memory(self.device)

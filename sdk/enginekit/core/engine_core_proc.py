@@ -88,11 +88,20 @@ class EngineCoreProc(EngineCore):
             self.close_io()
             terminate_context(self._zmq)
             raise
+        # NOTE: tensor-parallel ranks keep a fixed share of the threads: one rank that ran fewer would hold the
+        # others at every all_reduce.
         self.thread_governor = (
             ThreadGovernor.for_this_process(torch.get_num_threads())
-            if args.config.adaptive_threads and self.device.type == "cpu"
+            if args.config.adaptive_threads and self.device.type == "cpu" and self.executor is None
             else None
         )
+        # a worker's death while idle fails the engine at the next loop iteration (one that died before the watch
+        # could tell anyone, at the first)
+        if self.executor is not None:
+            self.executor.on_death = lambda reason: self.input_queue.put_nowait(ExecutorFailed(reason))
+            reason = self.executor.death_reason()
+            if reason is not None:
+                self.input_queue.put_nowait(ExecutorFailed(reason))
         self.report_phase("handshake")
         try:
             self._wait_for_input_thread()
@@ -219,7 +228,7 @@ class EngineCoreProc(EngineCore):
 
     def utility_debug_process(self) -> dict[str, Any]:
         """The engine process's environment, working directory and ``sys.path`` (a forked engine gets the
-        front end's), and its torch thread count."""
+        front end's), its torch thread count and its tensor-parallel workers' pids."""
         return {
             "environ": dict(os.environ),
             "cwd": os.getcwd(),
@@ -229,6 +238,7 @@ class EngineCoreProc(EngineCore):
                 self.thread_governor.max_threads if self.thread_governor else torch.get_num_threads()
             ),
             "thread_changes": self.thread_governor.changes if self.thread_governor else 0,
+            "tensor_parallel_workers": self.executor.worker_pids if self.executor is not None else [],
         }
 
     def utility_debug_output_queue(self) -> dict[str, int]:

@@ -1,5 +1,7 @@
 """The decoder of every architecture (``model/architectures.py``) in plain torch, over a paged KV cache, built from
-``layers/``; the config's options (biases, q/k norms, rope type) choose its pieces."""
+``layers/``; the config's options (biases, q/k norms, rope type) choose its pieces. Under tensor parallelism
+(``comm``: this rank's process group) the projections, the embedding and the LM head are the parallel layers, and
+each rank holds its share of the heads and intermediate features."""
 
 from __future__ import annotations
 
@@ -19,11 +21,15 @@ from enginekit.model.layers.linear import Linear, LinearKernel
 from enginekit.model.layers.mlp import MLP
 from enginekit.model.layers.norm import RMSNorm
 from enginekit.model.layers.paged_attention import AttentionMetadata
+from enginekit.model.layers.parallel_linear import Collectives
 from enginekit.model.layers.quant_linear import QuantizedWeight
 from enginekit.model.layers.rotary import RotaryEmbedding
+from enginekit.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
-def layer_ops(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LayerOps | None:
+def layer_ops(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1
+) -> LayerOps | None:
     """The native layer operations (RMS norm, rotary embedding with the cache write, attention over the
     paged cache in place; ``enginekit.model.kernels.native``) for this model on this device, or ``None``: the model's
     torch code, on other devices and dtypes, where the library is not usable, or for attention shapes past its
@@ -31,18 +37,19 @@ def layer_ops(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> 
     if device.type != "cpu" or dtype != torch.float32:
         return None
     ops = native_layer_ops()
-    if ops is None or not ops.supports(config.num_heads, config.num_kv_heads, config.head_dim):
+    heads, kv_heads = config.num_heads // tensor_parallel_size, config.num_kv_heads // tensor_parallel_size
+    if ops is None or not ops.supports(heads, kv_heads, config.head_dim):
         return None
     return ops
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, comm: Collectives | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, config.window_of(layer))
+        self.self_attn = Attention(config, config.window_of(layer), comm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, comm)
         self.fused: Callable[..., torch.Tensor] | None = None  # see fuse
         # sandwich norms (Gemma): post_attention_layernorm norms the attention's output, these the MLP's input
         # and output
@@ -118,15 +125,26 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Decoder over a flat batch of new tokens; returns logits only for the rows asked for."""
+    """Decoder over a flat batch of new tokens; returns logits only for the rows asked for (under tensor
+    parallelism: on rank 0, and an empty tensor on the others)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, comm: Collectives | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.comm = comm
+        self.tensor_parallel_size = comm.size if comm is not None else 1
+        self.embed_tokens: Embedding | VocabParallelEmbedding = (
+            Embedding(config.vocab_size, config.hidden_size)
+            if comm is None
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm=comm)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i, comm) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            Linear(config.hidden_size, config.vocab_size, bias=False)
+            if comm is None
+            else ParallelLMHead(config.hidden_size, config.vocab_size, comm=comm)
+        )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)

@@ -53,12 +53,13 @@ class ModelRunner:
         self.device = device
         # With decode graphs, one more block past the pool's: the scratch slot of padding rows (never handed out).
         slots = (num_blocks + decode_graphs) * block_size
-        shape = (2, slots, config.num_kv_heads, config.head_dim)
+        # under tensor parallelism each rank caches its own KV heads (the block tables are the same everywhere)
+        shape = (2, slots, config.num_kv_heads // model.tensor_parallel_size, config.head_dim)
         # Uninitialised, so memory is touched only as the cache fills; blocks are zeroed on first use.
         self.kv_caches = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self._num_zeroed_blocks = 0
         self._gather_buffer = torch.empty(
-            (2, 0, block_size * config.num_kv_heads * config.head_dim), device=device, dtype=dtype
+            (2, 0, block_size * shape[2] * config.head_dim), device=device, dtype=dtype
         )
         self.decode_graphs: DecodeGraphs | None = None
         if decode_graphs:
@@ -92,14 +93,21 @@ class ModelRunner:
             self._zero_new_blocks(batch.num_used_blocks)
             with torch.inference_mode():
                 return self._sample(batch, self.decode_graphs(chunks), {})
+        with torch.inference_mode():
+            logits, prompt_rows = self.forward(batch)
+            return self._sample(batch, logits, prompt_rows)
+
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict[int, slice]]:
+        """The forward pass of ``batch`` (in inference mode): the logits of its sampled rows, then of its scored
+        prompt rows (under tensor parallelism: on rank 0, empty on the others, which call this alone)."""
+        chunks = batch.chunks
         inputs = self._prepare_inputs(chunks)
         meta = self._attention_metadata(chunks, inputs.slot_mapping)
         self._zero_new_blocks(batch.num_used_blocks)
-        with torch.inference_mode():
-            logits = self.model(
-                inputs.token_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices, inputs.embeds
-            )
-            return self._sample(batch, logits, inputs.prompt_rows)
+        logits = self.model(
+            inputs.token_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices, inputs.embeds
+        )
+        return logits, inputs.prompt_rows
 
     def _sample(
         self, batch: ScheduledBatch, logits: torch.Tensor, prompt_rows: dict[int, slice]

@@ -58,6 +58,7 @@ __all__ = [
     "RequestStatus",
     "ShutdownRequest",
     "StartupReport",
+    "TensorParallelWorkerArgs",
     "UtilityOutput",
     "UtilityRequest",
     "WakeupRequest",
@@ -251,6 +252,19 @@ class EngineProcArgs(msgspec.Struct, **_MESSAGE):
     def identity(self) -> bytes:
         """The engine's routing identity on the front end's ROUTER socket."""
         return engine_identity(self.engine_index)
+
+
+class TensorParallelWorkerArgs(msgspec.Struct, **_MESSAGE):
+    """What a tensor-parallel worker needs, written by rank 0 (the engine core's process) on its stdin; the
+    step headers follow on the same pipe (``enginekit.model.parallel.HEADER``), and EOF means rank 0 died."""
+
+    config: EngineConfig
+    rank: int
+    size: int
+    store_port: int
+    device: str
+    num_threads: int
+    engine_index: int = 0
 
 
 def engine_identity(engine_index: int) -> bytes:

@@ -13,6 +13,7 @@
 #define AVX2 __attribute__((target("avx2,fma")))
 #define AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #define AVX512_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AVX512_BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")))
 
 /* The sum of the eight floats of v. */
 AVX2 static inline float hsum8(__m256 v) {

@@ -150,7 +150,7 @@ QUANT_GEMM = Entry(
         -2: "got a shape that is not whole blocks",
         -3: "is out of memory",
         -4: "this CPU lacks that instruction set",
-        -5: "has no such path for this type or instruction set",
+        -5: "has no such path for this type or instruction set (bf16: AVX-512 BF16 only)",
     },
     requires=(
         ("K % block_size == 0", "{K} input features are not a whole number of blocks of {block_size}"),

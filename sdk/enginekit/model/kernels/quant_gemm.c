@@ -13,6 +13,9 @@
  *   prefetcher). Against one row at a time with one accumulator this measured 1.5-1.7x at one input row and 1.3-1.9x at
  *   eight on the default model's Q4_1 shapes (benchmarks/quant_kernels_ab.py). Quantizing the input costs at most half
  *   a step (the largest magnitude of its four values / 127) per value (see docs/models.md for the cost in quality);
+ * - the bf16 path (block types, BF16_MIN_ROWS to INT8_MAX_ROWS rows, on CPUs with AVX-512 BF16): the input rows and
+ *   each task's four dequantized weight rows rounded to bf16 once per call, then vdpbf16ps with no scaling left in the
+ *   inner loop (see gemm_bf16), where the int8 path is bound by its per-four-values float work;
  * - the float path (F16 and BF16 at a few rows; every type without AVX2): each weight row dequantized into the L1
  *   cache and multiplied into every input row with float multiply-adds, no quantization of the input;
  * - the panel path (many rows): the weight dequantized panel by panel into panel_gemm.c's panels, and its 6x16
@@ -30,8 +33,8 @@
 #include "common.h"
 
 enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
-enum { PATH_AUTO = 0, PATH_INT8 = 1, PATH_FLOAT = 2, PATH_PANELS = 3 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AVX512_BF16 = 3 };
+enum { PATH_AUTO = 0, PATH_INT8 = 1, PATH_FLOAT = 2, PATH_PANELS = 3, PATH_BF16 = 4 };
 enum { OK = 0, BAD_TYPE = -1, BAD_SHAPE = -2, NO_MEMORY = -3, BAD_ISA = -4, BAD_PATH = -5 };
 
 #define QK 32                         /* values per unpacked block (and per quantized input block) */
@@ -40,6 +43,9 @@ enum { OK = 0, BAD_TYPE = -1, BAD_SHAPE = -2, NO_MEMORY = -3, BAD_ISA = -4, BAD_
 #define INPUT_GROUP 4 /* input values per int8 scale (a multiple of 4 dividing QK): see quantize_rows */
 #endif
 #define INT8_MAX_ROWS 16              /* the int8 path up to this many rows, the panel path past it */
+#define BF16_MIN_ROWS 6               /* with AVX-512 BF16, the bf16 path from this many rows to INT8_MAX_ROWS */
+#define BF16_MIN_ROWS_Q6_K 8          /* Q6_K's from this many: its values are converted 16 at a time, not looked up */
+#define BF16_TILE 6                   /* the bf16 path's input rows per pass over four decoded weight rows */
 #define FLOAT_MAX_ROWS 8              /* F16/BF16: the float path up to this many rows */
 #define ROWS_PER_TASK 4               /* weight rows per parallel task (a multiple of 4: the int8 path's group) */
 #define PREFETCH_ROWS 8               /* the int8 path asks for the weight this many rows ahead */
@@ -72,13 +78,14 @@ int enginekit_quant_format(int type, long *block, long *bytes) {
   return f.block ? OK : BAD_TYPE;
 }
 
-/* The best instruction set of this CPU for the block types: ISA_AVX512_VNNI, ISA_AVX2 or ISA_SCALAR. */
+/* The best instruction set of this CPU for the block types: ISA_AVX512_BF16 (AVX-512 VNNI and BF16),
+ * ISA_AVX512_VNNI, ISA_AVX2 or ISA_SCALAR. */
 int enginekit_quant_isa(void) {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return ISA_AVX512_VNNI;
+    return __builtin_cpu_supports("avx512bf16") ? ISA_AVX512_BF16 : ISA_AVX512_VNNI;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return ISA_AVX2;
   return ISA_SCALAR;
@@ -421,7 +428,7 @@ static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long 
     long end = (t + 1) * ROWS_PER_TASK < n ? (t + 1) * ROWS_PER_TASK : n;
     if (isa != ISA_SCALAR) {
       for (long r = t * ROWS_PER_TASK; r < end; r += 4) {
-        if (isa == ISA_AVX512_VNNI) int8_rows_vnni(type, w, row_bytes, n, r, k, &a, m, y);
+        if (isa >= ISA_AVX512_VNNI) int8_rows_vnni(type, w, row_bytes, n, r, k, &a, m, y);
         else int8_rows_avx2(type, w, row_bytes, n, r, k, &a, m, y);
       }
       continue;
@@ -433,6 +440,217 @@ static int gemm_int8(const float *x, const uint8_t *w, int type, float *y, long 
       unpack_row(type, w + r * row_bytes, k, wq, wl, wm);
       for (long i = 0; i < m; i += 4)
         int8_rows_scalar(wq, wl, wm, has_min, &a, i, m - i < 4 ? (int)(m - i) : 4, y + i * n + r, n);
+    }
+  }
+  free(memory);
+  return OK;
+}
+
+/* ---- The bf16 path (AVX-512 BF16; BF16_MIN_ROWS to INT8_MAX_ROWS rows of a block type, or when asked). Each input
+ * row is rounded to bf16 once per call; each task's four weight rows are dequantized (dequantize_row's float32
+ * values) and rounded to bf16 into the thread's L1-sized buffer once, then multiplied into the input rows
+ * BF16_TILE at a time with vdpbf16ps (32 products a row pair per instruction, float32 sums): per 32 values, four
+ * weight loads and BF16_TILE input loads feed 4 x BF16_TILE multiply-adds on independent accumulators, with no
+ * per-block scaling left in the loop (the block's scale and minimum are in the rounded values). Rounding both sides
+ * to bf16 (8 significant bits) costs at most 2^-8 of each value's magnitude on each side (see docs/models.md for
+ * the cost in quality). */
+
+/* Rows of x [m, k] rounded to bf16 (nearest even) into out, rows kp values apart (a multiple of 32), zero past k. */
+AVX512_BF16 static void round_rows_bf16(const float *x, long m, long k, long kp, uint16_t *out) {
+  for (long r = 0; r < m; r++)
+    for (long j = 0; j < kp; j += 32) {
+      long left = k - j;
+      __mmask16 lo = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+      __mmask16 hi = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+      __m512 a = _mm512_maskz_loadu_ps(lo, x + r * k + j), b = _mm512_maskz_loadu_ps(hi, x + r * k + j + 16);
+      _mm512_storeu_si512((void *)(out + r * kp + j), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+
+/* 32 values, lo the first 16 and hi the rest, as bf16 (nearest even) at out. */
+AVX512_BF16 static inline void store_bf16(__m512 lo, __m512 hi, uint16_t *out) {
+  _mm512_storeu_si512((void *)out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* The float32 value of the float16 at p, in every lane. */
+AVX512_BF16 static inline __m512 half_bf16(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, sizeof h);
+  return _mm512_set1_ps(_cvtsh_ss(h));
+}
+
+/* 16 bytes at p, each an int32 lane. */
+AVX512_BF16 static inline __m512i bytes_bf16(const uint8_t *p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* The bf16 values d * i + m (one float32 rounding, then the bf16 one) for i = 0 .. 31, as the 32 words of a table for
+ * vpermw; with `five` false, those for i = 0 .. 15 twice (an index's bit 4 then changes nothing). */
+AVX512_BF16 static inline __m512i table_bf16(__m512 d, __m512 m, int five) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 lo = _mm512_fmadd_ps(d, iota, m);
+  __m512 hi = five ? _mm512_fmadd_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.0f)), m) : lo;
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* The 32 values of a block of bytes qs[0..15] as words: the low nibbles, then the high ones (the low nibbles'
+ * words keep bits 4-7 of their byte: the table's second half covers bit 4, vpermw reads five bits). */
+AVX512_BF16 static inline __m512i nibble_words(const uint8_t *qs) {
+  const __m512i shifts = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
+                                          0x0004000400040004LL, 0, 0, 0, 0);
+  __m512i x = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs)));
+  return _mm512_srlv_epi16(x, shifts);
+}
+
+/* One weight row of k values of a block type, dequantized in float32 (each value d * q + m with one rounding, the
+ * Q4_0 / Q5_0 offset as the minimum -8d / -16d) and rounded to bf16 into out: the bf16 path's decoding. The 4- and
+ * 5-bit types build each (sub-)block's 16 or 32 possible values once and look its values up (vpermw), 32 a
+ * vector; Q8_0 and Q6_K convert 16 values a vector. F16 and BF16 go through dequantize_row_avx2 and
+ * round_rows_bf16 (`work`: k floats). */
+AVX512_BF16 static void decode_bf16(int type, const uint8_t *row, long k, uint16_t *out, float *work) {
+  const __m512i low = _mm512_set1_epi32(0x0f), low16 = _mm512_set1_epi16(0x0f), sixteen = _mm512_set1_epi16(16);
+  if (type == F16 || type == BF16) {
+    dequantize_row_avx2(type, row, work, k);
+    round_rows_bf16(work, 1, k, (k + 31) / 32 * 32, out);
+  } else if (type == Q8_0) {
+    for (long b = 0; b < k / QK; b++) {
+      const uint8_t *p = row + b * 34;
+      __m512 d = half_bf16(p);
+      __m512 lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)))));
+      __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)))));
+      store_bf16(lo, hi, out + QK * b);
+    }
+  } else if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
+    long bytes = format_of(type).bytes;
+    int five = type == Q5_0 || type == Q5_1, with_min = type == Q4_1 || type == Q5_1;
+    for (long b = 0; b < k / QK; b++) {
+      const uint8_t *p = row + b * bytes;
+      __m512 d = half_bf16(p);
+      __m512 m = with_min ? half_bf16(p + 2) : _mm512_mul_ps(d, _mm512_set1_ps(five ? -16.0f : -8.0f));
+      __m512i index = nibble_words(p + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8));
+      if (five) {
+        uint32_t bits;
+        memcpy(&bits, p + (type == Q5_0 ? 2 : 4), sizeof bits);
+        index = _mm512_and_si512(index, low16);
+        index = _mm512_mask_add_epi16(index, (__mmask32)bits, index, sixteen);
+      }
+      _mm512_storeu_si512((void *)(out + QK * b), _mm512_permutexvar_epi16(index, table_bf16(d, m, five)));
+    }
+  } else if (type == Q4_K || type == Q5_K) {
+    long bytes = format_of(type).bytes;
+    for (long sb = 0; sb < k / 256; sb++) {
+      const uint8_t *p = row + sb * bytes, *qs = p + (type == Q4_K ? 16 : 48);
+      float d = _cvtsh_ss((uint16_t)(p[0] | p[1] << 8)), dmin = _cvtsh_ss((uint16_t)(p[2] | p[3] << 8));
+      uint8_t scale[8], min[8];
+      k_scales(p + 4, scale, min);
+      __m256i high = type == Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+      for (int s = 0; s < 8; s++) {
+        __m512i index = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * (s / 2))));
+        if (s % 2) index = _mm512_srli_epi16(index, 4);
+        if (type == Q5_K) {
+          __mmask32 bits = _mm256_test_epi8_mask(high, _mm256_set1_epi8((char)(1 << s)));
+          index = _mm512_and_si512(index, low16);
+          index = _mm512_mask_add_epi16(index, bits, index, sixteen);
+        }
+        __m512 ds = _mm512_set1_ps(d * (float)scale[s]), dm = _mm512_set1_ps(-(dmin * (float)min[s]));
+        _mm512_storeu_si512((void *)(out + 256 * sb + 32 * s),
+                            _mm512_permutexvar_epi16(index, table_bf16(ds, dm, type == Q5_K)));
+      }
+    }
+  } else { /* Q6_K */
+    const __m512i three = _mm512_set1_epi32(3), offset = _mm512_set1_epi32(32);
+    for (long sb = 0; sb < k / 256; sb++) {
+      const uint8_t *p = row + sb * 210;
+      float d = _cvtsh_ss((uint16_t)(p[208] | p[209] << 8));
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; s++) {
+        int half = s / 4, quarter = s % 4;
+        __m512 v[2];
+        for (int i = 0; i < 2; i++) { /* values 16i .. 16i + 15 of the sub-block */
+          __m512i ql = bytes_bf16(p + 64 * half + 32 * (quarter % 2) + 16 * i);
+          __m512i qh = bytes_bf16(p + 128 + 32 * half + 16 * i);
+          ql = _mm512_and_si512(_mm512_srli_epi32(ql, 4 * (quarter / 2)), low);
+          qh = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, 2 * quarter), three), 4);
+          __m512i q = _mm512_sub_epi32(_mm512_or_si512(ql, qh), offset);
+          v[i] = _mm512_mul_ps(_mm512_set1_ps(d * (float)(int8_t)p[192 + 2 * s + i]), _mm512_cvtepi32_ps(q));
+        }
+        store_bf16(v[0], v[1], out + 256 * sb + 32 * s);
+      }
+    }
+  }
+}
+
+/* Four bf16 weight rows wb (kp apart) against C bf16 input rows xb (kp apart), into y[c * ldy + r] for r < valid. */
+AVX512_BF16 static inline __attribute__((always_inline)) void bf16_tile(int C, const uint16_t *wb, const uint16_t *xb,
+                                                                       long kp, float *y, long ldy, int valid) {
+  __m512 acc[4][BF16_TILE];
+  for (int r = 0; r < 4; r++)
+    for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+  for (long j = 0; j < kp; j += 32) {
+    __m512bh w[4];
+    for (int r = 0; r < 4; r++) w[r] = (__m512bh)_mm512_loadu_si512((const void *)(wb + r * kp + j));
+    for (int c = 0; c < C; c++) {
+      __m512bh v = (__m512bh)_mm512_loadu_si512((const void *)(xb + c * kp + j));
+      for (int r = 0; r < 4; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[r], v);
+    }
+  }
+  for (int c = 0; c < C; c++) { /* the four rows' sums at once: halves added, then unpacks as in quant_dot.h */
+    __m256 h[4];
+    for (int r = 0; r < 4; r++)
+      h[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][c]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1)));
+    __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(h[0], h[1]), _mm256_unpackhi_ps(h[0], h[1]));
+    __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(h[2], h[3]), _mm256_unpackhi_ps(h[2], h[3]));
+    __m256 s = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t1))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t1))));
+    float out[4];
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    for (int r = 0; r < valid; r++) y[c * ldy + r] = out[r];
+  }
+}
+
+AVX512_BF16 static void bf16_tiles(int C, const uint16_t *wb, const uint16_t *xb, long kp, float *y, long ldy,
+                                   int valid) {
+  switch (C) {
+    case 6: bf16_tile(6, wb, xb, kp, y, ldy, valid); break;
+    case 5: bf16_tile(5, wb, xb, kp, y, ldy, valid); break;
+    case 4: bf16_tile(4, wb, xb, kp, y, ldy, valid); break;
+    case 3: bf16_tile(3, wb, xb, kp, y, ldy, valid); break;
+    case 2: bf16_tile(2, wb, xb, kp, y, ldy, valid); break;
+    default: bf16_tile(1, wb, xb, kp, y, ldy, valid); break;
+  }
+}
+
+static int gemm_bf16(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads) {
+  format f = format_of(type);
+  long row_bytes = k / f.block * f.bytes, kp = (k + 31) / 32 * 32, tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  /* the input rounded, then each thread's four rounded weight rows and one dequantized row */
+  size_t input = ((size_t)m * kp * 2 + 63) / 64 * 64, mine = ((size_t)4 * kp * 2 + (size_t)kp * 4 + 63) / 64 * 64;
+  char *memory = aligned_alloc(64, input + mine * threads);
+  if (!memory) return NO_MEMORY;
+  uint16_t *xb = (uint16_t *)memory;
+  round_rows_bf16(x, m, k, kp, xb);
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * row_bytes >= PARALLEL_MIN_BYTES)
+  for (long t = 0; t < tasks; t++) {
+    uint16_t *wb = (uint16_t *)(memory + input + mine * omp_get_thread_num());
+    float *wf = (float *)(wb + 4 * kp);
+    long r0 = t * ROWS_PER_TASK;
+    int valid = n - r0 < 4 ? (int)(n - r0) : 4;
+    /* the next task's rows (this thread's, under the static schedule) asked for while these are multiplied */
+    const char *next = (const char *)(w + (r0 + ROWS_PER_TASK) * row_bytes);
+    for (long o = 0; o < ROWS_PER_TASK * row_bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+    for (int i = 0; i < 4; i++) {
+      if (i < valid) {
+        decode_bf16(type, w + (r0 + i) * row_bytes, k, wb + i * kp, wf);
+      } else {
+        memset(wb + i * kp, 0, (size_t)kp * 2);
+      }
+    }
+    long passes = (m + BF16_TILE - 1) / BF16_TILE; /* the input rows split evenly: 16 as 6, 5, 5 */
+    for (long p = 0, i = 0; p < passes; p++) {
+      int C = (int)((m - i + passes - p - 1) / (passes - p));
+      bf16_tiles(C, wb, xb + i * kp, kp, y + i * n + r0, n, valid);
+      i += C;
     }
   }
   free(memory);
@@ -544,11 +762,15 @@ int enginekit_quant_gemm(const float *x, const uint8_t *w, int type, float *y, l
   }
   int blocks = f.block > 1;
   if (path == PATH_AUTO)
-    path = m > (blocks ? INT8_MAX_ROWS : FLOAT_MAX_ROWS) && isa != ISA_SCALAR ? PATH_PANELS
-           : blocks                                                          ? PATH_INT8
-                                                                             : PATH_FLOAT;
-  if ((path == PATH_INT8 && !blocks) || (path == PATH_PANELS && isa == ISA_SCALAR)) return BAD_PATH;
+    path = m > (blocks ? INT8_MAX_ROWS : FLOAT_MAX_ROWS) && isa != ISA_SCALAR  ? PATH_PANELS
+           : blocks && isa >= ISA_AVX512_BF16 && m >= (type == Q6_K ? BF16_MIN_ROWS_Q6_K : BF16_MIN_ROWS) ? PATH_BF16
+           : blocks                                                           ? PATH_INT8
+                                                                              : PATH_FLOAT;
+  if ((path == PATH_INT8 && !blocks) || (path == PATH_PANELS && isa == ISA_SCALAR) ||
+      (path == PATH_BF16 && isa < ISA_AVX512_BF16))
+    return BAD_PATH;
   switch (path) {
+    case PATH_BF16: return gemm_bf16(x, w, type, y, m, n, k, threads);
     case PATH_INT8: return gemm_int8(x, w, type, y, m, n, k, threads, isa);
     case PATH_FLOAT: return gemm_float(x, w, type, y, m, n, k, threads, isa);
     case PATH_PANELS: return gemm_panels(x, w, type, y, m, n, k, threads);

@@ -6,9 +6,9 @@ branches on availability, only the speed differs.
 A weight is passed as ``blocks``: a uint8 tensor ``[out_features, row_bytes]`` holding its rows exactly as the file
 stores them, ``row_bytes = in_features / block_size * type_size`` (``gguf.GGML_QUANT_SIZES``). The native kernels
 quantize the input rows to int8 (blocks of 32 as llama.cpp does for its dot products, with one scale per
-``INPUT_GROUP`` values; the cost in accuracy is in docs/models.md) for the block types at up to 16 rows, and use
-float arithmetic otherwise; the portable path
-computes in float32 throughout.
+``INPUT_GROUP`` values; the cost in accuracy is in docs/models.md) for the block types at up to 16 rows, except
+that on CPUs with AVX-512 BF16 they round the input rows and the dequantized weight to bf16 from ``BF16_MIN_ROWS``
+rows (the bf16 path), and use float arithmetic otherwise; the portable path computes in float32 throughout.
 """
 
 from __future__ import annotations
@@ -44,13 +44,16 @@ NATIVE_TYPES = frozenset(
         QType.BF16,
     }
 )
-Isa = Literal["scalar", "avx2", "avx512_vnni"]
-Path = Literal["auto", "int8", "float", "panels"]
-ISAS: dict[Isa, int] = {"scalar": 0, "avx2": 1, "avx512_vnni": 2}  # enginekit_quant_isa in quant_gemm.c
+Isa = Literal["scalar", "avx2", "avx512_vnni", "avx512_bf16"]
+Path = Literal["auto", "int8", "float", "panels", "bf16"]
+# enginekit_quant_isa in quant_gemm.c; "avx512_bf16": AVX-512 VNNI and BF16 both
+ISAS: dict[Isa, int] = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "avx512_bf16": 3}
 INT8_MAX_ROWS = 16  # as in quant_gemm.c: up to this many rows the input is quantized to int8, past it not
+BF16_MIN_ROWS = 6  # as in quant_gemm.c: with AVX-512 BF16, from this many rows to INT8_MAX_ROWS the bf16 path
+BF16_MIN_ROWS_Q6_K = 8  # as in quant_gemm.c: Q6_K's (its values converted, not looked up)
 INPUT_GROUP = 4  # as in quant_gemm.c: input values per int8 scale
 ISA_NAMES: dict[int, Isa] = {code: name for name, code in ISAS.items()}
-PATHS = {"auto": 0, "int8": 1, "float": 2, "panels": 3}
+PATHS = {"auto": 0, "int8": 1, "float": 2, "panels": 3, "bf16": 4}
 
 
 def row_bytes(qtype: int, in_features: int) -> int:
@@ -229,6 +232,18 @@ def int8_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return per_value @ weight.abs().T
 
 
+def bf16_min_rows(qtype: int) -> int:
+    """From how many rows the automatic choice takes the bf16 path for ``qtype`` (on CPUs with AVX-512 BF16)."""
+    return BF16_MIN_ROWS_Q6_K if qtype == QType.Q6_K else BF16_MIN_ROWS
+
+
+def bf16_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """How far the bf16 path's product may be from ``x @ weight.T`` (float32 ``[M, N]``): each input value and each
+    dequantized weight value is rounded to bf16 (8 significant bits: within 2^-8 of its magnitude), and the products
+    of the rounded values are summed in float32."""
+    return (2.0**-7 + 2.0**-16) * (x.abs() @ weight.abs().T)
+
+
 def _format(qtype: int) -> tuple[int, int]:
     try:
         return gguf.GGML_QUANT_SIZES[QType(qtype)]
@@ -274,15 +289,19 @@ def _probe(gemm: NativeQuantGemm) -> None:
             x = torch.randn(rows, 256, generator=gen)
             reference = x.double() @ expected.double().T
             for isa in gemm.isas():
-                for path in ("int8", "float", "panels"):
-                    if (path == "int8" and qtype in (QType.F16, QType.BF16)) or (
-                        path == "panels" and isa == "scalar"
+                for path in ("int8", "float", "panels", "bf16"):
+                    if (
+                        (path == "int8" and qtype in (QType.F16, QType.BF16))
+                        or (path == "panels" and isa == "scalar")
+                        or (path == "bf16" and isa != "avx512_bf16")
                     ):
                         continue
                     result = gemm(x, blocks, qtype, 5, 256, isa=isa, path=path)
                     slack = 1e-5 * (x.abs() @ expected.abs().T) + 1e-6
                     if path == "int8":
                         slack = slack + int8_error_bound(x, expected)
+                    if path == "bf16":
+                        slack = slack + bf16_error_bound(x, expected)
                     if not ((result.double() - reference).abs() <= slack).all():
                         raise NativeUnavailable(
                             f"its {QType(qtype).name} product ({isa}, {path} path, {rows} rows) disagrees with the "

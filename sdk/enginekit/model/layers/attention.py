@@ -1,5 +1,6 @@
 """The attention block: fused q/k/v projection, optional per-head q/k norms, rotary embedding, paged attention
-(over all the context, or a sliding window of it), output projection."""
+(over all the context, or a sliding window of it), output projection. Under tensor parallelism (``comm``) each
+rank holds its share of the heads (and KV heads): q/k/v column-parallel, o row-parallel."""
 
 from __future__ import annotations
 
@@ -11,24 +12,35 @@ from enginekit.model.kernels.native import LayerOps
 from enginekit.model.layers.linear import Linear
 from enginekit.model.layers.norm import RMSNorm
 from enginekit.model.layers.paged_attention import AttentionMetadata, paged_attention
+from enginekit.model.layers.parallel_linear import Collectives, ColumnParallelLinear, RowParallelLinear
 from enginekit.model.layers.rotary import rotate
 
 
 class Attention(nn.Module):
     ops: LayerOps | None = None  # see Decoder.use_layer_ops
 
-    def __init__(self, config: ModelConfig, window: int = 0) -> None:
+    def __init__(self, config: ModelConfig, window: int = 0, comm: Collectives | None = None) -> None:
         super().__init__()
+        ranks = comm.size if comm is not None else 1
         self.window = window  # sliding window: attend to the last this many tokens (0: to all)
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = config.num_heads // ranks  # this rank's
+        self.num_kv_heads = config.num_kv_heads // ranks
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.attention_scale or config.head_dim**-0.5
         self.softcap = config.attn_logit_softcap
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        if comm is None:
+            self.qkv_proj = Linear(
+                config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+            )
+            self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        else:
+            full_q, full_kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            self.qkv_proj = ColumnParallelLinear(
+                config.hidden_size, [full_q, full_kv, full_kv], bias=config.attention_bias, comm=comm
+            )
+            self.o_proj = RowParallelLinear(full_q, config.hidden_size, bias=False, comm=comm)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 

@@ -1,4 +1,6 @@
-"""The gated MLP: fused gate and up projection, SiLU (or GeLU-tanh) and multiply, down projection."""
+"""The gated MLP: fused gate and up projection, SiLU (or GeLU-tanh) and multiply, down projection. Under tensor
+parallelism (``comm``) each rank holds its share of the intermediate features: gate/up column-parallel (each split),
+down row-parallel."""
 
 from __future__ import annotations
 
@@ -9,17 +11,25 @@ from torch.nn import functional as F
 from enginekit.model.config import ModelConfig
 from enginekit.model.kernels.native import LayerOps
 from enginekit.model.layers.linear import Linear
+from enginekit.model.layers.parallel_linear import Collectives, ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Module):
     ops: LayerOps | None = None  # see Decoder.use_layer_ops
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, comm: Collectives | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        inter = config.intermediate_size
+        self.intermediate_size = inter // (comm.size if comm is not None else 1)  # this rank's
         self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        if comm is None:
+            self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=False)
+            self.down_proj = Linear(inter, config.hidden_size, bias=False)
+        else:
+            self.gate_up_proj = ColumnParallelLinear(
+                config.hidden_size, [inter, inter], bias=False, comm=comm
+            )
+            self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, comm=comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gelu_tanh:

@@ -1,0 +1,192 @@
+"""Tensor parallelism's process group, and a step's batch as tensors (how it reaches the other ranks).
+
+``ProcessGroup`` is torch.distributed over a localhost TCP store: gloo on CPU, NCCL on CUDA. Rank 0 (the engine
+core's process) hosts the store on a free port (``host_store``) before it starts the other ranks, which connect to
+it. Every collective has a deadline (``COLLECTIVE_TIMEOUT_S``), and gloo raises at once when a peer's connection
+closes (a rank that died), so no rank waits on a dead one for long.
+
+A step's batch travels without pickle: ``pack_batch`` turns the runner's ``ScheduledBatch`` into a header of
+eight integers (sent by the executor over each worker's pipe, see ``enginekit.core.tp_executor``) and one int64
+tensor (every chunk's numbers, tokens and block table), plus the prompt embeddings if any, which rank 0
+broadcasts (``broadcast_batch``); ``receive_batch`` rebuilds the chunks on the other ranks. They need what shapes
+the forward pass: the tokens, positions, cache slots and tables, and which rows are sampled or scored; never the
+sampling parameters (only rank 0 samples).
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it, untyped
+
+from enginekit.model.batch import ScheduledBatch, SequenceChunk
+from enginekit.sampling_params import SamplingParams
+
+COLLECTIVE_TIMEOUT_S = 300.0  # the longest a rank waits for the others in one collective (a long prefill)
+STORE_HOST = "127.0.0.1"
+HEADER = struct.Struct("<8q")  # op, chunks, tokens, table entries, used blocks, embedding rows, payload, 0
+OP_STEP, OP_STOP = 1, 0
+CHUNK_FIELDS = 7  # start, tokens, samples, prompt targets, rope_long, table length, embedding rows
+_SAMPLES = SamplingParams(max_tokens=1)  # what marks a worker's chunk as sampled (only its presence counts)
+
+
+def host_store(world_size: int) -> TCPStore:
+    """Rank 0's store on a free localhost port (``store.port``); the other ranks connect to it."""
+    return TCPStore(
+        STORE_HOST,
+        0,
+        world_size,
+        True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
+def worker_key(rank: int) -> str:
+    """The store key a worker sets once it is up, before it joins the group (rank 0 waits for it, watching the
+    worker)."""
+    return f"enginekit-worker-{rank}"
+
+
+def join_store(rank: int, size: int, port: int) -> TCPStore:
+    """A worker's connection to rank 0's store, announced under ``worker_key``."""
+    store = TCPStore(STORE_HOST, port, size, False, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    store.set(worker_key(rank), "up")
+    return store
+
+
+class ProcessGroup:
+    """This process's rank in the tensor-parallel group: the collectives the parallel layers call."""
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        device: torch.device,
+        *,
+        store: TCPStore | None = None,
+        port: int = 0,
+        timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    ) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        if store is None:
+            store = TCPStore(STORE_HOST, port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
+        self.store = store
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        self.closed = False
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        if self.rank == 0:
+            parts = [torch.empty_like(tensor) for _ in range(self.size)]
+            dist.gather(tensor, parts, dst=0)
+            return parts
+        dist.gather(tensor, None, dst=0)
+        return None
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(tensor, 0)
+        return tensor
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            dist.destroy_process_group()
+
+
+def pack_batch(batch: ScheduledBatch) -> tuple[bytes, torch.Tensor, torch.Tensor | None]:
+    """The header (``HEADER``), the int64 payload and the prompt embeddings (or ``None``) of ``batch``."""
+    fields: list[int] = []
+    tokens: list[int] = []
+    tables: list[int] = []
+    embeds = []
+    for chunk in batch.chunks:
+        rows = chunk.prompt_embeds.shape[0] if chunk.prompt_embeds is not None else 0
+        fields += [
+            chunk.start,
+            chunk.num_tokens,
+            int(chunk.samples),
+            len(chunk.prompt_targets or ()),
+            int(chunk.rope_long),
+            len(chunk.block_table),
+            rows,
+        ]
+        tokens += chunk.token_ids
+        tables += chunk.block_table
+        if chunk.prompt_embeds is not None:
+            embeds.append(chunk.prompt_embeds)
+    payload = torch.tensor(fields + tokens + tables, dtype=torch.long)
+    embeddings = torch.cat(embeds) if embeds else None
+    header = HEADER.pack(
+        OP_STEP,
+        len(batch.chunks),
+        len(tokens),
+        len(tables),
+        batch.num_used_blocks,
+        embeddings.shape[0] if embeddings is not None else 0,
+        payload.numel(),
+        0,
+    )
+    return header, payload, embeddings
+
+
+def stop_header() -> bytes:
+    return HEADER.pack(OP_STOP, 0, 0, 0, 0, 0, 0, 0)
+
+
+def broadcast_batch(group: ProcessGroup, payload: torch.Tensor, embeddings: torch.Tensor | None) -> None:
+    """Rank 0's side: the payload, then the embeddings (after each worker has read the header)."""
+    group.broadcast(payload.to(group.device))
+    if embeddings is not None:
+        group.broadcast(embeddings.to(group.device).contiguous())
+
+
+def receive_batch(
+    group: ProcessGroup, header: bytes, hidden_size: int, dtype: torch.dtype
+) -> ScheduledBatch | None:
+    """A worker's side: the batch ``header`` announces (``None`` for a stop)."""
+    op, num_chunks, _, _, used_blocks, embed_rows, payload_len, _ = HEADER.unpack(header)
+    if op == OP_STOP:
+        return None
+    payload = group.broadcast(torch.empty(payload_len, dtype=torch.long, device=group.device)).tolist()
+    embeddings = None
+    if embed_rows:
+        embeddings = group.broadcast(torch.empty((embed_rows, hidden_size), dtype=dtype, device=group.device))
+    fields = payload[: num_chunks * CHUNK_FIELDS]
+    position = num_chunks * CHUNK_FIELDS
+    token_at = position
+    table_at = position + sum(fields[i * CHUNK_FIELDS + 1] for i in range(num_chunks))
+    embed_at = 0
+    chunks = []
+    for i in range(num_chunks):
+        start, count, samples, targets, rope_long, table_len, rows = fields[
+            i * CHUNK_FIELDS : (i + 1) * CHUNK_FIELDS
+        ]
+        chunk = SequenceChunk(
+            payload[token_at : token_at + count],
+            start,
+            payload[table_at : table_at + table_len],
+            sampling_params=_SAMPLES if samples else None,
+            prompt_targets=[0] * targets if targets else None,
+            prompt_logprobs=1 if targets else None,
+            rope_long=bool(rope_long),
+        )
+        if rows:
+            assert embeddings is not None
+            chunk.prompt_embeds = embeddings[embed_at : embed_at + rows]
+            embed_at += rows
+        token_at += count
+        table_at += table_len
+        chunks.append(chunk)
+    return ScheduledBatch(chunks, used_blocks)
