@@ -477,3 +477,21 @@ def test_the_partial_rotary_changes_the_tokens(tmp_path):
     partial = partial_rotary_checkpoint(tmp_path / "partial")
     batch = prompts(vocab_of(full), seed=5)
     assert hf_greedy(full, batch, MAX_TOKENS) != hf_greedy(partial, batch, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ["phi3-partial", "gemma3-mm"])
+def test_the_torch_path_matches_transformers(tmp_path, arch):
+    """The model's torch code (other devices and dtypes run it), here with the native layer operations off: the
+    widened rotary tables of partial rotary, Gemma 3's two rotary tables and its q/k norms."""
+    if arch == "phi3-partial":
+        path = partial_rotary_checkpoint(tmp_path / arch, PARTIAL_LONGROPE)
+    else:
+        path = build_checkpoint(tmp_path / arch, arch, sliding_window=8, num_layers=6, rope_parameters=LINEAR)
+    batch = prompts(vocab_of(path), seed=7, lengths=LENGTHS["phi3.5-longrope"])
+    with Engine(
+        str(path), mode="inproc", block_size=8, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32
+    ) as engine:
+        engine.client.core.runner.model.use_layer_ops(None)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        ours = [o.outputs[0].token_ids for o in engine.generate(batch, params)]
+    assert ours == hf_greedy(path, batch, MAX_TOKENS)
