@@ -13,8 +13,8 @@ import torch
 from enginekit.errors import EngineStartupError
 from enginekit.model.architectures import by_name
 from enginekit.model.config import ModelConfig
-from enginekit.model.formats.gguf import StoredTensor
 from enginekit.model.formats.gguf_header import GGUFHeader
+from enginekit.model.formats.gguf_weights import StoredTensor
 from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
 from enginekit.model.layers.rotary import partial_rotary_order
 
