@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from enginekit.model.formats import gguf
+from enginekit.model.formats import gguf_weights as gguf
 from enginekit.model.formats.gguf_header import read_gguf_header
 
 
@@ -35,8 +35,8 @@ def main() -> None:
     data = np.memmap(header.path, dtype=np.uint8, mode="r")
     infos = list(header.tensors.values())
     stored = _median_ms(lambda: [gguf._stored_floats_finite(data, info) for info in infos])
-    dequantized = [gguf._dequantize(header, data, info) for info in infos]
-    dequantize = _median_ms(lambda: [gguf._dequantize(header, data, info) for info in infos], rounds=3)
+    dequantized = [gguf.dequantize_tensor(header, data, info) for info in infos]
+    dequantize = _median_ms(lambda: [gguf.dequantize_tensor(header, data, info) for info in infos], rounds=3)
     finite = _median_ms(lambda: [gguf._finite_sum(tensor.numpy()) for tensor in dequantized])
     print(f"{header.path.name}: {len(infos)} tensors")
     print(f"kept as stored, scales checked in place: {stored:.0f} ms")

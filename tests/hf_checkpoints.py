@@ -138,6 +138,7 @@ def _make_config(
     rope_parameters: dict | None = None,
     head_dim: int | None = None,
     sliding_window: int | None = None,
+    partial_rotary_factor: float = 1.0,
 ):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -178,6 +179,7 @@ def _make_config(
             **common,
             sliding_window=sliding_window,
             original_max_position_embeddings=original,
+            partial_rotary_factor=partial_rotary_factor,
             pad_token_id=eos_id,
         )
     if arch == "gemma2":  # soft-capping low enough to bite at these sizes; even layers slide
@@ -315,6 +317,7 @@ def build_checkpoint(
     rope_parameters: dict | None = None,
     head_dim: int | None = None,
     sliding_window: int | None = None,
+    partial_rotary_factor: float = 1.0,
 ) -> Path:
     """Write a tiny random ``arch`` checkpoint in Hugging Face layout into ``path``; return it.
 
@@ -323,7 +326,7 @@ def build_checkpoint(
     ``sharded=True`` splits the weights into several ``model-0000X-of-0000Y.safetensors`` files
     with a ``model.safetensors.index.json``. ``rope_parameters`` adds a rope type and its numbers
     (``{"rope_type": "llama3", "factor": 8.0, ...}``); ``head_dim`` sets qwen3's head size apart from
-    hidden/heads; ``sliding_window`` gives mistral and phi3 that window on every layer, qwen2 on the layers
+    hidden/heads; ``partial_rotary_factor`` rotates that part of each phi3 head; ``sliding_window`` gives mistral and phi3 that window on every layer, qwen2 on the layers
     from the second on.
     """
     _set_offline()
@@ -360,6 +363,7 @@ def build_checkpoint(
         rope_parameters=rope_parameters,
         head_dim=head_dim,
         sliding_window=sliding_window,
+        partial_rotary_factor=partial_rotary_factor,
     )
     torch.manual_seed(seed)
     model = _model_class(arch)(config).to(torch.float32).eval()

@@ -153,8 +153,11 @@ def write_gguf_from_hf(folder: Path, path: Path, weight_type: GGMLQuantizationTy
     if config.get("head_dim") is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if family.permute_qk or arch == "phi3":
-        writer.add_rope_dimension_count(head_dim)
+    if family.permute_qk or arch == "phi3":  # Phi-4-mini: the rotated part of each head
+        partial = config.get("partial_rotary_factor") or (config.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", 1.0
+        )
+        writer.add_rope_dimension_count(int(partial * config["hidden_size"]) // heads)
     if arch == "phi3":  # longrope: the factors are tensors, the rest these keys
         writer.add_uint32(f"{arch}.attention.sliding_window", config.get("sliding_window") or 0)
         original = rope.get("original_max_position_embeddings", config["max_position_embeddings"])

@@ -198,3 +198,23 @@ def test_gemmas_refusal_of_a_system_message_in_every_mode(gemma_folder, mode):
         assert out.prompt == reference_render(
             GEMMA_2, CONVERSATIONS["one user turn"], add_generation_prompt=True, bos="<s>", eos="</s>"
         )
+
+
+def test_an_image_for_gemma3s_template_is_refused():
+    """Gemma 3's template writes <start_of_image> for an image part; the engine reads text only, so the part is
+    refused before the template sees it (a Gemma3ForConditionalGeneration folder loads as its text model)."""
+    from chat_templates import GEMMA_3
+
+    image = {"type": "image", "url": "http://example.invalid/cat.png"}
+    with Engine("builtin", mode="inproc", num_kv_blocks=64) as engine:
+        params = SamplingParams(max_tokens=2, temperature=0)
+        with pytest.raises(ValueError, match=r"content part of type 'image'; .* read text only"):
+            engine.chat(
+                [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}],
+                params,
+                chat_template=GEMMA_3,
+            )
+        text_only = [{"role": "user", "content": [{"type": "text", "text": "Hi!"}]}]
+        assert engine.chat(text_only, params, chat_template=GEMMA_3)[0].prompt.endswith(
+            "Hi!<end_of_turn>\n<start_of_turn>model\n"
+        )

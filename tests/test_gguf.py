@@ -14,8 +14,9 @@ from gguf.quants import dequantize
 
 import gguf_files as files
 from enginekit.errors import EngineStartupError
-from enginekit.model.formats.gguf import dequantizable_types, read_gguf_config, read_gguf_weights
+from enginekit.model.formats.gguf import read_gguf_config
 from enginekit.model.formats.gguf_header import read_gguf_header
+from enginekit.model.formats.gguf_weights import dequantizable_types, read_gguf_weights
 from gguf_files import Q
 
 SMOLLM2 = files.installed_smollm2()

@@ -147,7 +147,7 @@ def test_the_sliding_window_changes_the_tokens(tmp_path, arch):
         ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "short_factor"),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "factor"),
         ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
-        ({"partial_rotary_factor": 0.5}, "partial rotary"),
+        ({"partial_rotary_factor": 0.5}, "partial rotary"),  # llama's reference rotates every dim
         ({"hidden_act": "gelu"}, "'gelu'"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "low_freq_factor"),
     ],
@@ -430,3 +430,68 @@ def test_a_gemma2_config_without_layer_types_slides_every_other_layer(tmp_path):
     del config["layer_types"]
     (path / "config.json").write_text(json.dumps(config))
     assert read_hf_config(path).layer_windows == with_types == (8, 0, 8, 0)
+
+
+# Phi-4-mini: Phi3ForCausalLM rotating 0.75 of each head (12 of 16 dims here), with and without its longrope
+# (factors for the 6 rotated pairs)
+PARTIAL_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0],
+    "long_factor": [1.0, 3.0, 6.0, 10.0, 16.0, 32.0],
+    "original_max_position_embeddings": 64,
+}
+
+
+def partial_rotary_checkpoint(path, rope_parameters=None, seed=0):
+    return build_checkpoint(
+        path, "phi3", rope_parameters=rope_parameters, seed=seed, partial_rotary_factor=0.75
+    )
+
+
+@pytest.mark.parametrize("mode", ["inproc", "mp"])
+@pytest.mark.parametrize("rope", ["default", "longrope"])
+def test_partial_rotary_matches_transformers(tmp_path, rope, mode):
+    path = partial_rotary_checkpoint(tmp_path / "phi4", PARTIAL_LONGROPE if rope == "longrope" else None)
+    lengths = LENGTHS["phi3.5-longrope"] if rope == "longrope" else LENGTHS[""]
+    batch = prompts(vocab_of(path), seed=5, lengths=lengths)
+    assert run_engine(path, batch, mode) == hf_greedy(path, batch, MAX_TOKENS)
+
+
+@pytest.mark.parametrize(("weight_type", "quantization"), [("F32", "none"), ("F32", "auto"), ("F16", "auto")])
+def test_partial_rotary_gguf_matches_transformers(tmp_path, weight_type, quantization):
+    from enginekit.model.formats.gguf import read_gguf_config
+    from hf_to_gguf import Q, write_gguf_from_hf
+
+    path = partial_rotary_checkpoint(tmp_path / "phi4", PARTIAL_LONGROPE)
+    if weight_type == "F16":
+        round_weights_to_f16(path)
+    gguf = write_gguf_from_hf(path, tmp_path / "phi4.gguf", Q[weight_type])
+    assert read_gguf_config(gguf).rotary_dim == 12
+    batch = prompts(vocab_of(path), seed=6, lengths=LENGTHS["phi3.5-longrope"])
+    assert run_gguf_engine(gguf, batch, quantization) == hf_greedy(path, batch, MAX_TOKENS)
+
+
+def test_the_partial_rotary_changes_the_tokens(tmp_path):
+    """The partial rotary cases would pass with every dim rotated if that did not change the tokens."""
+    full = build_checkpoint(tmp_path / "full", "phi3")
+    partial = partial_rotary_checkpoint(tmp_path / "partial")
+    batch = prompts(vocab_of(full), seed=5)
+    assert hf_greedy(full, batch, MAX_TOKENS) != hf_greedy(partial, batch, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ["phi3-partial", "gemma3-mm"])
+def test_the_torch_path_matches_transformers(tmp_path, arch):
+    """The model's torch code (other devices and dtypes run it), here with the native layer operations off: the
+    widened rotary tables of partial rotary, Gemma 3's two rotary tables and its q/k norms."""
+    if arch == "phi3-partial":
+        path = partial_rotary_checkpoint(tmp_path / arch, PARTIAL_LONGROPE)
+    else:
+        path = build_checkpoint(tmp_path / arch, arch, sliding_window=8, num_layers=6, rope_parameters=LINEAR)
+    batch = prompts(vocab_of(path), seed=7, lengths=LENGTHS["phi3.5-longrope"])
+    with Engine(
+        str(path), mode="inproc", block_size=8, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32
+    ) as engine:
+        engine.client.core.runner.model.use_layer_ops(None)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        ours = [o.outputs[0].token_ids for o in engine.generate(batch, params)]
+    assert ours == hf_greedy(path, batch, MAX_TOKENS)

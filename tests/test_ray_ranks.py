@@ -1,6 +1,7 @@
 """Data-parallel ranks placed by Ray (``data_parallel_backend="ray"``), on a local Ray cluster this module starts
-(``ray.init(num_cpus=2)``): the tokens of ``"mp"`` ranks, a killed actor is the engine's death, restart, and
-nothing left on the cluster after a shutdown. Slow (a cluster, and a torch import per actor); skipped without
+(``ray.init(num_cpus=4)``: room for two ranks of two model ranks each): the tokens of ``"mp"`` ranks, with and without
+tensor parallelism, a killed actor or tensor-parallel worker is the engine's death, restart, and nothing left on the
+cluster after a shutdown. Slow (a cluster, and a torch import per actor); skipped without
 Ray (``pip install 'enginekit[ray]'``)."""
 
 import contextlib
@@ -58,11 +59,13 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'engi
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster of two CPUs, started here: the engine joins it instead of starting its own."""
+    """A local Ray cluster of four CPUs, started here: the engine joins it instead of starting its own. Four: two
+    ranks of ``tensor_parallel_size=2`` reserve a CPU per model rank (Ray's CPUs are a count it schedules by, not
+    cores)."""
     for attempt in range(3):  # a loaded machine can still make one start miss Ray's deadlines
         try:
             with daemons_first():
-                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+                ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
             break
         except Exception as error:  # Ray's own start, before any enginekit code runs
             ray.shutdown()
@@ -92,6 +95,15 @@ def daemons_first():
         for child in psutil.Process().children(recursive=True):  # the daemons, and workers they prestarted
             with contextlib.suppress(psutil.Error):
                 child.nice(own)
+
+
+@pytest.fixture(scope="module")
+def tp_reference():
+    """The tokens of two local ranks of two model ranks each (the same reduction order as on Ray)."""
+    with Engine(
+        "builtin", mode="mp", data_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=128
+    ) as engine:
+        return tokens(engine.generate(PROMPTS, GREEDY))
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +159,39 @@ def test_killing_a_ray_rank_is_the_engines_death_and_restart_places_new_ones(clu
     while leftovers() != ([], []) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert leftovers() == ([], [])
+
+
+@pytest.mark.slow
+def test_ray_ranks_run_their_tensor_parallel_workers_beside_them(cluster, tp_reference):
+    """Each rank's bundle holds its two model ranks; the actor's engine runs its worker as its child, on its node; a
+    killed worker is the engine's death; restart places new actors and workers; shutdown leaves nothing."""
+    options = {**OPTIONS, "tensor_parallel_size": 2}
+    with Engine("builtin", mode="async", data_parallel_backend="ray", **options) as engine:
+        assert tokens(engine.generate(PROMPTS, GREEDY)) == tp_reference
+        actors = list(engine.client.engine_pids)
+        workers = [rank["tensor_parallel_workers"] for rank in engine.call_utility("debug_process")]
+        assert [len(pids) for pids in workers] == [1, 1]
+        # each the child of its rank's actor, which runs model rank 0 in its engine
+        assert [psutil.Process(pid).ppid() for (pid,) in workers] == actors
+        live, groups = leftovers()
+        assert len(live) == 2 and [g["bundles"] for g in groups] == [{0: {"CPU": 2.0}}] * 2
+        victim = workers[1][0]
+        caller, outcome = in_thread(lambda: engine.generate(PROMPTS[:4], LONG))
+        wait_until_generating(engine)
+        os.kill(victim, signal.SIGKILL)
+        caller.join(DEADLINE_S)
+        assert not caller.is_alive(), "generate still waits after a tensor-parallel worker died"
+        with pytest.raises(EngineDeadError, match=rf"tensor-parallel worker rank 1 \(pid {victim}\)"):
+            raise outcome[0]
+        engine.restart()
+        assert tokens(engine.generate(PROMPTS, GREEDY)) == tp_reference
+        pids = [*engine.client.engine_pids]
+        pids += [
+            pid for rank in engine.call_utility("debug_process") for pid in rank["tensor_parallel_workers"]
+        ]
+        assert not set(pids) & {*actors, victim}
+    deadline = time.monotonic() + 30
+    while leftovers() != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers() == ([], [])
+    assert wait_gone([*actors, *(pid for (pid,) in workers), *pids], 30) == []

@@ -204,7 +204,7 @@ def test_in_process_mode_is_refused():
                 "address": "tcp://127.0.0.1:5555",
                 "data_parallel_keys": "/nonexistent/keys.json",
             },
-            "does not combine with Ray or remote ranks",
+            "does not combine with remote ranks",
         ),
     ],
 )

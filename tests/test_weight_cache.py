@@ -17,7 +17,8 @@ import torch
 import gguf_files as files
 from enginekit.errors import EngineStartupError
 from enginekit.model.formats import weight_cache
-from enginekit.model.formats.gguf import read_gguf_config, read_gguf_weights
+from enginekit.model.formats.gguf import read_gguf_config
+from enginekit.model.formats.gguf_weights import read_gguf_weights
 
 KEY = {"dtype": "float32", "layout": "test-1"}
 

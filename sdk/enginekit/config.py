@@ -121,8 +121,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         Where the ranks run: ``"mp"`` (processes this front end starts, plus remote ranks started by hand) or
         ``"ray"`` (every rank a Ray actor in its own placement group, on the cluster this process joined with
         ``ray.init()`` / ``ray.init(address=...)``, else on a local one the engine starts and stops; ``pip
-        install 'enginekit[ray]'``). Each rank's bundle holds ``num_threads`` CPUs (1 if unset) and, on CUDA, one
-        GPU; the ranks join the front end over CURVE-protected TCP, at the host of ``address`` (port ``0`` or
+        install 'enginekit[ray]'``). Each rank's bundle holds its whole tensor-parallel group: ``num_threads`` (1 if
+        unset) shared out between its ``tensor_parallel_size`` model ranks, at least one CPU each, and on CUDA one
+        GPU per model rank; the actor's engine starts its tensor-parallel workers beside it, on that node. The
+        ranks join the front end over CURVE-protected TCP, at the host of ``address`` (port ``0`` or
         none: free ports), else loopback on a one-node cluster and this node's address on a larger one.
     tensor_parallel_size
         Model ranks of each engine core (``"mp"`` and ``"async"`` modes): the core's process runs rank 0 and
@@ -131,7 +133,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         torch.distributed (gloo on CPU, NCCL on CUDA). The heads, KV heads and intermediate features must split
         evenly; float weights only (a GGUF file is dequantized at load under ``quantization="auto"``). On CPU the
         engine's threads are shared out between its ranks. With ``data_parallel_size`` each data-parallel rank has
-        its own ``tensor_parallel_size`` model ranks.
+        its own ``tensor_parallel_size`` model ranks, locally or in its Ray actor's placement group.
     structured_outputs_backend
         The library that compiles ``StructuredOutputsParams`` and computes their token masks: ``"llguidance"``
         (the default; installed with enginekit) or ``"xgrammar"`` (``pip install 'enginekit[xgrammar]'``). Both
@@ -260,11 +262,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(
                 f"cuda_graphs=True does not run with tensor_parallel_size={size} yet: drop one of them"
             )
-        if self.data_parallel_backend == "ray" or self.data_parallel_size_local is not None:
+        if self.data_parallel_size_local is not None:
             raise ValueError(
-                f"tensor_parallel_size={size} runs its workers beside each engine core this front end starts: "
-                "it does not combine with Ray or remote ranks (data_parallel_backend='ray', "
-                "data_parallel_size_local) yet"
+                f"tensor_parallel_size={size} runs its workers beside each engine core this front end starts or "
+                "Ray places: it does not combine with remote ranks started by hand (data_parallel_size_local) yet"
             )
 
     def _check_remote_ranks(self) -> None:

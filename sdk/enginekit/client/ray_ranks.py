@@ -1,12 +1,16 @@
 """Data-parallel ranks placed by Ray (``data_parallel_backend="ray"``): remote ranks the front end starts itself.
 
-Each rank gets a placement group of one bundle (its CPUs, and a GPU on CUDA) on the user's Ray cluster — the
+Each rank gets a placement group of one bundle on the user's Ray cluster (the CPUs of its whole tensor-parallel
+group, and a GPU per model rank on CUDA) — the
 one this process is connected to (``ray.init()`` or ``ray.init(address=...)`` before the engine starts), else a
 local one the engine starts and shuts down with itself. In that bundle an actor (``runtime/ray_rank.py``) runs
 the remote rank's join path: it connects to the front end's watch socket with the CURVE keys it was handed,
 receives its ``EngineProcArgs`` and runs the engine over the same ZeroMQ sockets a remote rank uses. So a
 ``RayRank`` is a ``RemoteRank`` (its liveness is the watch connection: a killed actor, a lost node) that also
-owns its actor and placement group, and removes both when it stops.
+owns its actor and placement group, and removes both when it stops. Under ``tensor_parallel_size=N`` the actor's
+engine starts its N-1 tensor-parallel workers as its own children, as a local engine process does: on the bundle's
+node, on its CPUs, and on CUDA on the N GPUs Ray made visible to the actor (model rank t on ``cuda:t``: the rule of
+``rank_device`` for a process that sees exactly its rank's devices).
 """
 
 # Ray is optional (the `ray` extra): where it is not installed, its imports are not errors.
@@ -72,7 +76,8 @@ class RayCluster:
     def _wants_gpu(self) -> bool:
         device = self.config.device
         if device is None:
-            return self.ray.cluster_resources().get("GPU", 0) >= self.config.data_parallel_size
+            wanted = self.config.data_parallel_size * self.config.tensor_parallel_size
+            return self.ray.cluster_resources().get("GPU", 0) >= wanted
         return device == "cuda"
 
     def _front_end_host(self) -> str:
@@ -83,11 +88,18 @@ class RayCluster:
         alive = [node for node in self.ray.nodes() if node.get("Alive")]
         return LOOPBACK if len(alive) <= 1 else self.ray.util.get_node_ip_address()
 
+    def threads_per_model_rank(self) -> int:
+        """The torch threads of each model rank: ``num_threads`` (1 if unset) shared out between the
+        ``tensor_parallel_size`` model ranks, as a local engine shares its threads, at least one each."""
+        return max(1, (self.config.num_threads or 1) // self.config.tensor_parallel_size)
+
     def bundle(self) -> dict[str, float]:
-        """One rank's resources: ``num_threads`` CPUs (1 if unset), and a GPU on CUDA."""
-        bundle: dict[str, float] = {"CPU": float(self.config.num_threads or 1)}
+        """One rank's resources, its whole tensor-parallel group's: a CPU per thread of each model rank, and on CUDA
+        a GPU per model rank."""
+        size = self.config.tensor_parallel_size
+        bundle: dict[str, float] = {"CPU": float(size * self.threads_per_model_rank())}
         if self.gpu:
-            bundle["GPU"] = 1.0
+            bundle["GPU"] = float(size)
         return bundle
 
     def close(self) -> None:
@@ -136,7 +148,8 @@ class RayRank(RemoteRank):
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=0),
             runtime_env={"env_vars": environ},
         ).remote(self.rank)
-        threads = args.config.num_threads or int(bundle["CPU"])
+        # NOTE: the engine's threads, which its tensor-parallel executor shares out between the model ranks.
+        threads = int(bundle["CPU"])
         self.serving = self.actor.serve.remote(msgspec.json.encode(self.keys), threads, args.config.log_level)
 
     def is_alive(self) -> bool:

@@ -93,7 +93,8 @@ def rank_device(config: EngineConfig, rank: int, visible: int) -> str:
 
     Under tensor parallelism (``tensor_parallel_size=N``) each rank's engine needs N devices in a row: rank r runs
     on ``cuda:r*N`` and its model rank t on ``cuda:r*N+t``; a process that sees exactly N devices runs its one rank
-    on ``cuda:0``.
+    on ``cuda:0``. A rank Ray placed is such a process: its actor sees the N GPUs of its bundle, so model rank t
+    runs on ``cuda:t`` (this function is not called for it; the engine runs on ``device="cuda"``, i.e. ``cuda:0``).
     """
     external = config.data_parallel_rank is not None
     tp = config.tensor_parallel_size
@@ -122,11 +123,13 @@ def rank_device(config: EngineConfig, rank: int, visible: int) -> str:
 
 
 def check_placement(config: EngineConfig) -> None:
-    """Refuse more ranks than devices (GPUs on CUDA, cores on CPU), before anything starts."""
+    """Refuse more ranks than devices (GPUs on CUDA, cores on CPU), before anything starts. Ranks Ray places are
+    the cluster's to fit: each bundle asks for its rank's devices (``client/ray_ranks.py``)."""
     size = local_rank_count(config)
     tp = config.tensor_parallel_size
     if (
         tp > 1
+        and config.data_parallel_backend != "ray"
         and size <= 1
         and (config.device or ("cuda" if _cuda_available() else "cpu")).startswith("cuda")
     ):

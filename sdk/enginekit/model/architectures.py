@@ -24,6 +24,9 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True):
     # the checkpoint stores q/k/v as one ``self_attn.qkv_proj`` and gate/up as one ``mlp.gate_up_proj`` (in the
     # decoder's own order: q, k, v rows; gate rows, then up rows); in GGUF ``attn_qkv`` and ``ffn_up``
     fused_checkpoint: bool = False
+    # its reference rotates only the first partial_rotary_factor of each head's dims (neox pairs within them) and
+    # passes the rest through (Phi-4-mini); in GGUF {arch}.rope.dimension_count below the head size
+    partial_rotary: bool = False
     # Gemma's pieces: every RMS norm scales by (1 + weight) (a Hugging Face checkpoint stores the offset from 1);
     # norms also after attention (``post_attention_layernorm``) and around the MLP (``pre_feedforward_layernorm``,
     # ``post_feedforward_layernorm``), each output normed before its residual add; embeddings times sqrt(hidden)
@@ -123,6 +126,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         gguf_names=("phi3",),
         sliding_window="always",
         fused_checkpoint=True,
+        partial_rotary=True,
     ),
 )
 

@@ -13,9 +13,10 @@ import torch
 from enginekit.errors import EngineStartupError
 from enginekit.model.architectures import by_name
 from enginekit.model.config import ModelConfig
-from enginekit.model.formats.gguf import StoredTensor
 from enginekit.model.formats.gguf_header import GGUFHeader
+from enginekit.model.formats.gguf_weights import StoredTensor
 from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
+from enginekit.model.layers.rotary import partial_rotary_order
 
 _W = TypeVar(
     "_W", torch.Tensor, torch.Tensor | StoredTensor
@@ -131,6 +132,8 @@ def fuse(
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if config.sandwich_norms else []
         for norm in norms:
             state[f"{dst}{norm}.weight"] = weights[f"{src}{norm}.weight"]
+    if config.rotary_dims != config.head_dim:  # partial rotary: each head's q/k dims in the order it needs
+        _reorder_for_partial_rotary(state, config)
     if config.norm_plus_one:  # stored as the offset from 1 (see Architecture.norm_plus_one)
         for name in [name for name in state if name.endswith("norm.weight")]:
             state[name] = state[name] + 1
@@ -138,6 +141,37 @@ def fuse(
         name: tensor.contiguous() if isinstance(tensor, torch.Tensor) else tensor
         for name, tensor in state.items()
     }
+
+
+def _reorder_for_partial_rotary(state: dict, config: ModelConfig) -> None:
+    """Each head's q and k rows (and biases, and q/k norm weights) in ``partial_rotary_order``, so the full-width
+    rotation of every path (torch, the native kernels) is the partial one (``layers/rotary.py``). The order stays
+    within each head: a split by heads (tensor parallel) keeps it."""
+    order = partial_rotary_order(config.rotary_dims, config.head_dim)
+    heads = config.num_heads + config.num_kv_heads
+    qk_rows = (torch.arange(heads)[:, None] * config.head_dim + order[None, :]).reshape(-1)
+    v_rows = torch.arange(heads * config.head_dim, (heads + config.num_kv_heads) * config.head_dim)
+    rows = torch.cat((qk_rows, v_rows))
+    for i in range(config.num_layers):
+        for name in (f"layers.{i}.self_attn.qkv_proj.weight", f"layers.{i}.self_attn.qkv_proj.bias"):
+            if name in state:
+                state[name] = _rows_in_order(state[name], rows)
+        for name in (f"layers.{i}.self_attn.q_norm.weight", f"layers.{i}.self_attn.k_norm.weight"):
+            if name in state:
+                state[name] = state[name][order]
+
+
+def _rows_in_order(weight, rows: torch.Tensor):
+    """The weight's rows ``rows`` (a permutation that keeps each part's rows within it): float rows indexed,
+    stored rows copied whole (each row's blocks are its own)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.index_select(0, rows)
+    parts, start = [], 0
+    for part in weight.parts:
+        local = rows[start : start + part.out_features] - start
+        parts.append(part._replace(blocks=part.blocks.index_select(0, local)))
+        start += part.out_features
+    return QuantizedWeight(parts, exact_top=weight.exact_top)
 
 
 def _fused_checkpoint(config: ModelConfig) -> bool:

@@ -27,9 +27,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the rope type's numbers as transformers names them (factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings, beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim)
     rope_parameters: dict[str, float] = {}
-    # per-frequency divisors of the inverse frequencies (a GGUF's ``rope_freqs.weight``), head_dim / 2 of them
+    # the leading dims of each head that rotate (partial rotary, Phi-4-mini: 0.75 of them; neox pairs within
+    # them), the rest pass through; 0: every dim. The loader reorders each head's q/k rows so that the rotation
+    # is a full-width one whose pass-through pairs have frequency 0 (``layers/rotary.py``, ``partial_rotary_order``)
+    rotary_dim: int = 0
+    # per-frequency divisors of the inverse frequencies (a GGUF's ``rope_freqs.weight``), rotary dims / 2 of them
     rope_freq_factors: tuple[float, ...] = ()
-    # longrope's per-frequency factors, head_dim / 2 each: the short ones within original_max_position_embeddings
+    # longrope's per-frequency factors, rotary dims / 2 each: the short ones within original_max_position_embeddings
     rope_short_factors: tuple[float, ...] = ()
     rope_long_factors: tuple[float, ...] = ()
     hidden_act: str = "silu"  # the MLP's activation, one of ``architectures.ACTIVATIONS``
@@ -45,6 +49,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     layer_windows: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many leading dims of each head rotate (``rotary_dim``, or all ``head_dim``)."""
+        return self.rotary_dim or self.head_dim
 
     def window_of(self, layer: int) -> int:
         """Layer ``layer``'s sliding attention window: it attends to the last this many tokens (0: to all)."""

@@ -23,9 +23,10 @@ from enginekit.model.checkpoint import checked, fuse
 from enginekit.model.config import ModelConfig
 from enginekit.model.decoder import Decoder, layer_ops
 from enginekit.model.formats import weight_cache
-from enginekit.model.formats.gguf import read_gguf_config, read_gguf_weights
+from enginekit.model.formats.gguf import read_gguf_config
 from enginekit.model.formats.gguf_header import read_gguf_header
 from enginekit.model.formats.gguf_tokenizer import tokenizer_from_gguf
+from enginekit.model.formats.gguf_weights import read_gguf_weights
 from enginekit.model.formats.hf import read_hf_config, read_hf_weights
 from enginekit.model.formats.source import ModelSource, resolve_model
 from enginekit.model.layers.linear import linear_kernel

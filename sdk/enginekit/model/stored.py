@@ -11,8 +11,8 @@ import torch
 
 from enginekit.model.config import ModelConfig
 from enginekit.model.decoder import Decoder
-from enginekit.model.formats.gguf import weight_types
 from enginekit.model.formats.gguf_header import GGUFHeader, gguf_error
+from enginekit.model.formats.gguf_weights import weight_types
 from enginekit.model.kernels.native import native_quant_gemm
 from enginekit.model.kernels.quant_gemm import NATIVE_TYPES
 from enginekit.model.layers.embedding import Embedding

@@ -62,8 +62,9 @@ def read_hf_config(folder: Path) -> ModelConfig:
     hidden_size = required.int("hidden_size")
     head_dim = raw.get("head_dim") or hidden_size // num_heads
     max_positions = raw.get("max_position_embeddings", 2048)
+    rotary_dim = _rotary_dim(raw, spec, head_dim, config_path)
     rope_theta, rope_type, rope_parameters, short_factors, long_factors = _rope(
-        raw, config_path, head_dim, max_positions
+        raw, config_path, rotary_dim or head_dim, max_positions
     )
     num_layers = required.int("num_hidden_layers")
     # Gemma names its activation hidden_activation (and keeps a hidden_act it does not use)
@@ -93,6 +94,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
+        rotary_dim=rotary_dim,
         rope_local_theta=_local_rope_theta(raw, config_path),
         max_position_embeddings=max_positions,
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
@@ -260,13 +262,6 @@ def _rope(
             f"unsupported rope type {rope_type!r} in {path}; supported: {', '.join(ROPE_TYPES)}",
             phase="model load",
         )
-    if raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise EngineStartupError(
-            f"unsupported partial rotary embedding in {path} (partial_rotary_factor "
-            f"{raw.get('partial_rotary_factor', params.get('partial_rotary_factor'))}); supported: 1.0, every "
-            "dimension of a head rotated",
-            phase="model load",
-        )
     if "original_max_position_embeddings" not in params and "original_max_position_embeddings" in raw:
         params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     short_factors: tuple[float, ...] = ()
@@ -291,6 +286,24 @@ def _rope(
     return float(theta), rope_type, numbers, short_factors, long_factors
 
 
+def _rotary_dim(raw: dict, spec: Architecture, head_dim: int, path: Path) -> int:
+    """The leading dims of each head that rotate, as transformers counts them (``int(head_dim *
+    partial_rotary_factor)``); 0: all of them. Only where the architecture's reference rotates part of a head."""
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    factor = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    if factor == 1.0:
+        return 0
+    dims = int(head_dim * factor) if isinstance(factor, (int, float)) else 0
+    if not spec.partial_rotary or not 0 < dims < head_dim or dims % 2:
+        supported = ", ".join(a.name for a in ARCHITECTURES if a.partial_rotary)
+        raise EngineStartupError(
+            f"unsupported partial rotary embedding in {path} (partial_rotary_factor {factor!r} for "
+            f"{spec.name}); supported: 1.0, or an even part of each head on {supported}",
+            phase="model load",
+        )
+    return dims
+
+
 def _local_rope_theta(raw: dict, path: Path) -> float:
     """The sliding layers' rope base where it differs from the global one (Gemma 3: ``rope_parameters``
     ``sliding_attention``, or ``rope_local_base_freq``); 0: none of its own."""
@@ -309,7 +322,7 @@ def _factors(params: dict, key: str, head_dim: int, path: Path) -> tuple[float, 
     values = params.get(key)
     if not isinstance(values, list) or len(values) != head_dim // 2:
         raise EngineStartupError(
-            f"{path}: rope type 'longrope' needs {key} as a list of {head_dim // 2} numbers (head_dim / 2), "
+            f"{path}: rope type 'longrope' needs {key} as a list of {head_dim // 2} numbers (rotary dims / 2), "
             f"got {values!r}",
             phase="model load",
         )

@@ -33,6 +33,8 @@ class RotaryEmbedding(nn.Module):
                     inverse_frequencies(config, long=True)[0], self.max_positions, attention_factor
                 )
                 cos, sin = torch.cat((cos, long_cos)), torch.cat((sin, long_sin))
+            if config.rotary_dims != head_dim:
+                cos, sin = _pass_through(cos, sin, config.rotary_dims, head_dim)
             signed_sin = torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("signed_sin", signed_sin, persistent=False)
@@ -62,7 +64,7 @@ def inverse_frequencies(config: ModelConfig, *, long: bool = False) -> tuple[tor
     ``dynamic`` (NTK) changes the base only for sequences past ``max_position_embeddings``, which no sequence
     here reaches (``max_model_len`` is at most that): its frequencies are the default ones, as in transformers
     within that length. ``longrope``: the short factors' frequencies, or with ``long`` the long factors'."""
-    dim, base, params = config.head_dim, config.rope_theta, config.rope_parameters
+    dim, base, params = config.rotary_dims, config.rope_theta, config.rope_parameters
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base**exponents)
     attention_factor = 1.0
@@ -139,3 +141,32 @@ def _rotary_tables(
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * attention_factor, emb.sin() * attention_factor
+
+
+def _pass_through(
+    cos: torch.Tensor, sin: torch.Tensor, rotary_dims: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial rotary as a full-width rotation: the tables of ``rotary_dims`` widened to ``head_dim``, each half
+    followed by the pass-through dims' cos 1 and sin 0 (exactly: the attention factor does not touch them). With
+    each head's q/k rows in ``partial_rotary_order``, the pairs (i, i + head_dim / 2) are the reference's
+    (i, i + rotary_dims / 2) for i below rotary_dims / 2, and pass-through dims paired with each other, unchanged."""
+    half, rest = rotary_dims // 2, (head_dim - rotary_dims) // 2
+    ones, zeros = torch.ones(cos.shape[0], rest), torch.zeros(sin.shape[0], rest)
+    widen = lambda table, fill: torch.cat((table[:, :half], fill, table[:, half:], fill), dim=-1)  # noqa: E731
+    return widen(cos, ones), widen(sin, zeros)
+
+
+def partial_rotary_order(rotary_dims: int, head_dim: int) -> torch.Tensor:
+    """Where each dim of a head comes from, so that a partial rotary (the first ``rotary_dims`` dims in neox
+    pairs (i, i + rotary_dims / 2), the rest passed through) is the full-width rotation of ``_pass_through``:
+    the rotated dims' first half, the passed dims' first half, the rotated dims' second half, the passed dims'
+    second half. q and k reordered alike keep every score q . k; v and the output are untouched."""
+    half, rest = rotary_dims // 2, (head_dim - rotary_dims) // 2
+    return torch.cat(
+        (
+            torch.arange(0, half),
+            torch.arange(rotary_dims, rotary_dims + rest),
+            torch.arange(half, rotary_dims),
+            torch.arange(rotary_dims + rest, head_dim),
+        )
+    )
