@@ -89,6 +89,19 @@ def run_dp_bench(quick: bool) -> dict[str, Any]:
     return {"cores": cores, "models": models, "targets": targets}
 
 
+def three_way_rows(rows: list[dict[str, Any]], names: tuple[str, str, str]) -> list[list[Any]]:
+    """A table row per concurrency: the three variants' tokens/s, then the third against the first and the second."""
+    return [
+        [
+            row["concurrency"],
+            *(rate(row["rates"][name], 0) for name in names),
+            ratio(row["against_all"]),
+            ratio(row["against_one"]),
+        ]
+        for row in rows
+    ]
+
+
 def render_dp_bench(figures: dict[str, Any]) -> str:
     parts = [
         f'`Engine(..., mode="mp")` three ways, all up at once and run alternately: one engine with all '
@@ -98,17 +111,7 @@ def render_dp_bench(figures: dict[str, Any]) -> str:
         "*with 1 thread* compares equal threads per engine.\n"
     ]
     for model in figures["models"].values():
-        rows = [
-            [
-                row["concurrency"],
-                rate(row["rates"][ALL], 0),
-                rate(row["rates"][ONE], 0),
-                rate(row["rates"][TWO], 0),
-                ratio(row["against_all"]),
-                ratio(row["against_one"]),
-            ]
-            for row in model["rows"]
-        ]
+        rows = three_way_rows(model["rows"], (ALL, ONE, TWO))
         parts.append(
             f"**{model['label']}**: {model['lengths'][0]}-token prompts, {model['lengths'][1]} tokens each, "
             f"{model['repeats']} rounds; tokens/s.\n\n"

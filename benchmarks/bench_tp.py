@@ -11,6 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
+from .bench_dp import three_way_rows
 from .common import (
     REPO_ROOT,
     engines_up,
@@ -22,7 +23,7 @@ from .common import (
     session,
     usable_cores,
 )
-from .figures import rate, ratio, summary
+from .figures import summary
 from .stats import markdown_table
 
 ALL = "TP=1, all threads"
@@ -211,17 +212,7 @@ def render_tp_bench(figures: dict[str, Any]) -> str:
         "`generate`. Greedy tokens are the same in all three (`tests/test_tensor_parallel.py`; the parity line below).\n"
     ]
     for model in figures["models"].values():
-        rows = [
-            [
-                row["concurrency"],
-                rate(row["rates"][ALL], 0),
-                rate(row["rates"][ONE], 0),
-                rate(row["rates"][TWO], 0),
-                ratio(row["against_all"]),
-                ratio(row["against_one"]),
-            ]
-            for row in model["rows"]
-        ]
+        rows = three_way_rows(model["rows"], (ALL, ONE, TWO))
         threads = ", ".join(f"{name}: {count}" for name, count in model["threads"].items())
         cost = figures["allreduce_us"][str(model["hidden"])]
         per_step = model["collectives_per_step"]

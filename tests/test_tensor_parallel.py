@@ -21,7 +21,7 @@ PROMPTS = [f"tensor parallel prompt {i}: " + "the quick brown fox " * i for i in
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 SEEDED = [SamplingParams(max_tokens=8, temperature=0.8, seed=i, ignore_eos=True) for i in range(6)]
 LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
-DEADLINE_S = 3.0  # a worker's death reaches the caller well within this (the watch is immediate)
+DEADLINE_S = 5.0  # a worker's death reaches the caller well within this (the watch is immediate)
 
 
 def tokens(outputs):
