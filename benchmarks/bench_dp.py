@@ -46,22 +46,18 @@ def run_dp_bench(quick: bool) -> dict[str, Any]:
     for key in ("builtin", "smollm2"):
         spec = ctx.model(key)
         concurrency_list, (prompt_len, output_len), repeats = size[key]
-        rows = []
         with engines_up(
             spec, variants, equal_workload(max(concurrency_list), prompt_len, output_len)
         ) as engines:
-            for concurrency in concurrency_list:
-                log(f"dp: {key} x{concurrency}")
-                batch = equal_workload(concurrency, prompt_len, output_len)
-                samples = interleave(rate_runners(engines, spec, batch), repeats=repeats, warmup=1)
-                rows.append(
-                    {
-                        "concurrency": concurrency,
-                        "rates": {name: summary(values) for name, values in samples.items()},
-                        "against_all": summary(paired_ratio(samples[TWO], samples[ALL])),
-                        "against_one": summary(paired_ratio(samples[TWO], samples[ONE])),
-                    }
-                )
+            rows = three_way_measure(
+                engines,
+                spec,
+                concurrency_list,
+                (prompt_len, output_len),
+                repeats,
+                (ALL, ONE, TWO),
+                f"dp: {key}",
+            )
         goal_all, goal_one = TARGETS[key]
         for row in rows:
             targets.append(
@@ -87,6 +83,34 @@ def run_dp_bench(quick: bool) -> dict[str, Any]:
             "rows": rows,
         }
     return {"cores": cores, "models": models, "targets": targets}
+
+
+def three_way_measure(
+    engines: dict[str, Any],
+    spec: Any,
+    concurrency_list: tuple[int, ...],
+    lengths: tuple[int, int],
+    repeats: int,
+    names: tuple[str, str, str],
+    tag: str,
+) -> list[dict[str, Any]]:
+    """The three engines run alternately at each concurrency: their tokens/s, and the third against the first
+    (``against_all``) and the second (``against_one``), round by round."""
+    first, second, third = names
+    rows = []
+    for concurrency in concurrency_list:
+        log(f"{tag} x{concurrency}")
+        batch = equal_workload(concurrency, *lengths)
+        samples = interleave(rate_runners(engines, spec, batch), repeats=repeats, warmup=1)
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "rates": {name: summary(values) for name, values in samples.items()},
+                "against_all": summary(paired_ratio(samples[third], samples[first])),
+                "against_one": summary(paired_ratio(samples[third], samples[second])),
+            }
+        )
+    return rows
 
 
 def three_way_rows(rows: list[dict[str, Any]], names: tuple[str, str, str]) -> list[list[Any]]:

@@ -11,19 +11,14 @@ import subprocess
 import sys
 from typing import Any
 
-from .bench_dp import three_way_rows
+from .bench_dp import three_way_measure, three_way_rows
 from .common import (
     REPO_ROOT,
     engines_up,
     equal_workload,
-    interleave,
-    log,
-    paired_ratio,
-    rate_runners,
     session,
     usable_cores,
 )
-from .figures import summary
 from .stats import markdown_table
 
 ALL = "TP=1, all threads"
@@ -59,18 +54,15 @@ def run_tp_bench(quick: bool) -> dict[str, Any]:
                 name: engine.call_utility("debug_process", rank=0)["torch_threads"]
                 for name, engine in engines.items()
             }
-            for concurrency in concurrency_list:
-                log(f"tp: {key} x{concurrency}")
-                batch = equal_workload(concurrency, prompt_len, output_len)
-                samples = interleave(rate_runners(engines, spec, batch), repeats=repeats, warmup=1)
-                rows.append(
-                    {
-                        "concurrency": concurrency,
-                        "rates": {name: summary(values) for name, values in samples.items()},
-                        "against_all": summary(paired_ratio(samples[TWO], samples[ALL])),
-                        "against_one": summary(paired_ratio(samples[TWO], samples[ONE])),
-                    }
-                )
+            rows = three_way_measure(
+                engines,
+                spec,
+                concurrency_list,
+                (prompt_len, output_len),
+                repeats,
+                (ALL, ONE, TWO),
+                f"tp: {key}",
+            )
         config = spec.config
         models[key] = {
             "label": spec.label,
