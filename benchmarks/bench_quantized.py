@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from . import llama_cpp_runner
-from .bench_limits import machine_limits
+from .bench_limits import machine_limits, peak_gflops
 from .bench_real import gguf_streamed_bytes, streamed_bytes
 from .bench_scaling import DecodeBench, headroom
 from .bench_steps import CONTEXT, breakdown, breakdown_table
@@ -27,6 +27,7 @@ from .common import (
     make_engine,
     paired_ratio,
     session,
+    workload_flops,
 )
 from .figures import median, rate, ratio, summary, target
 from .stats import markdown_table
@@ -121,6 +122,7 @@ def run_quantized_bench(quick: bool) -> dict[str, Any]:
         del entry["_samples"]
     figures["runs"] = runs
     figures["bandwidth"] = _bandwidth(figures, size)
+    figures["compute"] = _compute_ceiling(figures, spec, many, limits)
     figures["steps"] = step_breakdown(spec, size)
     figures["targets"] = _targets(figures)
     return figures
@@ -183,6 +185,32 @@ def _bandwidth(figures: dict[str, Any], size: dict[str, Any]) -> dict[str, Any]:
         ceiling = figures["read_gb_s"] * 1e9 / per_token
         reached = median(rates.get(system))
         out[system] = {"bytes_per_token": per_token, "ceiling": ceiling, "share": reached / ceiling}
+    return out
+
+
+def _compute_ceiling(
+    figures: dict[str, Any], spec: ModelSpec, workload: Any, limits: dict[str, Any]
+) -> dict[str, Any]:
+    """At ``concurrent`` requests a step is bound by arithmetic, not bytes: the workload's useful FLOPs (its prompts,
+    its decodes and their attention, the LM head per generated token) against the peak rate of the arithmetic the
+    engine's products use on this CPU (bf16 dot products where AVX-512 BF16 is there, else int8 ones, else float32
+    multiply-adds): the most tokens/s that peak allows, and the share of it reached, and the share the 5x target
+    would need."""
+    from enginekit.model.kernels.quant_gemm import native_quant_gemm
+
+    native = native_quant_gemm()
+    isa = native.best_isa if native is not None else "scalar"
+    dtype = "bfloat16" if isa == "avx512_bf16" else "int8" if isa == "avx512_vnni" else "float32"
+    peak = peak_gflops(limits, dtype)
+    if peak is None:
+        return {}
+    per_token = workload_flops(spec.config, workload) / sum(workload.output_lens)
+    ceiling = peak * 1e9 / per_token
+    runs = figures["runs"]["concurrent"]["rates"]
+    out = {"dtype": dtype, "peak_gflops": peak, "flops_per_token": per_token, "ceiling": ceiling}
+    out["share"] = median(runs.get("auto")) / ceiling
+    if "llama.cpp one request" in runs:
+        out["target_share"] = 5 * median(runs["llama.cpp one request"]) / ceiling
     return out
 
 
@@ -291,6 +319,21 @@ def render_quantized_bench(figures: dict[str, Any]) -> str:
             ["l", "r", "r", "r", "r"],
         )
     )
+    compute = figures.get("compute")
+    if compute:
+        parts.append(
+            f"**The arithmetic limit at {size['concurrent']} concurrent.** The workload's useful work is "
+            f"{compute['flops_per_token'] / 1e6:.0f} MFLOP per generated token (its prompts, the layers and attention "
+            "of every token, the LM head per generated token); the products run as "
+            f"{compute['dtype']} arithmetic on this CPU, whose measured peak ({compute['peak_gflops']:.0f} GFLOP/s on "
+            f"all cores, first section) allows at most {compute['ceiling']:.0f} tok/s. The engine reaches "
+            f"{100 * compute['share']:.0f}% of that"
+            + (
+                f"; 5x llama.cpp's one-request rate would need {100 * compute['target_share']:.0f}%.\n"
+                if "target_share" in compute
+                else ".\n"
+            )
+        )
     rss = figures["rss"]
     parts.append(
         f"**Memory.** The engine process's RSS after one short request (mp mode; the file is "

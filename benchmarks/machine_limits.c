@@ -30,13 +30,21 @@ static double now(void) {
 static volatile float sink_f;
 static volatile int32_t sink_i;
 
+/* Twelve accumulators a0 .. a11 of `type`, each starting at its own value (start + k * step): chains that start
+ * equal compute equal values, and the compiler then keeps one chain and does one instruction where the loop
+ * asks for twelve (the figure would be the latency-bound rate of one chain times twelve, not the issue rate). */
+#define START(type, set1, start, step)                                                                          \
+    type a0 = set1(start), a1 = set1(start + step), a2 = set1(start + 2 * step), a3 = set1(start + 3 * step);   \
+    type a4 = set1(start + 4 * step), a5 = set1(start + 5 * step), a6 = set1(start + 6 * step);                 \
+    type a7 = set1(start + 7 * step), a8 = set1(start + 8 * step), a9 = set1(start + 9 * step);                 \
+    type a10 = set1(start + 10 * step), a11 = set1(start + 11 * step)
+
 /* Each kernel runs `iterations` loop trips on the calling thread and returns the operations it did. */
 typedef double (*kernel_fn)(long iterations);
 
 #if defined(__AVX512F__)
 static double fma32(long iterations) {
-    __m512 a0 = _mm512_set1_ps(1.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-    __m512 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+    START(__m512, _mm512_set1_ps, 1.0f, 0.01f);
     const __m512 m = _mm512_set1_ps(0.9999999f), b = _mm512_set1_ps(1e-7f);
     for (long i = 0; i < iterations; i++) {
         a0 = _mm512_fmadd_ps(a0, m, b); a1 = _mm512_fmadd_ps(a1, m, b); a2 = _mm512_fmadd_ps(a2, m, b);
@@ -52,8 +60,7 @@ static double fma32(long iterations) {
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 static double fma32(long iterations) {
-    __m256 a0 = _mm256_set1_ps(1.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-    __m256 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+    START(__m256, _mm256_set1_ps, 1.0f, 0.01f);
     const __m256 m = _mm256_set1_ps(0.9999999f), b = _mm256_set1_ps(1e-7f);
     for (long i = 0; i < iterations; i++) {
         a0 = _mm256_fmadd_ps(a0, m, b); a1 = _mm256_fmadd_ps(a1, m, b); a2 = _mm256_fmadd_ps(a2, m, b);
@@ -75,7 +82,7 @@ typedef float vec4 __attribute__((vector_size(16)));
 static double fma32(long iterations) {
     vec4 a[12];
     const vec4 m = {0.9999999f, 0.9999999f, 0.9999999f, 0.9999999f}, b = {1e-7f, 1e-7f, 1e-7f, 1e-7f};
-    for (int k = 0; k < 12; k++) a[k] = (vec4){1.0f, 1.0f, 1.0f, 1.0f};
+    for (int k = 0; k < 12; k++) a[k] = (vec4){1.0f, 1.0f, 1.0f, 1.0f} + 0.01f * (float)k;
     for (long i = 0; i < iterations; i++)
         for (int k = 0; k < 12; k++) a[k] = a[k] * m + b;
     float s = 0;
@@ -87,8 +94,7 @@ static double fma32(long iterations) {
 
 #if defined(__AVX512BF16__)
 static double bf16(long iterations) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-    __m512 a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+    START(__m512, _mm512_set1_ps, 0.0f, 1.0f);
     const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3380);
     for (long i = 0; i < iterations; i++) {
         a0 = _mm512_dpbf16_ps(a0, x, y); a1 = _mm512_dpbf16_ps(a1, x, y); a2 = _mm512_dpbf16_ps(a2, x, y);
@@ -107,8 +113,7 @@ static double bf16(long iterations) {
 
 #if defined(__AVX512VNNI__)
 static double int8(long iterations) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-    __m512i a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+    START(__m512i, _mm512_set1_epi32, 0, 1);
     const __m512i x = _mm512_set1_epi8(3), y = _mm512_set1_epi8(-2);
     for (long i = 0; i < iterations; i++) {
         a0 = _mm512_dpbusd_epi32(a0, x, y); a1 = _mm512_dpbusd_epi32(a1, x, y); a2 = _mm512_dpbusd_epi32(a2, x, y);
