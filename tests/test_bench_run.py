@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,31 @@ def test_page_says_when_the_machine_was_loaded(busy: float, loaded: bool) -> Non
     result = _result({})
     result["machine"]["busy_before_run"] = busy
     assert ("**The machine was loaded**" in render_page(result, "r.json", {})) is loaded
+
+
+@pytest.mark.skipif(
+    not (shutil.which("cc") or shutil.which("gcc")) or not shutil.which("objdump"),
+    reason="needs a C compiler and objdump",
+)
+def test_peak_loops_keep_twelve_independent_chains(tmp_path: Path) -> None:
+    """The peak loops' figure counts twelve instructions a trip; with twelve accumulators that start equal the
+    compiler keeps one chain and runs one, so the figure was one chain's latency-bound rate times twelve. Each
+    loop compiled as the bench compiles it must hold its instruction twelve times."""
+    from benchmarks.bench_limits import SOURCE
+
+    binary = tmp_path / "machine_limits"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([compiler, "-O2", "-march=native", "-fopenmp", str(SOURCE), "-o", str(binary)], check=True)
+    listing = subprocess.run(
+        ["objdump", "-d", str(binary)], capture_output=True, text=True, check=True
+    ).stdout
+    functions = {"fma32": "fmadd", "bf16": "vdpbf16ps", "int8": "vpdpbusd"}
+    found = 0
+    for function, mnemonic in functions.items():
+        body = listing.split(f"<{function}>:\n", 1)
+        if len(body) < 2:
+            continue  # not built for this CPU
+        found += 1
+        instructions = body[1].split("\n\n", 1)[0]
+        assert instructions.count(mnemonic) >= 12, f"{function}: {instructions.count(mnemonic)} {mnemonic}"
+    assert found, "no peak loop found in the disassembly"
