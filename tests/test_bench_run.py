@@ -98,6 +98,7 @@ def test_peak_loops_keep_twelve_independent_chains(tmp_path: Path) -> None:
 
     binary = tmp_path / "machine_limits"
     compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
     subprocess.run([compiler, "-O2", "-march=native", "-fopenmp", str(SOURCE), "-o", str(binary)], check=True)
     listing = subprocess.run(
         ["objdump", "-d", str(binary)], capture_output=True, text=True, check=True
