@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+from enginekit.model.architectures import by_name
 from enginekit.model.config import ModelConfig
 from enginekit.model.decoder import Decoder
 from enginekit.model.formats.gguf_header import GGUFHeader, gguf_error
@@ -23,7 +24,9 @@ logger = logging.getLogger("enginekit.model")
 
 LM_HEAD_EXACT_TOP = 64  # logits computed again from the unquantized input (QuantizedWeight.exact_top)
 Quantization = Literal["auto", "gguf", "none"]
-# GGUF tensors whose products are fused into one (their rows joined in this order): q/k/v and gate/up.
+# GGUF tensors whose products are fused into one (their rows joined in this order): q/k/v and gate/up. A file of an
+# architecture that stores each group as one tensor (``Architecture.fused_checkpoint``, Phi-3: ``attn_qkv``, and
+# ``ffn_up`` holding the gate rows, then the up rows) has none: that tensor is kept or dequantized whole.
 FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
@@ -98,8 +101,9 @@ def stored_tensor_names(
         )
     keep = set(matrices) - set(lacking)
     dragged = set()
+    groups = () if by_name(config.architecture).fused_checkpoint else FUSED_GROUPS
     for i in range(config.num_layers):
-        for group in FUSED_GROUPS:
+        for group in groups:
             names = [f"blk.{i}.{part}.weight" for part in group]
             if any(name not in keep for name in names):
                 dragged |= keep.intersection(names)
