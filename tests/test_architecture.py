@@ -8,8 +8,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "sdk" / "enginekit"
 
 # Which parts may import which, besides the shared modules at the package root (the public types config, errors,
-# sampling_params, structured_outputs, outputs, logs; ``interrupts``, Ctrl-C at safe points; ``cache``, where files are kept), which
-# import nothing but each other. Every module belongs to a part named here: a new folder or root module fails
+# sampling_params, structured_outputs, outputs, logs; ``parallel_options``, the config's checks of its parallel
+# options; ``interrupts``, Ctrl-C at safe points; ``cache``, where files are kept), which import nothing but each
+# other. Every module belongs to a part named here: a new folder or root module fails
 # ``test_every_module_belongs_to_a_part`` until it is placed. The entry points (``demo``, ``testing``, the
 # ``cli`` command) use the public API; the front end is on top of the engine; notebook/ sits beside it, used by
 # it, and uses an engine only through the public API it is handed; diagnostics/ reads processes and imports nothing of enginekit. Inside
@@ -32,6 +33,7 @@ ALLOWED = {
 }
 SHARED = {
     "config",
+    "parallel_options",
     "errors",
     "sampling_params",
     "structured_outputs",

@@ -83,10 +83,10 @@ def test_a_failed_in_process_engine_frees_its_model_and_cache_even_if_the_error_
 
 
 def test_an_engine_core_that_fails_partway_frees_what_it_built(monkeypatch):
-    from enginekit.core import engine_core
+    from enginekit.core import model_start
 
     built = []
-    real_load_model = engine_core.load_model
+    real_load_model = model_start.load_model
 
     def load_model(*args, **kwargs):
         model = real_load_model(*args, **kwargs)
@@ -96,8 +96,8 @@ def test_an_engine_core_that_fails_partway_frees_what_it_built(monkeypatch):
     def no_cache(*args, **kwargs):
         raise RuntimeError("no memory for the KV cache")
 
-    monkeypatch.setattr(engine_core, "load_model", load_model)
-    monkeypatch.setattr(engine_core, "ModelRunner", no_cache)
+    monkeypatch.setattr(model_start, "load_model", load_model)
+    monkeypatch.setattr(model_start, "ModelRunner", no_cache)
     with pytest.raises(RuntimeError, match="no memory for the KV cache") as info:
         Engine("builtin", mode="inproc")
     kept = info.value  # noqa: F841  (kept alive, as a notebook would)

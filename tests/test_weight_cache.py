@@ -1,4 +1,4 @@
-"""enginekit.model.formats.weight_cache: build once, then map; damaged entries are rebuilt, never used."""
+"""enginekit.model.formats.weight_cache and weight_cache_entry: build once, then map; damaged entries are rebuilt."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 import gguf_files as files
 from enginekit.errors import EngineStartupError
-from enginekit.model.formats import weight_cache
+from enginekit.model.formats import weight_cache, weight_cache_entry
 from enginekit.model.formats.gguf import read_gguf_config
 from enginekit.model.formats.gguf_weights import read_gguf_weights
 
@@ -90,7 +90,7 @@ def test_the_second_load_maps_the_entry_without_building(cache, source):
 def test_mapped_tensors_live_in_the_cache_file(cache, source):
     weight_cache.load_or_build(source, key_parts=KEY, build=Builder())
     tensors = weight_cache.load_or_build(source, key_parts=KEY, build=Builder())
-    weights_file = str(entry_of(cache) / weight_cache.WEIGHTS_FILE)
+    weights_file = str(entry_of(cache) / weight_cache_entry.WEIGHTS_FILE)
     assert {mapped_file(tensor) for tensor in tensors.values()} == {weights_file}
 
 
@@ -120,7 +120,10 @@ def test_engine_kit_cache_is_respected(cache, source):
     weight_cache.load_or_build(source, key_parts=KEY, build=Builder())
     entry = entry_of(cache)
     assert entry.name.startswith("model-")
-    assert {p.name for p in entry.iterdir()} == {weight_cache.WEIGHTS_FILE, weight_cache.MANIFEST_FILE}
+    assert {p.name for p in entry.iterdir()} == {
+        weight_cache_entry.WEIGHTS_FILE,
+        weight_cache_entry.MANIFEST_FILE,
+    }
 
 
 def test_the_default_cache_is_under_home(monkeypatch, tmp_path):
@@ -184,14 +187,14 @@ def swap_tensor_set(weights: Path) -> None:
 
 
 DAMAGES = {
-    "truncated": lambda entry: truncate(entry / weight_cache.WEIGHTS_FILE),
-    "flipped data": lambda entry: flip_data_bytes(entry / weight_cache.WEIGHTS_FILE),
-    "silent flip": lambda entry: flip_first_chunk_keeping_mtime(entry / weight_cache.WEIGHTS_FILE),
-    "garbage header": lambda entry: garbage_header(entry / weight_cache.WEIGHTS_FILE),
-    "wrong tensor set": lambda entry: swap_tensor_set(entry / weight_cache.WEIGHTS_FILE),
-    "missing manifest": lambda entry: (entry / weight_cache.MANIFEST_FILE).unlink(),
-    "manifest of garbage": lambda entry: (entry / weight_cache.MANIFEST_FILE).write_text("{"),
-    "missing weights": lambda entry: (entry / weight_cache.WEIGHTS_FILE).unlink(),
+    "truncated": lambda entry: truncate(entry / weight_cache_entry.WEIGHTS_FILE),
+    "flipped data": lambda entry: flip_data_bytes(entry / weight_cache_entry.WEIGHTS_FILE),
+    "silent flip": lambda entry: flip_first_chunk_keeping_mtime(entry / weight_cache_entry.WEIGHTS_FILE),
+    "garbage header": lambda entry: garbage_header(entry / weight_cache_entry.WEIGHTS_FILE),
+    "wrong tensor set": lambda entry: swap_tensor_set(entry / weight_cache_entry.WEIGHTS_FILE),
+    "missing manifest": lambda entry: (entry / weight_cache_entry.MANIFEST_FILE).unlink(),
+    "manifest of garbage": lambda entry: (entry / weight_cache_entry.MANIFEST_FILE).write_text("{"),
+    "missing weights": lambda entry: (entry / weight_cache_entry.WEIGHTS_FILE).unlink(),
 }
 
 
@@ -213,13 +216,13 @@ def test_a_damaged_entry_is_logged_removed_and_rebuilt(cache, source, caplog, da
 
 def test_a_write_to_a_chunk_no_load_samples_is_still_caught(cache, source, caplog, monkeypatch):
     """Sampling only the first and last of 40 chunks; the changed mtime makes the load check all of them."""
-    monkeypatch.setattr(weight_cache, "NUM_SAMPLED_CHUNKS", 0)
+    monkeypatch.setattr(weight_cache_entry, "NUM_SAMPLED_CHUNKS", 0)
 
     def build():
         return {"big": torch.arange(10 << 20, dtype=torch.float32)}
 
     weight_cache.load_or_build(source, key_parts=KEY, build=build)
-    flip_data_bytes(entry_of(cache) / weight_cache.WEIGHTS_FILE)
+    flip_data_bytes(entry_of(cache) / weight_cache_entry.WEIGHTS_FILE)
     calls = []
     with caplog.at_level(logging.WARNING, logger="enginekit.weight_cache"):
         tensors = weight_cache.load_or_build(source, key_parts=KEY, build=lambda: calls.append(1) or build())
@@ -232,12 +235,12 @@ def test_a_copied_entry_is_fully_checked_once_then_trusted(cache, source):
     """A new inode (e.g. the cache copied elsewhere) makes the next load check every chunk and renew the stamp."""
     build = Builder()
     weight_cache.load_or_build(source, key_parts=KEY, build=build)
-    weights = entry_of(cache) / weight_cache.WEIGHTS_FILE
+    weights = entry_of(cache) / weight_cache_entry.WEIGHTS_FILE
     copy = weights.with_name("copy")
     copy.write_bytes(weights.read_bytes())
     os.replace(copy, weights)
     weight_cache.load_or_build(source, key_parts=KEY, build=build)
-    manifest = json.loads((entry_of(cache) / weight_cache.MANIFEST_FILE).read_text())
+    manifest = json.loads((entry_of(cache) / weight_cache_entry.MANIFEST_FILE).read_text())
     assert build.calls == 1
     assert manifest["stamp"] == [weights.stat().st_mtime_ns, weights.stat().st_ino]
 

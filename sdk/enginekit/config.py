@@ -1,4 +1,8 @@
-"""EngineConfig: every engine option in one frozen, validated struct that crosses to the engine process."""
+"""EngineConfig: every engine option in one frozen, validated struct that crosses to the engine process.
+
+The parallel options (data-parallel ranks, Ray, tensor-parallel size) constrain each other; their checks are
+``parallel_options.py``'s, called from ``__post_init__`` with the others.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import os
 from typing import Any, Literal, cast, get_args
 
 import msgspec
+
+from enginekit.parallel_options import check_data_parallel, check_tensor_parallel
 
 __all__ = ["EngineConfig", "EngineMode"]
 
@@ -223,104 +229,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"address must start with tcp:// or ipc://, got {self.address!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        self._check_data_parallel()
-        self._check_tensor_parallel()
+        check_data_parallel(self)
+        check_tensor_parallel(self)
         if self.structured_outputs_backend != "llguidance" and importlib.util.find_spec("xgrammar") is None:
             raise ImportError(
                 "structured_outputs_backend='xgrammar' needs the xgrammar package, which is not installed: "
                 "pip install 'enginekit[xgrammar]', or leave the default backend, 'llguidance'"
-            )
-
-    def _check_data_parallel(self) -> None:
-        size, rank, balancing = (
-            self.data_parallel_size,
-            self.data_parallel_rank,
-            self.data_parallel_load_balancing,
-        )
-        _require(size >= 1, f"data_parallel_size must be at least 1, got {size}")
-        if self.data_parallel_backend == "ray":
-            self._check_ray()
-        if rank is not None and not 0 <= rank < size:
-            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size={size}), got {rank}")
-        if rank is not None and balancing == "internal":
-            raise ValueError(
-                f"data_parallel_rank={rank} starts one rank, which needs external load balancing; drop "
-                "data_parallel_load_balancing='internal', or drop the rank to start every rank here"
-            )
-        if rank is None and balancing == "external":
-            raise ValueError(
-                "data_parallel_load_balancing='external' runs one rank per front end: give data_parallel_rank"
-            )
-        self._check_remote_ranks()
-
-    def _check_tensor_parallel(self) -> None:
-        size = self.tensor_parallel_size
-        _require(size >= 1, f"tensor_parallel_size must be at least 1, got {size}")
-        if size == 1:
-            return
-        if self.cuda_graphs:
-            raise ValueError(
-                f"cuda_graphs=True does not run with tensor_parallel_size={size} yet: drop one of them"
-            )
-        if self.data_parallel_size_local is not None:
-            raise ValueError(
-                f"tensor_parallel_size={size} runs its workers beside each engine core this front end starts or "
-                "Ray places: it does not combine with remote ranks started by hand (data_parallel_size_local) yet"
-            )
-
-    def _check_remote_ranks(self) -> None:
-        local, size = self.data_parallel_size_local, self.data_parallel_size
-        if local is None:
-            if self.data_parallel_keys is not None:
-                raise ValueError("data_parallel_keys is for remote ranks: give data_parallel_size_local too")
-            return
-        if not 0 <= local <= size:
-            raise ValueError(
-                f"data_parallel_size_local must be in [0, data_parallel_size={size}], got {local}"
-            )
-        if self.data_parallel_rank is not None or self.data_parallel_load_balancing == "external":
-            raise ValueError(
-                "data_parallel_size_local starts ranks behind one front end (internal load balancing); "
-                "it cannot be combined with data_parallel_rank or external load balancing"
-            )
-        if local == size:
-            return
-        port = (self.address or "").rpartition(":")[2]
-        if not (self.address or "").startswith("tcp://") or not port.isdigit() or port == "0":
-            raise ValueError(
-                f"remote ranks (data_parallel_size_local={local} < data_parallel_size={size}) connect over "
-                f"TCP to a fixed port: give address='tcp://HOST:PORT', got {self.address!r}"
-            )
-        if not self.data_parallel_keys:
-            raise ValueError(
-                "remote ranks need data_parallel_keys: the file the front end writes their CURVE keys to"
-            )
-
-    def _check_ray(self) -> None:
-        if (
-            self.data_parallel_rank is not None
-            or self.data_parallel_size_local is not None
-            or self.data_parallel_load_balancing == "external"
-        ):
-            raise ValueError(
-                "data_parallel_backend='ray' places every rank behind this front end (internal load balancing): "
-                "drop data_parallel_rank, data_parallel_size_local and external load balancing"
-            )
-        if self.address is not None and not self.address.startswith("tcp://"):
-            raise ValueError(
-                f"Ray ranks join the front end over TCP: give address='tcp://HOST:PORT', got {self.address!r}"
-            )
-        if self.device is not None and self.device.startswith("cuda:"):
-            raise ValueError(
-                f"Ray places each rank on a GPU of its choosing: give device='cuda', not {self.device!r}"
-            )
-        try:
-            found = importlib.util.find_spec("ray") is not None
-        except ValueError:  # a module named ray without a spec: not the package
-            found = False
-        if not found:
-            raise ImportError(
-                "data_parallel_backend='ray' needs Ray, which is not installed: pip install 'enginekit[ray]'"
             )
 
     @property

@@ -5,7 +5,8 @@ reports and READY the other way); every engine's ``PUSH`` → the front end's on
 Every message is ``[msgpack body, *tensor frames]`` (the ROUTER adds the engine's identity). With data
 parallelism there is one engine per rank behind the same two sockets, and a ``LoadBalancer`` picks each new
 request's rank. Who reads the output socket is the receiver's business: a thread (``SyncMPClient``) or a task on
-the caller's loop (``AsyncMPClient``).
+the caller's loop (``AsyncMPClient``). What the client holds, and releasing it, is ``ClientResources``
+(``client/resources.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgspec
@@ -28,6 +28,7 @@ from enginekit.client.pending import PendingCalls
 from enginekit.client.ray_ranks import RayCluster, RayRank
 from enginekit.client.receiver import LoopReceiver, ThreadReceiver, WatchedProcess
 from enginekit.client.remote import RankWatcher, RemoteRank
+from enginekit.client.resources import ClientResources
 from enginekit.client.sockets import EngineSockets
 from enginekit.client.startup import EngineRank, check_placement, spawn_engines, wait_for_ready
 from enginekit.config import EngineConfig
@@ -51,37 +52,6 @@ logger = logging.getLogger("enginekit.client")
 
 SHUTDOWN_GRACE_S = 5.0
 UNREACHABLE_GRACE_S = 1.0  # how long a peer whose socket is gone may take to finish exiting
-
-
-@dataclass
-class ClientResources:
-    """What a client holds: its engine processes, sockets, receiver and rank watcher. Kept apart from the client
-    so that its ``weakref.finalize`` releases them without referring to the client."""
-
-    engines: list[EngineRank]
-    sockets: EngineSockets | None = None
-    receiver: ThreadReceiver | LoopReceiver | None = None
-    watcher: RankWatcher | None = None
-    ray_cluster: RayCluster | None = None
-    stop_timeout: float = 0.0  # how long the processes get to exit (shutdown sets it; 0: stop them now)
-
-    def close(self) -> None:
-        """Stop receiving, then stop the processes (the receiver watches their pidfds), then close the sockets."""
-        for engine in self.engines:  # every remote rank was told to go: none of their hang-ups is a surprise
-            if isinstance(engine.process, RemoteRank):
-                engine.process.stopping = True
-        if self.receiver is not None:
-            self.receiver.close()
-        for engine in self.engines:
-            engine.process.stop(
-                self.stop_timeout
-            )  # a remote rank's hang-up is seen by the watcher: stop it after
-        if self.watcher is not None:
-            self.watcher.close()
-        if self.sockets is not None:
-            self.sockets.close()
-        if self.ray_cluster is not None:
-            self.ray_cluster.close()  # a local cluster this front end started
 
 
 class MPClient(EngineCoreClient):

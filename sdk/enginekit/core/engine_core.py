@@ -5,7 +5,8 @@ applied, utilities called (a Future result is answered when it completes) and sh
 schedules, runs the model once and returns everything produced since the last step: token deltas, refusals
 and utility answers (each request's output is built by ``StepOutputs``, ``core/step_outputs.py``). In-process
 mode calls both directly; the engine process feeds ``handle`` from its input queue and sends what ``step``
-returns.
+returns. The model it runs (every tensor-parallel rank of it) and the KV cache's size come from ``start_model``
+(``core/model_start.py``).
 """
 
 from __future__ import annotations
@@ -25,23 +26,17 @@ from enginekit.config import EngineConfig
 from enginekit.core.batching import build_batch
 from enginekit.core.detokenizer import IncrementalDetokenizer
 from enginekit.core.kv_cache import KVCacheManager
+from enginekit.core.model_start import start_model
 from enginekit.core.request import Request
-from enginekit.core.resources import (
-    kv_cache_budget,
-    profile_cuda_kv_budget,
-    release_device_memory,
-    resolve_device,
-    size_kv_cache,
-)
+from enginekit.core.resources import release_device_memory, resolve_device
 from enginekit.core.scheduler import Scheduler
 from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.core.tp_executor import TensorParallelExecutor
 from enginekit.core.validation import RequestLimits, validate_request
-from enginekit.errors import EngineStartupError
 from enginekit.model.batch import TokenBitmask
 from enginekit.model.kernels.library import native_kernels_status
-from enginekit.model.loader import ModelSpec, check_tensor_parallel, load_model, load_model_spec
+from enginekit.model.loader import ModelSpec
 from enginekit.model.runner import ModelRunner
 from enginekit.model.text.vocabulary import bad_words_token_ids
 from enginekit.wire.messages import (
@@ -86,7 +81,7 @@ class EngineCore:
             self._build(config, spec)
         except BaseException as error:
             # NOTE: free what was built before the failure now, not whenever the traceback dies: a notebook
-            # keeps the last traceback, and its frames (the model in _build's locals) with it.
+            # keeps the last traceback, and its frames (the model in start_model's locals) with it.
             traceback.clear_frames(error.__traceback__)
             self.runner = None  # pyright: ignore[reportAttributeAccessIssue]  # frees the model a failed start built
             if self.executor is not None:
@@ -122,56 +117,14 @@ class EngineCore:
         self.start_time = time.monotonic()
 
     def _build(self, config: EngineConfig, spec: ModelSpec | None) -> None:
-        if config.debug_load_delay_s:
-            time.sleep(config.debug_load_delay_s)
-        spec = spec or load_model_spec(config.model, config.revision)
-        self.model_config = model_config = spec.config
-        self.tokenizer = spec.tokenizer
-        cuda_at_start = self._cuda_memory() if self._profiles_cuda() else None
-        if config.tensor_parallel_size > 1:
-            check_tensor_parallel(model_config, config.tensor_parallel_size)  # before any worker starts
-            if cuda_at_start is not None:
-                raise EngineStartupError(
-                    f"tensor_parallel_size={config.tensor_parallel_size} on CUDA needs the KV cache's size given "
-                    "(kv_cache_memory_bytes or num_kv_blocks): the profiling step does not run across ranks yet",
-                    phase="model load",
-                )
-            self.executor = TensorParallelExecutor(config, self.device, engine_index=self.engine_index)
-        model = load_model(
-            spec,
-            device=self.device,
-            dtype=self.dtype,
-            seed=config.seed,
-            quantization=config.quantization,
-            comm=self.executor.group if self.executor is not None else None,
-        )
-        budget = kv_cache_budget(config, model_config, self.device, self.dtype)
-        if cuda_at_start is not None:
-            budget = profile_cuda_kv_budget(
-                config, model, model_config, self.device, self.dtype, *cuda_at_start
-            )
-        self.kv_size = size_kv_cache(config, model_config, self.dtype, budget)
+        started = start_model(config, spec, self.device, self.dtype, engine_index=self.engine_index)
+        self.executor = started.executor
+        self.runner: ModelRunner = started.runner  # None only after a failed start
+        self.model_config = model_config = started.config
+        self.tokenizer = started.tokenizer
+        self.kv_size = started.kv_size
         self.num_kv_blocks, self.max_model_len = self.kv_size.num_blocks, self.kv_size.max_model_len
         self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
-        self.runner: ModelRunner = ModelRunner(  # None only after a failed start
-            model,
-            model_config,
-            num_blocks=self.num_kv_blocks,
-            block_size=config.block_size,
-            device=self.device,
-            dtype=self.dtype,
-            seed=config.seed,
-            fail_at_step=config.fail_at_step,
-            decode_graphs=config.cuda_graphs,
-            max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
-        )
-        if self.executor is not None:
-            self.executor.attach(self.runner, self.num_kv_blocks)
-        if config.cuda_graphs and self.device.type != "cuda":
-            logger.warning(
-                "cuda_graphs=True on %s: decode steps run the padded path without graphs", self.device
-            )
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -187,19 +140,6 @@ class EngineCore:
             model_config.vocab_size,
             list(model_config.eos_token_ids),
         )
-
-    def _profiles_cuda(self) -> bool:
-        """Whether the KV cache is sized by profiling: on CUDA, unless a block count or byte budget is given."""
-        config = self.config
-        return (
-            self.device.type == "cuda"
-            and config.num_kv_blocks is None
-            and config.kv_cache_memory_bytes is None
-        )
-
-    def _cuda_memory(self) -> tuple[int, int]:
-        """(free, total) bytes of this engine's device, before the model loads."""
-        return torch.cuda.mem_get_info(self.device)
 
     # ---- the dispatch point -------------------------------------------------------------------------
     def handle(self, message: Any) -> None:
