@@ -80,6 +80,19 @@ def machine_limits(quick: bool) -> dict[str, Any]:
     return figures
 
 
+def products_dtype(stored: bool, dtype: str) -> str:
+    """The arithmetic a model's products run in at a batch of rows on this CPU: weights kept as stored take the
+    bf16 path where the CPU has AVX-512 BF16 (6 rows or more), int8 dot products where it has AVX-512 VNNI; float
+    weights compute in ``dtype``. Its peak is the one a share of peak is against."""
+    if not stored:
+        return dtype
+    from enginekit.model.kernels.quant_gemm import native_quant_gemm
+
+    native = native_quant_gemm()
+    isa = native.best_isa if native is not None else "scalar"
+    return {"avx512_bf16": "bfloat16", "avx512_vnni": "int8"}.get(isa, dtype)
+
+
 def peak_gflops(limits: dict[str, Any], dtype: str) -> float | None:
     """The all-cores peak of ``dtype`` (float32 for a dtype without one of its own), or None."""
     peak = limits["peak"].get(dtype) or limits["peak"].get("float32")

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from . import llama_cpp_runner
-from .bench_limits import machine_limits, peak_gflops
+from .bench_limits import machine_limits, peak_gflops, products_dtype
 from .bench_real import gguf_streamed_bytes, streamed_bytes
 from .bench_scaling import DecodeBench, headroom
 from .bench_steps import CONTEXT, breakdown, breakdown_table
@@ -196,11 +196,7 @@ def _compute_ceiling(
     engine's products use on this CPU (bf16 dot products where AVX-512 BF16 is there, else int8 ones, else float32
     multiply-adds): the most tokens/s that peak allows, and the share of it reached, and the share the 5x target
     would need."""
-    from enginekit.model.kernels.quant_gemm import native_quant_gemm
-
-    native = native_quant_gemm()
-    isa = native.best_isa if native is not None else "scalar"
-    dtype = "bfloat16" if isa == "avx512_bf16" else "int8" if isa == "avx512_vnni" else "float32"
+    dtype = products_dtype(True, "float32")
     peak = peak_gflops(limits, dtype)
     if peak is None:
         return {}
