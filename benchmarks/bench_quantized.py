@@ -191,11 +191,9 @@ def _bandwidth(figures: dict[str, Any], size: dict[str, Any]) -> dict[str, Any]:
 def _compute_ceiling(
     figures: dict[str, Any], spec: ModelSpec, workload: Any, limits: dict[str, Any]
 ) -> dict[str, Any]:
-    """At ``concurrent`` requests a step is bound by arithmetic, not bytes: the workload's useful FLOPs (its prompts,
-    its decodes and their attention, the LM head per generated token) against the peak rate of the arithmetic the
-    engine's products use on this CPU (bf16 dot products where AVX-512 BF16 is there, else int8 ones, else float32
-    multiply-adds): the most tokens/s that peak allows, and the share of it reached, and the share the 5x target
-    would need."""
+    """At ``concurrent`` requests a step is bound by arithmetic, not bytes: the workload's useful FLOPs per generated
+    token against the peak of the arithmetic stored weights' products run in (``products_dtype``) give the most
+    tokens/s the machine allows; with the share of it reached, and the share the 5x target would need."""
     dtype = products_dtype(True, "float32")
     peak = peak_gflops(limits, dtype)
     if peak is None:
