@@ -5,7 +5,8 @@ model's 49,152-token tokenizer (``benchmarks/gpu_model.py``), then runs its phas
 
 1. ``build``: the model, saved with ``save_pretrained`` beside the tokenizer (``--tokenizer``, see docs/gpu.md);
 2. ``limits``: the chip's copy bandwidth and bfloat16 matmul rate (``gpu_speed.py``);
-3. ``parity``: the engine's greedy tokens against transformers, float32 and bfloat16 (``gpu_parity.py``);
+3. ``parity``: the engine's greedy tokens against transformers, float32 and bfloat16, and bfloat16 with
+   ``cuda_graphs=True`` (``gpu_parity.py``);
 4. ``speed``: 1, 64 and 256 requests of 128-token prompts and 128 new tokens, enginekit mp and inproc, eager and
    with ``cuda_graphs=True``, beside transformers ``generate`` (``gpu_speed.py``);
 5. ``hygiene``: mp and in-process restarts leave the device memory, gc freeze count, threads, fds and children at
@@ -49,6 +50,11 @@ PHASES = ("limits", "parity", "speed", "hygiene", "kv_sizing", "tp")
 SCHEMA = 1
 FULL = {"batch_sizes": "1,64,256", "prompt_len": 128, "new_tokens": 128, "restarts": 3, "parity_tokens": 24}
 SMALL = {"batch_sizes": "1,8,32", "prompt_len": 16, "new_tokens": 8, "restarts": 2, "parity_tokens": 8}
+PARITY_RUNS = {
+    "float32": ("float32", False),
+    "bfloat16": ("bfloat16", False),
+    "bfloat16, graphs": ("bfloat16", True),
+}
 SMALL_PARITY_PROMPTS = (5, 17, 40)  # besides the text prompt; the 1B model's: gpu_parity.PROMPT_LENGTHS
 
 
@@ -147,10 +153,12 @@ def run_check(args: argparse.Namespace, device: str, workdir: Path) -> dict[str,
     import torch
 
     cuda = device.startswith("cuda")
-    if not cuda:
-        torch.set_num_threads(
-            1
-        )  # as the engines (gpu_model.engine_options): a busy machine stalls thread pools
+    if cuda and torch.device(device).index is not None:  # what mem_get_info, synchronize, ... take then
+        torch.cuda.set_device(torch.device(device))
+    elif (
+        not cuda
+    ):  # one thread, as the engines (gpu_model.engine_options): a busy machine stalls thread pools
+        torch.set_num_threads(1)
     phases = args.phases or tuple(p for p in PHASES if cuda or p != "tp")
     started = time.perf_counter()
     result: dict[str, Any] = {
@@ -168,13 +176,13 @@ def run_check(args: argparse.Namespace, device: str, workdir: Path) -> dict[str,
     folder = workdir / "model"
     log(f"build: {(TINY if args.tiny else LLAMA_1B).label}")
     t0 = time.perf_counter()
-    hf_model, result["model"] = build_model_folder(
+    state: dict[str, Any] = {}  # the transformers model: dropped (and its device memory freed) when done with
+    state["hf_model"], result["model"] = build_model_folder(
         folder, TINY if args.tiny else LLAMA_1B, args.tokenizer, device
     )
     result["phase_s"]["build"] = round(time.perf_counter() - t0, 1)
     log(f"build: done in {result['phase_s']['build']:.1f} s")
     token_range = (SPECIAL_TOKENS, result["model"]["shape"]["vocab_size"])
-    state: dict[str, Any] = {"hf_model": hf_model}
     steps: dict[str, Callable[[], Any]] = {
         "limits": lambda: _limits(device),
         "parity": lambda: _parity(state["hf_model"], str(folder), device, token_range, args),
@@ -221,8 +229,8 @@ def _parity(
     lengths = SMALL_PARITY_PROMPTS if args.tiny else PROMPT_LENGTHS
     prompts = parity_prompts(load_tokenizer(Path(folder)), token_range, lengths)
     checks = {
-        dtype: check_parity(hf_model, folder, device, dtype, prompts, args.parity_tokens)
-        for dtype in ("float32", "bfloat16")
+        name: check_parity(hf_model, folder, device, dtype, prompts, args.parity_tokens, cuda_graphs=graphs)
+        for name, (dtype, graphs) in PARITY_RUNS.items()
     }
     return {**checks, "passed": all(check["passed"] for check in checks.values())}
 
@@ -238,7 +246,9 @@ def _speed(
 ) -> dict[str, Any]:
     from .gpu_speed import measure_limits, measure_speed
 
-    limits = result.get("limits") if "error" not in result.get("limits", {"error": 1}) else None
+    limits = result.get("limits")
+    if not limits or "error" in limits:
+        limits = measure_limits(device)
     return measure_speed(
         folder,
         hf_model,
@@ -249,7 +259,7 @@ def _speed(
         repeats=args.repeats,
         hf_budget_s=args.hf_budget_s,
         token_range=token_range,
-        limits=limits or measure_limits(device),
+        limits=limits,
         model=result["model"],
         log=log,
     )
@@ -267,15 +277,26 @@ def _kv_sizing(state: dict[str, Any], folder: str, device: str, log: Callable[[s
         return {"skipped": "the KV cache is sized to the device on CUDA only", "passed": True}
     from .gpu_hygiene import check_kv_sizing
 
-    state["hf_model"] = None  # the device's memory for the engine alone (transformers is done by now)
+    _drop_hf_model(state)  # the device's memory for the engine alone (transformers is done by now)
     return check_kv_sizing(folder, device, log)
 
 
 def _tp(state: dict[str, Any], folder: str, device: str, log: Callable[[str], None]) -> dict[str, Any]:
     from .gpu_hygiene import check_tensor_parallel
 
-    state["hf_model"] = None
+    _drop_hf_model(state)
     return check_tensor_parallel(folder, device, 2, log)
+
+
+def _drop_hf_model(state: dict[str, Any]) -> None:
+    import gc
+
+    import torch
+
+    state["hf_model"] = None
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------------------
@@ -360,8 +381,9 @@ def revision() -> dict[str, Any]:
             return ""
         return done.stdout.strip()
 
+    # NOTE: a copy of the tree without its .git (a GPU machine's) takes the commit from ENGINEKIT_COMMIT.
     return {
-        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+        "commit": git("rev-parse", "--short", "HEAD") or os.environ.get("ENGINEKIT_COMMIT") or "unknown",
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
     }
 

@@ -1,7 +1,9 @@
 """Restart hygiene on the device: after restarts, the device memory, the process and the gc are back at baseline.
 
-- ``"mp"``: an engine restarted ``restarts`` times, generating each time (the same greedy tokens every time).
-  After shutdown every engine process is gone, the device's free memory (``torch.cuda.mem_get_info``, all
+- ``"mp"``: an engine (``cuda_graphs=True``: their memory pool must go too) restarted ``restarts`` times,
+  generating each time (the same greedy tokens every time).
+  After shutdown every engine process is gone, none of them nor the launcher is listed by ``nvidia-smi`` as
+  holding GPU memory, the device's free memory (``torch.cuda.mem_get_info``, all
   processes) is back where it was before the first engine, and this process's threads, file descriptors and
   children are back at their baseline (``enginekit.diagnostics``).
 - ``"inproc"``: the same in this process. After shutdown ``torch.cuda.memory_allocated()`` is back at its
@@ -19,6 +21,8 @@ over NCCL give one rank's tokens and leave no process behind; needs two GPUs).
 from __future__ import annotations
 
 import gc
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +41,7 @@ def check_restarts(
     from enginekit import Engine
     from enginekit.diagnostics import snapshot, wait_until_clean
 
-    options = engine_options(device, mode=mode, max_num_seqs=4, num_kv_blocks=64)
+    options = engine_options(device, mode=mode, max_num_seqs=4, num_kv_blocks=64, cuda_graphs=True)
     log(f"hygiene: {mode}, warm-up engine")
     with Engine(folder, **options) as warm:
         reference = _serve(warm)
@@ -62,6 +66,7 @@ def check_restarts(
     seconds = time.perf_counter() - started
     diff = wait_until_clean(baseline, timeout=GONE_TIMEOUT_S)
     running = _wait_gone([pid for pid in pids if mode != "inproc"], GONE_TIMEOUT_S)
+    holding = sorted(set(pids + _launcher_pid()) & _gpu_processes()) if mode != "inproc" else []
     allocated_after, free_after = _wait_device_memory(device, free_before)
     freed_short_mib = (free_before - free_after) / MIB
     leaks = diff.leaks()
@@ -79,11 +84,13 @@ def check_restarts(
         "gc_freeze_after": gc.get_freeze_count(),
         "snapshot_diff": diff.as_row(),
         "engine_processes_still_running": running,
+        "engine_or_launcher_holding_gpu_memory": holding,
         "leaks": leaks,
         "passed": (
             same
             and not leaks
             and not running
+            and not holding
             and gc.get_freeze_count() == freeze_before
             and allocated_after <= allocated_before
             and freed_short_mib <= DEVICE_MEMORY_TOLERANCE_MIB
@@ -195,6 +202,29 @@ def _wait_device_memory(device: str, free_before: int) -> tuple[int, int]:
         if free >= free_before - DEVICE_MEMORY_TOLERANCE_MIB * MIB or time.monotonic() > deadline:
             return allocated, free
         time.sleep(0.2)
+
+
+def _launcher_pid() -> list[int]:
+    """The shared launcher process, which forks engine processes and must never hold GPU memory itself."""
+    from enginekit.runtime.launcher import Launcher
+
+    launcher = Launcher._instance  # NOTE: the runtime's internals, as the lifecycle tests read them
+    return [launcher.proc.pid] if launcher is not None else []
+
+
+def _gpu_processes() -> set[int]:
+    """Pids ``nvidia-smi`` lists as holding GPU memory (none without nvidia-smi; in a container it may list
+    none either, and the device's free memory is the evidence then)."""
+    if shutil.which("nvidia-smi") is None:
+        return set()
+    output = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    ).stdout
+    return {int(line) for line in output.split() if line.strip().isdigit()}
 
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:

@@ -1,6 +1,7 @@
 """Parity with transformers: the engine's greedy tokens and their logprobs against transformers' in one dtype.
 
-The engine generates greedily from every prompt (in-process, all prompts in one batch, ``logprobs=0``). Then
+The engine generates greedily from every prompt (in-process, all prompts in one batch, ``logprobs=0``; eagerly, or
+with ``cuda_graphs=True``, whose padded decode steps must give the same answers). Then
 transformers runs one forward pass over each prompt followed by the engine's tokens, which gives its own
 log-probabilities at every step for the same context: teacher forcing, one pass instead of a ``generate`` loop.
 At each step the engine's token must be transformers' greedy choice, or within the dtype's tolerance of it in
@@ -18,7 +19,8 @@ import random
 import time
 from typing import Any
 
-TOLERANCE = {"float32": 0.02, "bfloat16": 0.5}  # nats
+# nats. bfloat16 rounds a logit near the top (about 16) to steps of 0.125, and 16 layers add their own rounding.
+TOLERANCE = {"float32": 0.02, "bfloat16": 1.0}
 TEXT_PROMPT = "The engine reads a prompt, splits it into tokens and runs the model one step at a time."
 PROMPT_LENGTHS = (1, 5, 16, 17, 100, 128)  # across KV-block boundaries (16 tokens a block)
 
@@ -34,13 +36,20 @@ def parity_prompts(
 
 
 def check_parity(
-    hf_model: Any, folder: str, device: str, dtype: str, prompts: list[list[int]], max_tokens: int
+    hf_model: Any,
+    folder: str,
+    device: str,
+    dtype: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    cuda_graphs: bool = False,
 ) -> dict[str, Any]:
     """Engine against transformers in ``dtype`` on ``prompts``; ``hf_model`` is left in bfloat16."""
     import torch
 
     started = time.perf_counter()
-    engine_tokens, engine_logprobs = _engine_greedy(folder, device, dtype, prompts, max_tokens)
+    engine_tokens, engine_logprobs = _engine_greedy(folder, device, dtype, prompts, max_tokens, cuda_graphs)
     hf_model.to(getattr(torch, dtype))
     try:
         reference = [
@@ -52,6 +61,7 @@ def check_parity(
     rows = [compare(*args, tolerance) for args in zip(engine_tokens, engine_logprobs, reference)]
     return {
         "dtype": dtype,
+        "cuda_graphs": cuda_graphs,
         "prompts": len(prompts),
         "prompt_lengths": [len(p) for p in prompts],
         "tokens_per_prompt": max_tokens,
@@ -95,7 +105,7 @@ def compare(tokens: list[int], logprobs: list[float], hf_logprobs: Any, toleranc
 
 
 def _engine_greedy(
-    folder: str, device: str, dtype: str, prompts: list[list[int]], max_tokens: int
+    folder: str, device: str, dtype: str, prompts: list[list[int]], max_tokens: int, cuda_graphs: bool
 ) -> tuple[list[list[int]], list[list[float]]]:
     from enginekit import Engine, SamplingParams
 
@@ -103,7 +113,9 @@ def _engine_greedy(
     from .gpu_model import engine_options
 
     blocks = sum(-(-(len(p) + max_tokens) // 16) + 1 for p in prompts) + 16
-    options = engine_options(device, dtype=dtype, max_num_seqs=len(prompts), num_kv_blocks=blocks)
+    options = engine_options(
+        device, dtype=dtype, max_num_seqs=len(prompts), num_kv_blocks=blocks, cuda_graphs=cuda_graphs
+    )
     with Engine(folder, mode="inproc", **options) as engine:
         outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, progress=False)
     tokens = [list(output.outputs[0].token_ids) for output in outputs]

@@ -164,13 +164,12 @@ def _percent(share: float) -> str:
 
 def _parity(parity: dict[str, Any], result: dict[str, Any]) -> str:
     rows = []
-    for dtype in ("float32", "bfloat16"):
-        check = parity.get(dtype)
-        if check is None:
+    for name, check in parity.items():
+        if not isinstance(check, dict):
             continue
         rows.append(
             [
-                dtype,
+                name,
                 f"{check['prompts']} ({min(check['prompt_lengths'])}-{max(check['prompt_lengths'])} tokens)",
                 f"{check['greedy_equal']} of {check['tokens']}",
                 f"{check['prompts_all_greedy']} of {check['prompts']}",
@@ -187,7 +186,7 @@ def _parity(parity: dict[str, Any], result: dict[str, Any]) -> str:
         "transformers' (nats; the logits' spread is about 4).\n\n"
         + markdown_table(
             [
-                "dtype",
+                "engine",
                 "prompts",
                 "steps at transformers' greedy token",
                 "prompts all greedy",
@@ -279,6 +278,12 @@ def _tp(tp: dict[str, Any], result: dict[str, Any]) -> str:
         f"{'yes' if tp['same_tokens_as_one_rank'] else '**no**'}, processes left {tp['processes_still_running'] or 'none'}: "
         f"{verdict}.\n"
     )
+
+
+def _verdict(target: dict[str, Any]) -> str:
+    if target["measured"] is None or math.isnan(target["measured"]):
+        return "not measured"
+    return "met" if target["met"] else "**NOT met**"
 
 
 def _targets(targets: list[dict[str, Any]]) -> str:

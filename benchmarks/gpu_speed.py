@@ -12,7 +12,8 @@ Four engines (``"mp"`` and ``"inproc"``, eager and with ``cuda_graphs=True``, bf
 and ``new_tokens`` greedy tokens each, EOS ignored, submitted at once; tokens/s is every output token over the
 wall time of the call, prefill included. The systems run in rounds, in rotating order, after a short warm-up at
 each batch size (which captures the graphs a timed run replays). transformers is slow on large batches: its
-number of new tokens is cut to fit ``hf_budget_s`` a call (from a timed warm-up call), and the row says so.
+number of new tokens is cut to fit ``hf_budget_s`` a call (from a timed warm-up call), and the row says so. Each
+system's time at a batch size is thus bounded: ``B * new_tokens`` at its own rate, or transformers' budget.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ ENGINES = {  # name: (mode, cuda_graphs)
     "enginekit inproc, graphs": ("inproc", True),
 }
 TRANSFORMERS = "transformers generate"
-WARMUP_TOKENS = 4  # a warm-up run's new tokens: enough to capture the decode graphs of its batch size
+WARMUP_TOKENS = 4  # a warm-up run's decode steps with every request decoding (see _warmup_tokens)
 
 
 # --------------------------------------------------------------------------------------
@@ -145,7 +146,8 @@ def measure_speed(
             runners: dict[str, Callable[[], tuple[float, int]]] = {}
             for name, engine in engines.items():
                 log(f"speed: warm-up, {name}, batch {batch}")
-                _engine_call(engine, batch, prompt_len, WARMUP_TOKENS, token_range, rng, greedy)
+                warmup = _warmup_tokens(engine, batch, prompt_len, new_tokens)
+                _engine_call(engine, batch, prompt_len, warmup, token_range, rng, greedy)
                 runners[name] = lambda engine=engine, batch=batch: _engine_call(
                     engine, batch, prompt_len, new_tokens, token_range, rng, greedy
                 )
@@ -219,6 +221,14 @@ def _start_engines(folder: str, options: dict[str, Any], log: Callable[[str], No
     return engines
 
 
+def _warmup_tokens(engine: Any, batch: int, prompt_len: int, new_tokens: int) -> int:
+    """New tokens of a warm-up run that steps through the batch sizes of a timed one: the prompts are prefilled
+    in chunks of ``max_num_batched_tokens``, so the requests start (and end) decoding a chunk apart, and a timed
+    run's last steps decode ever smaller batches, each a graph to capture on first use."""
+    chunks = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
+    return min(new_tokens, chunks + WARMUP_TOKENS)
+
+
 def _engine_call(
     engine: Any,
     batch: int,
@@ -269,6 +279,7 @@ def _hf_runner(
             bos_token_id=None,
             pad_token_id=0,
         )
+        model.generation_config = config  # else generate() takes unset options (EOS) from the checkpoint
         _synchronize(device)
         started = time.perf_counter()
         with torch.inference_mode():
@@ -283,7 +294,10 @@ def _hf_runner(
         return batch * tokens / elapsed, tokens
 
     probe = min(WARMUP_TOKENS * 2, new_tokens)
-    rate, _ = call(probe)  # the warm-up; its rate, prefill included, underestimates the decode rate
+    call(probe)  # the warm-up: the first call at a batch size pays one-time costs
+    rate, _ = call(
+        probe
+    )  # prefill included, it underestimates the decode rate: the cut errs on the safe side
     fits = int(budget_s * rate / batch)
     tokens = max(probe, min(new_tokens, fits))
     return lambda: call(tokens)

@@ -58,8 +58,8 @@ def test_tiny_check_on_cpu_passes_and_writes_its_json(tmp_path: Path) -> None:
     assert result["model"]["num_params"] == TINY.num_params == _num_weights(workdir / "model")
 
     assert result["limits"]["bandwidth_gb_s"] > 0 and result["limits"]["bf16_tflop_s"] > 0
-    for dtype in ("float32", "bfloat16"):
-        parity = result["parity"][dtype]
+    for name in ("float32", "bfloat16", "bfloat16, graphs"):
+        parity = result["parity"][name]
         assert parity["passed"] and parity["tokens"] == parity["prompts"] * parity["tokens_per_prompt"] > 0
         assert parity["max_logprob_diff"] <= parity["tolerance"]
 
