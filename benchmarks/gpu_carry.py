@@ -59,7 +59,7 @@ def download_command(folder: Path, python_version: str = "3.12") -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_carry", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks.gpu_carry", description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument(
         "--dest", type=Path, default=REPO_ROOT / ".gpu", help="the carry folder (default: .gpu)"

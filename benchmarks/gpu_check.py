@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .figures import target
-from .gpu_model import LLAMA_1B, SPECIAL_TOKENS, TINY, build_model_folder
+from .gpu_model import LLAMA_1B, SPECIAL_TOKENS, TINY, build_model_folder, load_transformers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GPU_RESULTS = REPO_ROOT / "benchmarks" / "results" / "gpu"
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0]
+        prog="python -m benchmarks.gpu_check", description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument(
@@ -176,18 +176,16 @@ def run_check(args: argparse.Namespace, device: str, workdir: Path) -> dict[str,
     folder = workdir / "model"
     log(f"build: {(TINY if args.tiny else LLAMA_1B).label}")
     t0 = time.perf_counter()
-    state: dict[str, Any] = {}  # the transformers model: dropped (and its device memory freed) when done with
-    state["hf_model"], result["model"] = build_model_folder(
-        folder, TINY if args.tiny else LLAMA_1B, args.tokenizer, device
-    )
+    result["model"] = build_model_folder(folder, TINY if args.tiny else LLAMA_1B, args.tokenizer, device)
     result["phase_s"]["build"] = round(time.perf_counter() - t0, 1)
     log(f"build: done in {result['phase_s']['build']:.1f} s")
     token_range = (SPECIAL_TOKENS, result["model"]["shape"]["vocab_size"])
+    state: dict[str, Any] = {"hf_model": None}  # transformers' bf16 model, loaded once for parity and speed
     steps: dict[str, Callable[[], Any]] = {
         "limits": lambda: _limits(device),
-        "parity": lambda: _parity(state["hf_model"], str(folder), device, token_range, args),
-        "speed": lambda: _speed(args, state["hf_model"], str(folder), device, token_range, result, log),
-        "hygiene": lambda: _hygiene(str(folder), device, args.restarts, log),
+        "parity": lambda: _parity(state, str(folder), device, token_range, args),
+        "speed": lambda: _speed(args, state, str(folder), device, token_range, result, log),
+        "hygiene": lambda: _hygiene(state, str(folder), device, args.restarts, log),
         "kv_sizing": lambda: _kv_sizing(state, str(folder), device, log),
         "tp": lambda: _tp(state, str(folder), device, log),
     }
@@ -220,7 +218,7 @@ def _limits(device: str) -> dict[str, Any]:
 
 
 def _parity(
-    hf_model: Any, folder: str, device: str, token_range: tuple[int, int], args: argparse.Namespace
+    state: dict[str, Any], folder: str, device: str, token_range: tuple[int, int], args: argparse.Namespace
 ) -> dict[str, Any]:
     from enginekit.model.text.tokenizer import load_tokenizer
 
@@ -228,16 +226,30 @@ def _parity(
 
     lengths = SMALL_PARITY_PROMPTS if args.tiny else PROMPT_LENGTHS
     prompts = parity_prompts(load_tokenizer(Path(folder)), token_range, lengths)
-    checks = {
-        name: check_parity(hf_model, folder, device, dtype, prompts, args.parity_tokens, cuda_graphs=graphs)
-        for name, (dtype, graphs) in PARITY_RUNS.items()
-    }
+    checks = {}
+    for name, (dtype, graphs) in PARITY_RUNS.items():
+        if dtype == "bfloat16":
+            reference = _hf_model(state, folder, device)
+        else:
+            reference = load_transformers(folder, dtype, device)
+        checks[name] = check_parity(
+            reference, folder, device, dtype, prompts, args.parity_tokens, cuda_graphs=graphs
+        )
+        del reference
+        _free_device_cache()
     return {**checks, "passed": all(check["passed"] for check in checks.values())}
+
+
+def _hf_model(state: dict[str, Any], folder: str, device: str) -> Any:
+    """transformers' bfloat16 model of ``folder`` on ``device``, loaded on first use."""
+    if state["hf_model"] is None:
+        state["hf_model"] = load_transformers(folder, "bfloat16", device)
+    return state["hf_model"]
 
 
 def _speed(
     args: argparse.Namespace,
-    hf_model: Any,
+    state: dict[str, Any],
     folder: str,
     device: str,
     token_range: tuple[int, int],
@@ -251,7 +263,7 @@ def _speed(
         limits = measure_limits(device)
     return measure_speed(
         folder,
-        hf_model,
+        _hf_model(state, folder, device),
         device,
         batch_sizes=args.batch_sizes,
         prompt_len=args.prompt_len,
@@ -265,9 +277,12 @@ def _speed(
     )
 
 
-def _hygiene(folder: str, device: str, restarts: int, log: Callable[[str], None]) -> dict[str, Any]:
+def _hygiene(
+    state: dict[str, Any], folder: str, device: str, restarts: int, log: Callable[[str], None]
+) -> dict[str, Any]:
     from .gpu_hygiene import check_restarts
 
+    _drop_hf_model(state)  # transformers is done by now
     modes = {mode: check_restarts(folder, device, mode, restarts, log) for mode in ("mp", "inproc")}
     return {**modes, "passed": all(check["passed"] for check in modes.values())}
 
@@ -289,11 +304,15 @@ def _tp(state: dict[str, Any], folder: str, device: str, log: Callable[[str], No
 
 
 def _drop_hf_model(state: dict[str, Any]) -> None:
+    state["hf_model"] = None
+    _free_device_cache()
+
+
+def _free_device_cache() -> None:
     import gc
 
     import torch
 
-    state["hf_model"] = None
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()

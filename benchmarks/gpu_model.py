@@ -85,11 +85,10 @@ def engine_options(device: str, **options: Any) -> dict[str, Any]:
     }
 
 
-def build_model_folder(folder: Path, shape: Shape, tokenizer: Path | None, device: str) -> tuple[Any, dict]:
-    """Write ``shape``'s random model (bf16, seed 0) and the tokenizer into ``folder``.
+def build_model_folder(folder: Path, shape: Shape, tokenizer: Path | None, device: str) -> dict[str, Any]:
+    """Write ``shape``'s random model (bf16, seed 0; built on ``device``) and the tokenizer into ``folder``.
 
-    Returns the transformers model, in bfloat16 on ``device`` in eval mode (the parity and speed references), and
-    what the build was: the shape, parameters, weight bytes and seconds.
+    Returns what the build was: the shape, parameters, weight bytes and seconds.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -117,11 +116,14 @@ def build_model_folder(folder: Path, shape: Shape, tokenizer: Path | None, devic
         model = LlamaForCausalLM(config)
     with torch.no_grad():  # logits = embeddings . (final norm's weight * unit-RMS hidden state)
         model.model.norm.weight.fill_(LOGIT_STD / (config.initializer_range * math.sqrt(shape.hidden_size)))
-    model = model.to(torch.bfloat16).eval()
+        for parameter in model.parameters():  # NOTE: not model.to(): it would round rope's buffer to bf16 too
+            parameter.data = parameter.data.to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
+    del model
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return model, {
+        torch.cuda.empty_cache()
+    return {
         "label": shape.label,
         "shape": {k: v for k, v in vars(shape).items() if k != "label"},
         "num_params": shape.num_params,
@@ -129,6 +131,18 @@ def build_model_folder(folder: Path, shape: Shape, tokenizer: Path | None, devic
         "tokenizer_from": source,
         "build_s": round(time.perf_counter() - started, 2),
     }
+
+
+def load_transformers(folder: Path | str, dtype: str, device: str) -> Any:
+    """The model in ``folder`` as transformers loads it (``from_pretrained`` in ``dtype``), on ``device``, in eval
+    mode: the reference, loaded from the same files as the engine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), local_files_only=True)
+    return model.to(device).eval()
 
 
 def _rope(theta: float) -> dict[str, Any]:

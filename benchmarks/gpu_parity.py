@@ -1,9 +1,10 @@
 """Parity with transformers: the engine's greedy tokens and their logprobs against transformers' in one dtype.
 
 The engine generates greedily from every prompt (in-process, all prompts in one batch, ``logprobs=0``; eagerly, or
-with ``cuda_graphs=True``, whose padded decode steps must give the same answers). Then
-transformers runs one forward pass over each prompt followed by the engine's tokens, which gives its own
-log-probabilities at every step for the same context: teacher forcing, one pass instead of a ``generate`` loop.
+with ``cuda_graphs=True``, whose padded decode steps must give the same answers). Then transformers
+(``from_pretrained`` of the same folder, in the same dtype) runs one forward pass over each prompt followed by the
+engine's tokens, which gives its own log-probabilities at every step for the same context: teacher forcing, one
+pass instead of a ``generate`` loop.
 At each step the engine's token must be transformers' greedy choice, or within the dtype's tolerance of it in
 transformers' log-probabilities (a near-tie, which two correct implementations may break either way, more often in
 bfloat16), and the engine's log-probability of its token must be within the same tolerance of transformers'.
@@ -45,18 +46,12 @@ def check_parity(
     *,
     cuda_graphs: bool = False,
 ) -> dict[str, Any]:
-    """Engine against transformers in ``dtype`` on ``prompts``; ``hf_model`` is left in bfloat16."""
-    import torch
-
+    """Engine against transformers (``hf_model``: ``folder``'s model loaded in ``dtype`` on ``device``)."""
     started = time.perf_counter()
     engine_tokens, engine_logprobs = _engine_greedy(folder, device, dtype, prompts, max_tokens, cuda_graphs)
-    hf_model.to(getattr(torch, dtype))
-    try:
-        reference = [
-            _hf_logprobs(hf_model, prompt, tokens, device) for prompt, tokens in zip(prompts, engine_tokens)
-        ]
-    finally:
-        hf_model.to(torch.bfloat16)
+    reference = [
+        _hf_logprobs(hf_model, prompt, tokens, device) for prompt, tokens in zip(prompts, engine_tokens)
+    ]
     tolerance = TOLERANCE[dtype]
     rows = [compare(*args, tolerance) for args in zip(engine_tokens, engine_logprobs, reference)]
     return {

@@ -21,12 +21,15 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .figures import summary
 from .stats import summarize
 
-ENGINES = {  # name: (mode, cuda_graphs)
+if TYPE_CHECKING:
+    from enginekit.config import EngineMode
+
+ENGINES: dict[str, tuple[EngineMode, bool]] = {  # name: (mode, cuda_graphs)
     "enginekit mp, eager": ("mp", False),
     "enginekit mp, graphs": ("mp", True),
     "enginekit inproc, eager": ("inproc", False),
