@@ -141,8 +141,10 @@ def load_transformers(folder: Path | str, dtype: str, device: str) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), local_files_only=True)
-    return model.to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=getattr(torch, dtype), local_files_only=True
+    )
+    return model.to(device).eval()  # Any: transformers' typing of .to() is a decorated method's
 
 
 def _rope(theta: float) -> dict[str, Any]:
