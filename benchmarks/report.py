@@ -7,7 +7,8 @@ Usage::
 
 ``benchmarks/run.py`` calls ``write_report`` at the end of every run. The page is short: what the run was, a
 "Targets at a glance" table, then one section per question, each written by its section's renderer from its
-figures alone; the JSON holds every figure.
+figures alone; the JSON holds every figure. Last comes the GPU section: the latest GPU check's JSON in
+``results/gpu/`` beside the run's (``benchmarks/gpu_report.py``), or a line saying no GPU was lent.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(REPO_ROOT)
 
 from benchmarks.figures import goal_text, number  # noqa: E402
+from benchmarks.gpu_report import page_section as gpu_section  # noqa: E402
 from benchmarks.sections import BY_NAME  # noqa: E402
 from benchmarks.stats import markdown_table  # noqa: E402
 
@@ -41,6 +43,7 @@ def write_report(result_path: Path, page_path: Path) -> None:
     plots = draw_plots(result, history, images)
     link = os.path.relpath(result_path, page_path.parent)
     text = render_page(result, link, {key: f"{IMAGE_FOLDER}/{path.name}" for key, path in plots.items()})
+    text += "\n" + gpu_section(result_path.parent / "gpu", page_path.parent)  # the GPU check's, or "no GPU"
     page_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = page_path.with_suffix(page_path.suffix + ".tmp")
     tmp.write_text(text, encoding="utf-8")
