@@ -82,7 +82,9 @@ class EngineCoreClient(ABC):
 
 
 # What merging several ranks' statistics does with a key that is not a count to add up.
-RANK_KEYS = frozenset({"data_parallel_rank"})  # one rank's identity: no merged value (each is under ``ranks``)
+RANK_KEYS = frozenset(
+    {"data_parallel_rank"}
+)  # one rank's identity: no merged value (each is under ``ranks``)
 DIFFERS = "differs by rank (see ranks)"
 
 
