@@ -133,14 +133,14 @@ class WorkerWatch:
         if step_started is None:
             return None
         counts = self.board.snapshot()
-        reached = max((count + 1) // 2 for count in counts)
+        reached = max(counts)  # the collective the furthest rank entered
         stalled = []
         for rank, worker in enumerate(self.workers, start=1):
             state, cpu = _process_state(worker.pid)
             if state in GONE_STATES:
                 continue  # its pidfd tells
             idle_s = stalls.idle_for(rank, (counts[rank], cpu), now, step_started)
-            behind = (counts[rank] + 1) // 2 < reached or state in ("T", "t")
+            behind = counts[rank] < reached or state in ("T", "t")
             if behind and state not in BUSY_STATES and idle_s >= self.stall_timeout_s:
                 stalled.append((rank, worker, state))
         if not stalled:

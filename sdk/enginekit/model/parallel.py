@@ -38,10 +38,9 @@ _SAMPLES = SamplingParams(max_tokens=1)  # what marks a worker's chunk as sample
 
 
 class ProgressBoard:
-    """One int64 per rank, in a memfd every rank of the group maps: a rank adds 1 as it enters a collective and 1
-    as it leaves it, so an odd count means it waits inside one and ``(count + 1) // 2`` is how many it reached.
-    Rank 0 creates it (``create``) and hands each worker the fd; reading another process's aligned int64 is atomic.
-    """
+    """One int64 per rank, in a memfd every rank of the group maps: a rank adds 1 as it enters a collective, so a
+    rank whose count is below another's has not reached the collective that one waits in. Rank 0 creates it
+    (``create``) and hands each worker the fd; reading another process's aligned int64 is atomic."""
 
     def __init__(self, fd: int, size: int) -> None:
         self._map = mmap.mmap(fd, size * 8)
@@ -102,7 +101,7 @@ class ProcessGroup:
         progress: ProgressBoard | None = None,
     ) -> None:
         self.rank, self.size, self.device = rank, size, device
-        # NOTE: the board's counts themselves, not the board: one attribute read and an add per collective edge.
+        # NOTE: the board's counts themselves, not the board: one attribute read and an add per collective.
         self._progress = progress.counts if progress is not None else None
         if store is None:
             store = TCPStore(STORE_HOST, port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
@@ -116,31 +115,27 @@ class ProcessGroup:
         )
         self.closed = False
 
-    def _mark(self) -> None:
-        """Count one edge of a collective (entering or leaving it) on the progress board."""
+    def _enter(self) -> None:
+        """Count a collective this rank enters on the progress board."""
         if self._progress is not None:
             self._progress[self.rank] += 1
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        self._mark()
+        self._enter()
         dist.all_reduce(tensor)
-        self._mark()
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
-        self._mark()
+        self._enter()
         if self.rank == 0:
             parts = [torch.empty_like(tensor) for _ in range(self.size)]
             dist.gather(tensor, parts, dst=0)
-            self._mark()
             return parts
         dist.gather(tensor, None, dst=0)
-        self._mark()
         return None
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._mark()
+        self._enter()
         dist.broadcast(tensor, 0)
-        self._mark()
         return tensor
 
     def abort(self) -> None:
