@@ -60,9 +60,8 @@ class TensorParallelExecutor:
         self.size = config.tensor_parallel_size
         self.device = device
         self.on_death: Callable[[str], None] | None = None
-        self.on_stuck: Callable[[str], None] | None = (
-            None  # the step cannot be ended from here: end the process
-        )
+        # a step that cannot be ended from here (NCCL, after a worker's failure): the process must end itself
+        self.on_stuck: Callable[[str], None] | None = None
         self.runner: ModelRunner | None = None
         self.group: ProcessGroup | None = None
         self._workers: list[subprocess.Popen[bytes]] = []

@@ -9,9 +9,9 @@ four times a second. A worker fails the engine when:
   (SIGSTOP, a debugger), and in that time neither its count nor its CPU time moved, and it is not running or in
   disk IO. The watch then kills it (SIGKILL), so that gloo's collective raises in rank 0 and names it.
 
-Either way ``on_failure`` hears the reason once. Should the step still not end within ``ABORT_GRACE_S`` (NCCL:
-a collective never raises on a dead peer), ``on_stuck`` hears it: the executor aborts the group and the engine
-process reports its death and exits, as a step that raised would have made it.
+Either way ``on_failure`` hears the reason once (the executor fails the engine, and during a step aborts the group:
+NCCL's collectives never raise on a dead peer). Should the step still not end within ``ABORT_GRACE_S``,
+``on_stuck`` hears it: the engine process reports its death and exits, as a step that raised would have made it.
 """
 
 from __future__ import annotations
