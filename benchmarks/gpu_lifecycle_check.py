@@ -20,7 +20,10 @@ Two checks, for a machine with an NVIDIA GPU:
 
 5. ``"tp"``: ``tensor_parallel_size=2`` (NCCL; needs two visible GPUs, else skipped and says so): the built-in
    model's greedy tokens equal one rank's, and after 5 restarts no engine process or tensor-parallel worker still
-   runs or holds GPU memory.
+   runs or holds GPU memory. Then a worker is killed (SIGKILL), and another stopped (SIGSTOP, with
+   ``tensor_parallel_stall_timeout=2``), each during a long ``generate``: the call must end in ``EngineDeadError``
+   naming rank 1 (NCCL's collectives never raise on a dead peer: the engine's watch of the workers' processes,
+   the group's abort and, past 5 s, the engine process's own exit end it), with the seconds it took.
 
 The ``"mp"`` check runs first, while this process has not initialised CUDA itself, so that
 ``nvidia-smi`` lists engine processes only. Without CUDA the script prints why and exits 0 (skipped);
@@ -163,6 +166,8 @@ def check_tp(device: str, restarts: int) -> dict[str, Any]:
     finally:
         engine.shutdown()
     seconds = time.perf_counter() - started
+    failures = {how: _tp_worker_failure(options, how) for how in ("SIGKILL", "SIGSTOP")}
+    pids += [pid for failure in failures.values() for pid in failure.pop("pids")]
     deadline = time.monotonic() + GONE_TIMEOUT_S
     while True:
         holding = sorted(set(pids) & set(gpu_processes() or {}))
@@ -173,10 +178,53 @@ def check_tp(device: str, restarts: int) -> dict[str, Any]:
     return {
         "seconds_per_restart": round(seconds / restarts, 3),
         "same_greedy_tokens_as_one_rank": same,
+        "worker_failures": failures,
         "ours_holding_gpu_memory_after": holding,
         "processes_still_running": running,
-        "passed": same and not holding and not running,
+        "passed": same and not holding and not running and all(f["passed"] for f in failures.values()),
     }
+
+
+def _tp_worker_failure(options: dict[str, Any], how: str) -> dict[str, Any]:
+    """Kill (``SIGKILL``) or stop (``SIGSTOP``) rank 1 during a long ``generate``: the call must fail naming it."""
+    import os
+    import signal
+    import threading
+
+    from enginekit import Engine, EngineDeadError, SamplingParams
+
+    engine = Engine("builtin", tensor_parallel_size=2, tensor_parallel_stall_timeout=2.0, **options)
+    outcome: list[BaseException | None] = []
+    long = SamplingParams(max_tokens=engine.max_model_len - 16, temperature=0, ignore_eos=True)
+    try:
+        (worker,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
+        pids = [engine.engine_pid, worker]
+
+        def generate() -> None:
+            try:
+                engine.generate(["fail me"] * 2, long)
+                outcome.append(None)
+            except BaseException as error:
+                outcome.append(error)
+
+        caller = threading.Thread(target=generate, daemon=True)
+        caller.start()
+        deadline = time.monotonic() + 120.0
+        while not any(state.version for state in list(engine._router.processor.states.values())):
+            if time.monotonic() > deadline:
+                break  # never generating: the check fails below
+            time.sleep(0.005)
+        started = time.monotonic()
+        os.kill(worker, getattr(signal, how))
+        caller.join(120.0)
+        seconds = time.monotonic() - started
+        if how == "SIGSTOP" and _running(worker):
+            os.kill(worker, signal.SIGCONT)
+    finally:
+        engine.shutdown()
+    error = outcome[0] if outcome else None
+    named = isinstance(error, EngineDeadError) and "tensor-parallel worker rank 1" in str(error)
+    return {"seconds_to_error": round(seconds, 2), "error": str(error)[:300], "passed": named, "pids": pids}
 
 
 def check_inproc(device: str, restarts: int) -> dict[str, Any]:
