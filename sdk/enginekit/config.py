@@ -140,6 +140,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         evenly; float weights only (a GGUF file is dequantized at load under ``quantization="auto"``). On CPU the
         engine's threads are shared out between its ranks. With ``data_parallel_size`` each data-parallel rank has
         its own ``tensor_parallel_size`` model ranks, locally or in its Ray actor's placement group.
+    tensor_parallel_stall_timeout
+        Seconds a tensor-parallel worker may hold a step up without any progress before the engine kills it and
+        fails with ``EngineDeadError`` naming its rank: it has not reached the collective the other ranks wait in,
+        or it is stopped (SIGSTOP, a debugger), and meanwhile neither its collectives nor its CPU time moved and it
+        was neither running nor in disk IO. A slow step that computes is never cut short. A worker that exits fails
+        the engine at once, whatever this says.
     structured_outputs_backend
         The library that compiles ``StructuredOutputsParams`` and computes their token masks: ``"llguidance"``
         (the default; installed with enginekit) or ``"xgrammar"`` (``pip install 'enginekit[xgrammar]'``). Both
@@ -183,6 +189,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_keys: str | None = None
     data_parallel_backend: Literal["mp", "ray"] = "mp"
     tensor_parallel_size: int = 1
+    tensor_parallel_stall_timeout: float = 10.0
     cuda_graphs: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
 

@@ -315,9 +315,15 @@ class Engine:
         """Async ``get_stats``."""
         return {**await self.client.get_stats_async(), "mode": self.mode, "engine_pid": self.engine_pid}
 
-    def ping(self) -> bool:
-        """A cheap liveness check through the whole request path (of every data-parallel rank)."""
-        return all(answer == "pong" for answer in self.client.call_utility_on_each_rank("ping", timeout=30.0))
+    def ping(self, *, timeout: float = 10.0) -> bool:
+        """A cheap liveness check through the whole request path (of every data-parallel rank): ``True`` when each
+        answers within ``timeout`` seconds, ``False`` when one does not (the engine is busy between two steps, or
+        stuck). Raises ``EngineDeadError`` once the engine is dead."""
+        try:
+            answers = self.client.call_utility_on_each_rank("ping", timeout=timeout)
+        except TimeoutError:
+            return False
+        return all(answer == "pong" for answer in answers)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (only possible while no request runs); returns whether it did (on every

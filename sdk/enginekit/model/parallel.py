@@ -3,7 +3,9 @@
 ``ProcessGroup`` is torch.distributed over a localhost TCP store: gloo on CPU, NCCL on CUDA. Rank 0 (the engine
 core's process) hosts the store on a free port (``host_store``) before it starts the other ranks, which connect to
 it. Every collective has a deadline (``COLLECTIVE_TIMEOUT_S``), and gloo raises at once when a peer's connection
-closes (a rank that died), so no rank waits on a dead one for long.
+closes (a rank that died); NCCL does not, and a rank that is alive but stopped holds every other one under either.
+So each rank also counts its collectives on a ``ProgressBoard``, memory the group's processes share, which rank 0's
+watch reads (``enginekit.core.tp_watch``) to find the rank that holds a step up.
 
 A step's batch travels without pickle: ``pack_batch`` turns the runner's ``ScheduledBatch`` into a header of
 eight integers (sent by the executor over each worker's pipe, see ``enginekit.core.tp_executor``) and one int64
@@ -16,6 +18,8 @@ sampling parameters (only rank 0 samples).
 from __future__ import annotations
 
 import datetime
+import mmap
+import os
 import struct
 
 import torch
@@ -31,6 +35,30 @@ HEADER = struct.Struct("<8q")  # op, chunks, tokens, table entries, used blocks,
 OP_STEP, OP_STOP = 1, 0
 CHUNK_FIELDS = 7  # start, tokens, samples, prompt targets, rope_long, table length, embedding rows
 _SAMPLES = SamplingParams(max_tokens=1)  # what marks a worker's chunk as sampled (only its presence counts)
+
+
+class ProgressBoard:
+    """One int64 per rank, in a memfd every rank of the group maps: a rank adds 1 as it enters a collective, so a
+    rank whose count is below another's has not reached the collective that one waits in. Rank 0 creates it
+    (``create``) and hands each worker the fd; reading another process's aligned int64 is atomic."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._map = mmap.mmap(fd, size * 8)
+        self.counts = memoryview(self._map).cast("q")
+
+    @classmethod
+    def create(cls, size: int) -> tuple[ProgressBoard, int]:
+        """A zeroed board for ``size`` ranks, and its fd (close it once every worker has it)."""
+        fd = os.memfd_create("enginekit-tp-progress")
+        os.ftruncate(fd, size * 8)
+        return cls(fd, size), fd
+
+    def snapshot(self) -> list[int]:
+        return self.counts.tolist()
+
+    def close(self) -> None:
+        self.counts.release()
+        self._map.close()
 
 
 def host_store(world_size: int) -> TCPStore:
@@ -70,8 +98,11 @@ class ProcessGroup:
         store: TCPStore | None = None,
         port: int = 0,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        progress: ProgressBoard | None = None,
     ) -> None:
         self.rank, self.size, self.device = rank, size, device
+        # NOTE: the board's counts themselves, not the board: one attribute read and an add per collective.
+        self._progress = progress.counts if progress is not None else None
         if store is None:
             store = TCPStore(STORE_HOST, port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
         self.store = store
@@ -84,10 +115,17 @@ class ProcessGroup:
         )
         self.closed = False
 
+    def _enter(self) -> None:
+        """Count a collective this rank enters on the progress board."""
+        if self._progress is not None:
+            self._progress[self.rank] += 1
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._enter()
         dist.all_reduce(tensor)
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        self._enter()
         if self.rank == 0:
             parts = [torch.empty_like(tensor) for _ in range(self.size)]
             dist.gather(tensor, parts, dst=0)
@@ -96,8 +134,18 @@ class ProcessGroup:
         return None
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._enter()
         dist.broadcast(tensor, 0)
         return tensor
+
+    def abort(self) -> None:
+        """Abort the group's communicators from any thread, so that a collective blocked on a dead or stopped peer
+        returns (NCCL: it never raises on its own; gloo raises once the peer's connection closes, and has no abort).
+        """
+        if self.closed or self.device.type != "cuda":
+            return
+        self.closed = True  # destroy_process_group has nothing left to destroy
+        dist.distributed_c10d._abort_process_group()
 
     def close(self) -> None:
         if not self.closed:
