@@ -29,6 +29,7 @@ class ChatPrompt:
 
 
 PromptInput = str | list[int] | dict[str, Any] | ChatPrompt
+MAX_LABEL_TEXT = 60  # characters of a constraint an error message shows
 
 
 def normalize_prompts(prompts: Any) -> list[PromptInput]:
@@ -146,6 +147,7 @@ class PreparedRequest:
     params: SamplingParams
     engine_requests: list[EngineCoreRequest]
     messages: list[dict[str, Any]] | None = None
+    label: str = ""  # in a batch: which prompt, for the message of an error it gets
 
 
 class RequestBuilder:
@@ -174,8 +176,14 @@ class RequestBuilder:
         all_params = normalize_params(params, len(items))
         ids = self._request_ids(request_id, len(items))
         tokenizer, now, prepared = self.spec.tokenizer, time.time(), []
-        for item, item_params, rid in zip(items, all_params, ids):
-            request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+        for index, (item, item_params, rid) in enumerate(zip(items, all_params, ids)):
+            label = _label(index, len(items), item_params)
+            try:
+                request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+            except (TypeError, ValueError) as error:
+                if not label:
+                    raise
+                raise type(error)(label + str(error)) from None
             if item_params.max_tokens is None:  # the output shows the limit the request got
                 item_params = request.sampling_params
             only_end = item_params.output_kind is RequestOutputKind.FINAL_ONLY
@@ -183,7 +191,9 @@ class RequestBuilder:
             conversation = item.messages if isinstance(item, ChatPrompt) else None
             samples = _samples(request) if item_params.n > 1 else [request]
             prepared.append(
-                PreparedRequest(rid, text, request.prompt_token_ids, item_params, samples, conversation)
+                PreparedRequest(
+                    rid, text, request.prompt_token_ids, item_params, samples, conversation, label
+                )
             )
         return prepared
 
@@ -200,6 +210,19 @@ class RequestBuilder:
         if len(set(ids)) != len(ids):
             raise ValueError(f"request ids must be unique, got {list(ids)!r}")
         return list(ids)
+
+
+def _label(index: int, count: int, params: SamplingParams) -> str:
+    """How an error names the prompt it concerns in a batch (``""`` for a single prompt): its index, and its
+    structured output if it has one (what most often fails there)."""
+    if count == 1:
+        return ""
+    structured = params.structured_outputs
+    if structured is None:
+        return f"prompts[{index}]: "
+    kind, text, _ = structured.spec
+    shown = text if len(text) <= MAX_LABEL_TEXT else text[: MAX_LABEL_TEXT - 3] + "..."
+    return f"prompts[{index}] ({kind}={shown!r}): "
 
 
 def _samples(request: EngineCoreRequest) -> list[EngineCoreRequest]:
