@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import torch
 
+from enginekit.core.structured.dead_ends import DeadEnds, has_token_controls
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
 from enginekit.model.loader import ModelSpec
 from enginekit.model.text.tokenizer import Tokenizer
@@ -156,6 +157,7 @@ class RequestBuilder:
     def __init__(self, spec: ModelSpec, limits: RequestLimits) -> None:
         self.spec = spec
         self.limits = limits
+        self._dead_ends: DeadEnds | None = None  # built at the first request that needs it
         self._prefix = uuid.uuid4().hex[:6]
         self._counter = itertools.count()
 
@@ -180,6 +182,8 @@ class RequestBuilder:
             label = _label(index, len(items), item_params)
             try:
                 request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+                if has_token_controls(request.sampling_params):
+                    self._dead_end_search().check(request.sampling_params)
             except (TypeError, ValueError) as error:
                 if not label:
                     raise
@@ -196,6 +200,17 @@ class RequestBuilder:
                 )
             )
         return prepared
+
+    def _dead_end_search(self) -> DeadEnds:
+        if self._dead_ends is None:
+            limits = self.limits
+            self._dead_ends = DeadEnds(
+                limits.structured_outputs_backend,
+                self.spec.tokenizer,
+                limits.vocab_size,
+                self.spec.config.eos_token_ids,
+            )
+        return self._dead_ends
 
     def _request_ids(self, request_id: Any, count: int) -> list[str]:
         if request_id is None:

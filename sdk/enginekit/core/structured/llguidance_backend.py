@@ -57,6 +57,9 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self.inner.is_stopped()
 
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
 
 class LLGuidanceBackend:
     name = "llguidance"

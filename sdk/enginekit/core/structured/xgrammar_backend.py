@@ -46,6 +46,11 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return self._terminated
 
+    def rollback(self, num_tokens: int) -> None:
+        self._inner.rollback(num_tokens)
+        self._next_mask = None
+        self._terminated = False  # a matcher that took a token after this state had not ended there
+
     def next_mask(self) -> torch.Tensor:
         if self._next_mask is None:
             mask = torch.empty((1, self._only_stop.numel()), dtype=torch.int32)
