@@ -63,6 +63,8 @@ def engine(request):
 def test_a_request_with_no_way_to_end_is_refused_before_it_is_sent(engine, constraint, controls, message):
     with pytest.raises(ValueError, match=message):
         engine.generate("The capital of France is", constrained(constraint, **controls))
+    with pytest.raises(ValueError, match=message):  # asyncio's calls submit at the call too
+        engine.agenerate("The capital of France is", constrained(constraint, **controls))
     assert engine.call_utility("get_request_ids") == []
 
 
