@@ -124,7 +124,12 @@ class EngineCore:
         self.tokenizer = started.tokenizer
         self.kv_size = started.kv_size
         self.num_kv_blocks, self.max_model_len = self.kv_size.num_blocks, self.kv_size.max_model_len
-        self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
+        self.limits = RequestLimits(
+            model_config.vocab_size,
+            model_config.hidden_size,
+            self.max_model_len,
+            config.structured_outputs_backend,
+        )
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )

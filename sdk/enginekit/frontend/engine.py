@@ -86,7 +86,9 @@ class Engine:
         self._decode = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
         self.max_model_len = self._client.max_model_len
         model = self._spec.config
-        limits = RequestLimits(model.vocab_size, model.hidden_size, self.max_model_len)
+        limits = RequestLimits(
+            model.vocab_size, model.hidden_size, self.max_model_len, self.config.structured_outputs_backend
+        )
         self._requests = RequestBuilder(self._spec, limits)
         logger.info("engine started: mode=%s pid=%s", self.mode, self._client.engine_pid)
 

@@ -38,6 +38,7 @@ class RequestState:
         "engine_ids",
         "error",
         "finished",
+        "label",
         "listener",
         "output",
         "output_kind",
@@ -56,6 +57,7 @@ class RequestState:
         engine_ids: list[str] | None = None,
         decode: Decode = str,
         messages: list | None = None,
+        label: str = "",
     ) -> None:
         completions = [
             CompletionOutput(
@@ -76,6 +78,7 @@ class RequestState:
         self.output_kind = params.output_kind
         self.finished = False  # no more updates will come: it finished, or failed (then ``error`` is set)
         self.error: BaseException | None = None
+        self.label = label  # what starts the message of an error the engine sends (which prompt of a batch)
         self.version = 0  # bumped on every update; consumers remember the last one they saw
         self.listener: Callable[[], None] | None = None
         self._decode = decode
@@ -95,6 +98,7 @@ class RequestState:
             engine_ids=engine_ids,
             decode=decode,
             messages=p.messages,
+            label=p.label,
         )
 
     @property
@@ -132,7 +136,7 @@ class RequestState:
         output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
         if delta.error is not None:
             kind = TypeError if delta.error.kind == "TypeError" else ValueError
-            self.fail(kind(delta.error.message))
+            self.fail(kind(self.label + delta.error.message))
             return
         if delta.finish_reason is not None:
             completion.finish_reason = delta.finish_reason.value

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import torch
 
+from enginekit.core.structured.dead_ends import DeadEnds, has_token_controls
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
 from enginekit.model.loader import ModelSpec
 from enginekit.model.text.tokenizer import Tokenizer
@@ -29,6 +30,7 @@ class ChatPrompt:
 
 
 PromptInput = str | list[int] | dict[str, Any] | ChatPrompt
+MAX_LABEL_TEXT = 60  # characters of a constraint an error message shows
 
 
 def normalize_prompts(prompts: Any) -> list[PromptInput]:
@@ -146,6 +148,7 @@ class PreparedRequest:
     params: SamplingParams
     engine_requests: list[EngineCoreRequest]
     messages: list[dict[str, Any]] | None = None
+    label: str = ""  # in a batch: which prompt, for the message of an error it gets
 
 
 class RequestBuilder:
@@ -154,6 +157,7 @@ class RequestBuilder:
     def __init__(self, spec: ModelSpec, limits: RequestLimits) -> None:
         self.spec = spec
         self.limits = limits
+        self._dead_ends: DeadEnds | None = None  # built at the first request that needs it
         self._prefix = uuid.uuid4().hex[:6]
         self._counter = itertools.count()
 
@@ -174,8 +178,16 @@ class RequestBuilder:
         all_params = normalize_params(params, len(items))
         ids = self._request_ids(request_id, len(items))
         tokenizer, now, prepared = self.spec.tokenizer, time.time(), []
-        for item, item_params, rid in zip(items, all_params, ids):
-            request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+        for index, (item, item_params, rid) in enumerate(zip(items, all_params, ids)):
+            label = _label(index, len(items), item_params)
+            try:
+                request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+                if has_token_controls(request.sampling_params):
+                    self._dead_end_search().check(request.sampling_params)
+            except (TypeError, ValueError) as error:
+                if not label:
+                    raise
+                raise type(error)(label + str(error)) from None
             if item_params.max_tokens is None:  # the output shows the limit the request got
                 item_params = request.sampling_params
             only_end = item_params.output_kind is RequestOutputKind.FINAL_ONLY
@@ -183,9 +195,22 @@ class RequestBuilder:
             conversation = item.messages if isinstance(item, ChatPrompt) else None
             samples = _samples(request) if item_params.n > 1 else [request]
             prepared.append(
-                PreparedRequest(rid, text, request.prompt_token_ids, item_params, samples, conversation)
+                PreparedRequest(
+                    rid, text, request.prompt_token_ids, item_params, samples, conversation, label
+                )
             )
         return prepared
+
+    def _dead_end_search(self) -> DeadEnds:
+        if self._dead_ends is None:
+            limits = self.limits
+            self._dead_ends = DeadEnds(
+                limits.structured_outputs_backend,
+                self.spec.tokenizer,
+                limits.vocab_size,
+                self.spec.config.eos_token_ids,
+            )
+        return self._dead_ends
 
     def _request_ids(self, request_id: Any, count: int) -> list[str]:
         if request_id is None:
@@ -200,6 +225,19 @@ class RequestBuilder:
         if len(set(ids)) != len(ids):
             raise ValueError(f"request ids must be unique, got {list(ids)!r}")
         return list(ids)
+
+
+def _label(index: int, count: int, params: SamplingParams) -> str:
+    """How an error names the prompt it concerns in a batch (``""`` for a single prompt): its index, and its
+    structured output if it has one (what most often fails there)."""
+    if count == 1:
+        return ""
+    structured = params.structured_outputs
+    if structured is None:
+        return f"prompts[{index}]: "
+    kind, text, _ = structured.spec
+    shown = text if len(text) <= MAX_LABEL_TEXT else text[: MAX_LABEL_TEXT - 3] + "..."
+    return f"prompts[{index}] ({kind}={shown!r}): "
 
 
 def _samples(request: EngineCoreRequest) -> list[EngineCoreRequest]:
