@@ -5,14 +5,20 @@
  * At a decode step of a few sequences each of these is a handful of microseconds of arithmetic wrapped in
  * several torch ops (RMS norm alone is five, about 20 us at one row); at a step of many sequences, decode
  * attention through torch first copies every sequence's whole context out of the paged cache. Built together
- * with skinny_gemm.c into one library by enginekit/model/native.py, on torch's OpenMP thread pool.
+ * with the other kernels into one library by enginekit/model/kernels/library.py, on torch's OpenMP thread pool.
  */
 #include <math.h>
 
 #include "common.h"
 
+/* The attention's limits, written here alone: Python reads them (enginekit_layer_ops_limits) to check every call
+ * and to choose torch's attention for a model past them. Overridable at build time, for tests. */
+#ifndef MAX_GROUP
 #define MAX_GROUP 64           /* query heads per KV head */
+#endif
+#ifndef MAX_GROUP_FLOATS
 #define MAX_GROUP_FLOATS 4096  /* query heads per KV head x head_dim, kept on the stack per task */
+#endif
 #define MAX_SPAN 256           /* tokens scored at once (a power of two: all or part of a block), kept on the stack */
 #define PARALLEL_MIN_WORK 4096  /* context tokens x query heads below which attention runs on one thread */
 

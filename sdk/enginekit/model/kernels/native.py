@@ -18,7 +18,7 @@ process (``library.py``), each entry point called through one checked boundary (
 They are accelerators, never requirements: each returns ``None``, and the model keeps its torch code, whenever
 they cannot be used here (not x86-64 Linux, no AVX2/FMA, no C compiler, torch without OpenMP, a failed probe,
 or ``ENGINEKIT_NATIVE_KERNELS=0``), and the ``enginekit.model`` log says why. Their thread count is the calling
-thread's ``torch.get_num_threads()``.
+thread's ``torch.get_num_threads()`` (at most ``MAX_THREADS``, 1024).
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ def native_skinny_gemm() -> SkinnyGemm | None:
     if lib is None:
         return None
     kernel = entries.SKINNY_GEMM.bind(lib)
-    get_threads = torch.get_num_threads
+    get_threads = entries.threads
 
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
     ) -> torch.Tensor:
-        return kernel(weight=weight, x=x, bias=bias, threads=threads or get_threads())
+        return kernel(weight=weight, x=x, bias=bias, threads=get_threads() if threads is None else threads)
 
     try:
         probe_gemm(gemm)
@@ -106,10 +106,9 @@ class LayerOps:
         self._attention = entries.PAGED_ATTENTION.bind(lib)
         self._stored_layer = entries.STORED_LAYER.bind(lib)
         self._quant_isa = lib.enginekit_quant_isa()
-        limits = [ctypes.c_long() for _ in range(2)]
-        lib.enginekit_layer_ops_limits(*(ctypes.byref(limit) for limit in limits))
-        self.max_group, self.max_group_floats = (limit.value for limit in limits)
-        self._threads = torch.get_num_threads
+        limits = entries.attention_limits(lib)
+        self.max_group, self.max_group_floats = limits["MAX_GROUP"], limits["MAX_GROUP_FLOATS"]
+        self._threads = entries.threads
 
     def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether a model of these attention shapes fits the library's limits (query heads per KV head)."""

@@ -24,7 +24,7 @@
  *   micro-kernel: a prefill step is bound by arithmetic, and the dequantization is paid once for all the rows.
  * Dequantization is bit-exact with gguf-py's (the same float products, in the same order, never fused).
  * Weight rows are split over OpenMP threads (torch's pool). Built with the other kernels into one library by
- * enginekit/model/kernels/native.py.
+ * enginekit/model/kernels/library.py.
  */
 #include <math.h>
 #include <omp.h>

@@ -122,7 +122,7 @@ class NativeQuantGemm(QuantGemm):
         self._dequantize = entries.DEQUANTIZE.bind(lib)
         self.best_isa: Isa = ISA_NAMES[lib.enginekit_quant_isa()]
         self.name = f"native ({self.best_isa})"
-        self._threads = torch.get_num_threads
+        self._threads = entries.threads
 
     def supports(self, qtype: int) -> bool:
         return int(qtype) in NATIVE_TYPES
@@ -194,7 +194,7 @@ class NativeQuantGemm(QuantGemm):
             K=in_features,
             block_size=block_size,
             type_size=type_size,
-            threads=threads or self._threads(),
+            threads=self._threads() if threads is None else threads,
             isa=ISAS[isa or self.best_isa],
             path=PATHS[path],
         )

@@ -5,8 +5,10 @@
  * same order, so the result is the same to the bit.
  *
  * At a decode step of the default model each of those pieces is a few microseconds of arithmetic behind a few
- * microseconds of Python; fifteen of them a layer made the Python a third of a one-request step. Called from
- * DecoderLayer.forward (enginekit/model/decoder.py) for the steps whose every query attends natively.
+ * microseconds of Python; fifteen of them a layer made the Python a third of a one-request step. Called through
+ * LayerOps.stored_layer (enginekit/model/kernels/native.py) by the function DecoderLayer.fuse sets up, which
+ * Decoder.forward (enginekit/model/decoder.py) runs instead of the layer at the steps whose every query attends
+ * natively.
  */
 #include <stdint.h>
 #include <stdlib.h>
