@@ -178,6 +178,24 @@ def test_silu_mul_matches_torch(rows: int, inter: int, threads: int) -> None:
     torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (7, 37), (301, 200)])  # 301 x 200: the parallel path
+def test_gelu_tanh_mul_matches_torch_and_gives_a_row_the_same_values_whatever_the_rows(
+    rows: int, inter: int, threads: int
+) -> None:
+    ops = native_layer_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 4
+    with _threads(threads):
+        result = ops.gelu_tanh_mul(gate_up)
+        alone = torch.cat([ops.gelu_tanh_mul(gate_up[i : i + 1]) for i in range(rows)])
+    expected = F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(result, alone)
+
+
 ATTENTION_SHAPES = [  # heads, kv heads, head size, block size
     (9, 3, 64, 16),  # the default model's
     (4, 4, 24, 4),  # no grouping; a head size with a vector tail and a rotary half off the vector width
@@ -465,3 +483,20 @@ def test_a_library_that_needs_another_openmp_runtime_is_not_loaded(tmp_path: Pat
     with pytest.raises(NativeUnavailable, match="second thread pool"):
         library_module._open(library, runtime)
     assert str(library) not in Path("/proc/self/maps").read_text()
+
+
+@needs_native
+@pytest.mark.parametrize(("out", "cols", "bias"), [(960, 576, False), (576, 1536, True), (13, 19, True)])
+def test_the_invariant_linear_gives_a_row_the_same_outputs_whatever_the_other_rows(out, cols, bias) -> None:
+    # linear_kernel's choice moves from the skinny GEMM to oneDNN or F.linear past 64 rows, which sum otherwise
+    _, kernel = linear_kernel(torch.device("cpu"), torch.float32, batch_invariant=True)
+    gen = torch.Generator().manual_seed(out)
+    x, w = torch.randn(300, cols, generator=gen), torch.randn(out, cols, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    alone = torch.cat([kernel(x[i : i + 1], w, b) for i in range(300)])
+    for rows in (2, 8, 9, 64, 65, 128, 129, 300):
+        with _threads(2):
+            assert torch.equal(kernel(x[:rows], w, b), alone[:rows]), rows
+    torch.testing.assert_close(alone, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * cols**0.5)
+    assert torch.equal(kernel(x[:6].T.contiguous().T, w, b), alone[:6])  # rows not contiguous: copied first
+    assert kernel(x[:0], w, b).shape == (0, out)

@@ -101,6 +101,17 @@ SILU_MUL = Entry(
         THREADS,
     ),
 )
+GELU_TANH_MUL = Entry(
+    "enginekit_gelu_tanh_mul",
+    (
+        Tensor("gate_up", ("rows", "2 * inter"), layout="rows"),
+        Stride("gate_up"),
+        Output("out", ("rows", "inter")),
+        Size("rows"),
+        Size("inter"),
+        THREADS,
+    ),
+)
 ROPE_WRITE_CACHE = Entry(
     "enginekit_rope_write_cache",
     (
@@ -244,6 +255,7 @@ STORED_LAYER = Entry(
         *SCORES,
         THREADS,
         Scalar("isa"),
+        Scalar("path"),
     ),
     ctypes.c_int,
     {
@@ -251,6 +263,7 @@ STORED_LAYER = Entry(
         -2: "got a weight whose rows are not whole blocks",
         -3: "is out of memory",
         -4: "this CPU lacks that instruction set",
+        -5: "has no such path for a weight's type or this instruction set",
         -10: "got a weight whose rows do not hold its input features' blocks",
         -11: "got a slot outside the KV cache",
         -12: "got a table row outside the block tables",
@@ -265,6 +278,7 @@ ENTRY_POINTS = (
     SKINNY_GEMM,
     RMS_NORM,
     SILU_MUL,
+    GELU_TANH_MUL,
     ROPE_WRITE_CACHE,
     PAGED_ATTENTION,
     QUANT_GEMM,

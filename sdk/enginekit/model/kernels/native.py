@@ -40,7 +40,7 @@ from enginekit.model.kernels.library import (
     native_library,
 )
 from enginekit.model.kernels.probes import probe_gemm, probe_layer_ops
-from enginekit.model.kernels.quant_gemm import QuantGemm, native_quant_gemm, quant_gemm
+from enginekit.model.kernels.quant_gemm import PATHS, QuantGemm, native_quant_gemm, quant_gemm
 
 __all__ = [
     "MAX_ROWS",
@@ -102,6 +102,7 @@ class LayerOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._rms_norm = entries.RMS_NORM.bind(lib)
         self._silu_mul = entries.SILU_MUL.bind(lib)
+        self._gelu_tanh_mul = entries.GELU_TANH_MUL.bind(lib)
         self._rope = entries.ROPE_WRITE_CACHE.bind(lib)
         self._attention = entries.PAGED_ATTENTION.bind(lib)
         self._stored_layer = entries.STORED_LAYER.bind(lib)
@@ -123,6 +124,12 @@ class LayerOps:
         """``silu(gate) * up`` of a 2-D ``[gate | up]`` whose rows are contiguous, into a new tensor."""
         inter = gate_up.shape[-1] // 2 if isinstance(gate_up, torch.Tensor) else 0
         return self._silu_mul(gate_up=gate_up, inter=inter, threads=self._threads())
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` of a 2-D ``[gate | up]`` whose rows are contiguous, into a new
+        tensor; each row's values computed from that row alone (torch's are not: see ``layer_ops.c``)."""
+        inter = gate_up.shape[-1] // 2 if isinstance(gate_up, torch.Tensor) else 0
+        return self._gelu_tanh_mul(gate_up=gate_up, inter=inter, threads=self._threads())
 
     def rope_write_cache(
         self,
@@ -182,11 +189,14 @@ class LayerOps:
             threads=self._threads(),
         )
 
-    def stored_layer(self, hidden: torch.Tensor, **arguments) -> None:
+    def stored_layer(self, hidden: torch.Tensor, path: int = PATHS["auto"], **arguments) -> None:
         """A whole plain decoder layer with its four projections' weights kept as stored (``stored_layer.c``),
-        ``hidden`` ``[T, H]`` (contiguous) updated in place to the layer's output. ``arguments``: the entry point's
-        (``entry_points.STORED_LAYER``) but ``threads`` and ``isa``; every one checked as the other calls'."""
-        self._stored_layer(hidden=hidden, threads=self._threads(), isa=self._quant_isa, **arguments)
+        ``hidden`` ``[T, H]`` (contiguous) updated in place to the layer's output; ``path``: the products'
+        (``quant_gemm.PATHS``). ``arguments``: the entry point's (``entry_points.STORED_LAYER``) but ``threads``
+        and ``isa``; every one checked as the other calls'."""
+        self._stored_layer(
+            hidden=hidden, threads=self._threads(), isa=self._quant_isa, path=path, **arguments
+        )
 
 
 @functools.cache
