@@ -152,8 +152,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         through the native attention. Off, a step's row count picks the fastest path, which rounds differently,
         so a near tie can go either way in another batch. CPU in float32 with the native kernels only, at most
         two tensor-parallel ranks: elsewhere the start fails saying why. Off by default: on CPUs with AVX-512 BF16
-        one request's decode runs the slower bf16 product (0.72x the tokens/s measured on the default model, 0.99x
-        at 16 requests; ``benchmarks/bench_batch_invariant.py``).
+        one request's decode runs the slower bf16 product (0.65-0.72x the tokens/s measured on the default model,
+        0.99-1.08x at 16 requests; ``benchmarks/bench_batch_invariant.py``).
     cuda_graphs
         Replay decode steps from captured CUDA graphs (one per padded batch size and context length, captured
         on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
