@@ -150,6 +150,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         The library that compiles ``StructuredOutputsParams`` and computes their token masks: ``"llguidance"``
         (the default; installed with enginekit) or ``"xgrammar"`` (``pip install 'enginekit[xgrammar]'``). Both
         take the same constraints; see the API reference for how they differ.
+    batch_invariant
+        A request's tokens and logprobs do not depend on what else is in its batch: each row of a step is computed
+        as it would be alone. The products take one path at every row count (with a GGUF's weights as stored: bf16
+        on CPUs with AVX-512 BF16, else int8 for the quantized types; float32 weights: the native skinny GEMM in
+        calls of up to 128 rows), the LM head's exact top logits are summed row by row, and every query attends
+        through the native attention. Off, a step's row count picks the fastest path, which rounds differently,
+        so a near tie can go either way in another batch. CPU in float32 with the native kernels only, at most
+        two tensor-parallel ranks: elsewhere the start fails saying why. Off by default: on CPUs with AVX-512 BF16
+        one request's decode runs the slower bf16 product (0.65-0.72x the tokens/s measured on the default model,
+        0.99-1.08x at 16 requests; ``benchmarks/bench_batch_invariant.py``).
     cuda_graphs
         Replay decode steps from captured CUDA graphs (one per padded batch size and context length, captured
         on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
@@ -191,6 +201,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tensor_parallel_size: int = 1
     tensor_parallel_stall_timeout: float = 10.0
     cuda_graphs: bool = False
+    batch_invariant: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
 
     def __post_init__(self) -> None:
@@ -238,6 +249,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         check_data_parallel(self)
         check_tensor_parallel(self)
+        if self.batch_invariant and (
+            (self.device or "cpu").startswith("cuda") or self.dtype not in (None, "float32")
+        ):
+            raise ValueError(
+                "batch_invariant=True runs on CPU in float32 only (its kernels are the native CPU ones), got "
+                f"device={self.device!r}, dtype={self.dtype!r}; use device='cpu' and dtype='float32' or None"
+            )
+        _require(  # NOTE: gloo sums more than two ranks' parts in an order that follows its chunking of the step
+            not self.batch_invariant or self.tensor_parallel_size <= 2,
+            f"batch_invariant=True holds with at most two tensor-parallel ranks, got tensor_parallel_size="
+            f"{self.tensor_parallel_size}: over more, the row-parallel sums' order follows the size of the step",
+        )
         if self.structured_outputs_backend != "llguidance" and importlib.util.find_spec("xgrammar") is None:
             raise ImportError(
                 "structured_outputs_backend='xgrammar' needs the xgrammar package, which is not installed: "

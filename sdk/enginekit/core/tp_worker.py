@@ -67,7 +67,13 @@ def run_worker(args: TensorParallelWorkerArgs, stdin_fd: int) -> None:
     runner = None
     try:
         model = load_model(
-            spec, device=device, dtype=dtype, seed=config.seed, quantization=config.quantization, comm=group
+            spec,
+            device=device,
+            dtype=dtype,
+            seed=config.seed,
+            quantization=config.quantization,
+            comm=group,
+            batch_invariant=config.batch_invariant,
         )
         sizes = group.broadcast(torch.zeros(1, dtype=torch.long, device=device))
         runner = ModelRunner(

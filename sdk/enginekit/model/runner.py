@@ -230,7 +230,9 @@ class ModelRunner:
     def _prefill_chunk(self, chunk: SequenceChunk, row: int, native: bool) -> PrefillChunk:
         start, end = chunk.start, chunk.start + chunk.num_tokens
         prefill = PrefillChunk(token_start=row, num_tokens=chunk.num_tokens, context_start=start)
-        if native and end <= NATIVE_PREFILL_TOKENS:  # attends in place, in the step's native call
+        # attends in place, in the step's native call; every chunk under batch invariance (SDPA's sums follow the
+        # chunk's shape)
+        if native and (end <= NATIVE_PREFILL_TOKENS or self.model.batch_invariant):
             prefill.native = True
         elif start:
             prefill.block_table = self._tensor(chunk.block_table[: -(-end // self.block_size)])
