@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -162,18 +163,32 @@ def other_work_share(seconds: float = 1.0) -> float | None:
     return round(1.0 - idle / total, 3)
 
 
-def revision() -> dict[str, Any]:
-    def git(*command: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
+def revision(root: Path = REPO_ROOT) -> dict[str, Any]:
+    """The commit the run measures, and whether the tree had changes beside it: ``dirty`` (tracked files differ
+    from the commit), ``diff_sha256`` (the SHA-256 of ``git diff HEAD``'s output, so a page can be matched with
+    the diff it was run on: ``git diff HEAD | sha256sum``), ``changed`` (the files that differ) and ``untracked``
+    (source files in ``sdk/`` and ``benchmarks/`` that git does not track, which the run may import)."""
 
+    def git(*command: str) -> bytes:
+        try:
+            return subprocess.run(["git", *command], cwd=root, capture_output=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return b""
+
+    diff = git("diff", "HEAD")
+    untracked = [
+        name
+        for name in git("ls-files", "--others", "--exclude-standard", "--", "sdk", "benchmarks")
+        .decode(errors="replace")
+        .splitlines()
+        if name.endswith((".py", ".c", ".h")) and not name.startswith("benchmarks/results/")
+    ]
     return {
-        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": git("rev-parse", "--short", "HEAD").decode().strip() or "unknown",
+        "dirty": bool(diff),
+        "diff_sha256": hashlib.sha256(diff).hexdigest() if diff else None,
+        "changed": git("diff", "HEAD", "--name-only").decode(errors="replace").splitlines(),
+        "untracked": untracked,
     }
 
 

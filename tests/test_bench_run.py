@@ -113,3 +113,40 @@ def test_peak_loops_keep_twelve_independent_chains(tmp_path: Path) -> None:
         instructions = body[1].split("\n\n", 1)[0]
         assert instructions.count(mnemonic) >= 12, f"{function}: {instructions.count(mnemonic)} {mnemonic}"
     assert found, "no peak loop found in the disassembly"
+
+
+def _git(root: Path, *command: str) -> bytes:
+    return subprocess.run(["git", *command], cwd=root, check=True, capture_output=True).stdout
+
+
+def test_a_runs_revision_records_its_uncommitted_diff_by_hash(tmp_path: Path) -> None:
+    import hashlib
+
+    from benchmarks.run import revision
+
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "sdk").mkdir()
+    (tmp_path / "sdk" / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    clean = revision(tmp_path)
+    assert clean["dirty"] is False and clean["diff_sha256"] is None and clean["changed"] == []
+    assert clean["commit"] == _git(tmp_path, "rev-parse", "--short", "HEAD").decode().strip()
+
+    (tmp_path / "sdk" / "a.py").write_text("x = 2\n")
+    (tmp_path / "sdk" / "new.py").write_text("y = 1\n")
+    dirty = revision(tmp_path)
+    assert dirty["dirty"] is True and dirty["changed"] == ["sdk/a.py"]
+    assert dirty["diff_sha256"] == hashlib.sha256(_git(tmp_path, "diff", "HEAD")).hexdigest()
+    assert dirty["untracked"] == ["sdk/new.py"]
+
+
+def test_the_page_names_a_dirty_runs_diff_hash() -> None:
+    result = _result({})
+    result.update(dirty=True, diff_sha256="ab" * 32, changed=["sdk/a.py"], untracked=[])
+    text = render_page(result, "r.json", {})
+    assert "from commit abc1234 (**with uncommitted changes** to 1 file (sdk/a.py)" in text
+    assert f"whose `git diff HEAD | sha256sum` is `{'ab' * 32}`" in text
+    result.update(diff_sha256=None, changed=[])  # a run from before the hash was recorded
+    assert "their diff not recorded: these figures are of no commit" in render_page(result, "r.json", {})
+    assert "uncommitted" not in render_page(_result({}), "r.json", {})
