@@ -111,16 +111,16 @@ def run_real_bench(quick: bool) -> dict[str, Any]:
                 digits=0,
             )
         )
-    for entry in llama_cpp.get("rows", []):
-        if entry["concurrency"] in (1, 8):
-            targets.append(
-                target(
-                    f"real model, {entry['concurrency']} concurrent: engine / llama.cpp (batched)",
-                    1.0,
-                    entry["against_batched"],
-                    headline=True,
-                )
+    measured = {entry["concurrency"]: entry["against_batched"] for entry in llama_cpp.get("rows", [])}
+    for concurrency in (c for c in size["llama_cpp"] if c in (1, 8)):
+        targets.append(  # n/a where llama.cpp is missing or crashed
+            target(
+                f"real model, {concurrency} concurrent: engine / llama.cpp (batched)",
+                1.0,
+                measured.get(concurrency, float("nan")),
+                headline=True,
             )
+        )
     equal = [r for r in rows if r["kind"] == "equal"]
     systems = {
         "engine": [(r["concurrency"], r["engine"]) for r in equal],
@@ -196,32 +196,35 @@ def _mean_context(row: dict[str, Any], size: dict[str, Any]) -> float:
 
 def compare_llama_cpp(spec: ModelSpec, size: dict[str, Any], threads: int) -> dict[str, Any]:
     """The engine against llama.cpp on the same GGUF file, equal lengths: llama.cpp with every sequence in one
-    batch per step, and one sequence after another; the three interleaved."""
+    batch per step, and one sequence after another; the three interleaved. llama.cpp runs in a child process: if
+    it crashes, the rows measured before stay and ``crashed`` says how it ended."""
     why = llama_cpp_runner.available()
     if why is not None:
         return {"why_not": why}
     prompt_len, output_len = size["equal"]
     rng = random.Random(11)
+    rows: list[dict[str, Any]] = []
+    out: dict[str, Any] = {
+        "version": llama_cpp_runner.version(),
+        "weights": gguf_streamed_bytes(spec.hf_path),
+    }
     engine = make_engine(spec, "inproc", num_threads=threads)
-    llm = llama_cpp_runner.LlamaCpp(
-        spec.hf_path,
-        max_sequences=max(size["llama_cpp"]),
-        max_length=prompt_len + output_len,
-        threads=threads,
-    )
-    rows = []
+    llm = None
     try:
+        llm = llama_cpp_runner.LlamaCppProcess(
+            spec.hf_path,
+            max_sequences=max(size["llama_cpp"]),
+            max_length=prompt_len + output_len,
+            threads=threads,
+        )
         for concurrency in size["llama_cpp"]:
             log(f"real: llama.cpp x{concurrency}")
 
-            def llama(batched: bool, concurrency: int = concurrency) -> Any:
+            def llama(batched: bool, concurrency: int = concurrency, llm: Any = llm) -> Any:
                 def run() -> float:
-                    import time
-
                     prompts = [spec.random_prompt(prompt_len, rng) for _ in range(concurrency)]
-                    start = time.perf_counter()
-                    tokens = llm.generate(prompts, output_len, batched=batched)
-                    return tokens / (time.perf_counter() - start)
+                    tokens, elapsed = llm.generate(prompts, output_len, batched=batched)
+                    return tokens / elapsed
 
                 return run
 
@@ -245,10 +248,14 @@ def compare_llama_cpp(spec: ModelSpec, size: dict[str, Any], threads: int) -> di
                     ),
                 }
             )
+    except llama_cpp_runner.LlamaCppCrashed as crash:
+        log(f"real: {crash}")
+        out["crashed"] = str(crash)
     finally:
         engine.shutdown()
-        llm.close()
-    return {"version": llama_cpp_runner.version(), "weights": gguf_streamed_bytes(spec.hf_path), "rows": rows}
+        if llm is not None:
+            llm.close()
+    return {**out, "rows": rows}
 
 
 def gguf_streamed_bytes(path: str) -> int:
@@ -313,7 +320,12 @@ def render_real_bench(figures: dict[str, Any]) -> str:
 def _llama_cpp_text(figures: dict[str, Any]) -> str:
     llama = figures["llama_cpp"]
     if "why_not" in llama:
-        return f"llama.cpp: not measured, {llama['why_not']}. `make bench` installs it (`llamacpp` dependency group)."
+        return f"**llama.cpp was not measured**: {llama['why_not']} (`make bench` installs it: the `llamacpp` dependency group).\n"
+    crashed = (
+        f"**llama.cpp crashed**, so the rows below stop where it did (its targets say n/a): {llama['crashed']}.\n\n"
+        if "crashed" in llama
+        else ""
+    )
     rows = [
         [
             e["concurrency"],
@@ -327,12 +339,13 @@ def _llama_cpp_text(figures: dict[str, Any]) -> str:
     ]
     engine_mb = figures["streamed"]["weights"] / 1e6
     return (
-        f"**llama.cpp** (llama-cpp-python {llama['version']}, the same GGUF with its own quantized kernels: "
-        f"{llama['weights'] / 1e6:.0f} MB of weights per step against the engine's {engine_mb:.0f} MB), equal "
+        f"**llama.cpp** (llama-cpp-python {llama['version']} in a child process, the same GGUF with its own quantized "
+        f"kernels: {llama['weights'] / 1e6:.0f} MB of weights per step against the engine's {engine_mb:.0f} MB), equal "
         f"lengths, {figures['threads']} threads. *batched*: every sequence in one `llama_batch` per step through "
         "the low-level API (one context, a unified KV cache), as a llama.cpp server with parallel slots runs; "
         "*one at a time*: the sequences one after another, as `Llama.generate` runs them. Interleaved with the "
         f"engine, {figures['sizes']['llama_cpp_rounds']} rounds after a warm-up.\n\n"
+        + crashed
         + markdown_table(
             [
                 "concurrent",

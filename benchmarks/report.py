@@ -139,22 +139,29 @@ def tree_text(result: dict[str, Any]) -> str:
 def _targets_table(targets: list[dict[str, Any]]) -> str:
     if not targets:
         return "No section with targets ran.\n"
+
+    def spread(t: dict[str, Any]) -> str:
+        if math.isnan(t["measured"]) or t["low"] == t["high"]:
+            return ""
+        return f"{number(t['low'], t['unit'], t['digits'])}-{number(t['high'], t['unit'], t['digits'])}"
+
     rows = [
         [
             t["name"],
             goal_text(t),
             number(t["measured"], t["unit"], t["digits"]),
-            ""
-            if t["low"] == t["high"]
-            else f"{number(t['low'], t['unit'], t['digits'])}-{number(t['high'], t['unit'], t['digits'])}",
-            "met" if t["met"] else "**NOT met**",
+            spread(t),
+            "not measured" if math.isnan(t["measured"]) else "met" if t["met"] else "**NOT met**",
         ]
         for t in targets
     ]
     met = sum(1 for t in targets if t["met"])
+    unmeasured = sum(1 for t in targets if math.isnan(t["measured"]))
     return (
         markdown_table(["target", "goal", "measured", "spread", "met"], rows, ["l", "l", "r", "l", "l"])
-        + f"\n{met} of {len(targets)} targets met.\n"
+        + f"\n{met} of {len(targets)} targets met"
+        + (f" ({unmeasured} not measured: see their sections)" if unmeasured else "")
+        + ".\n"
     )
 
 

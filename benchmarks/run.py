@@ -209,11 +209,10 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def _llama_cpp_version() -> str | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return getattr(llama_cpp, "__version__", "?")
+    """llama-cpp-python's version, read without loading its native library (it runs in a child process)."""
+    from benchmarks import llama_cpp_runner
+
+    return None if llama_cpp_runner.available() else llama_cpp_runner.version()
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -150,3 +150,94 @@ def test_the_page_names_a_dirty_runs_diff_hash() -> None:
     result.update(diff_sha256=None, changed=[])  # a run from before the hash was recorded
     assert "their diff not recorded: these figures are of no commit" in render_page(result, "r.json", {})
     assert "uncommitted" not in render_page(_result({}), "r.json", {})
+
+
+def test_quantized_targets_are_against_the_ceiling_and_batched_llama_cpp_and_say_when_unmeasured() -> None:
+    """The concurrent target is the share of the workload's arithmetic ceiling and the ratio to llama.cpp batched
+    at the same concurrency; when llama.cpp crashed, its targets are listed as not measured, not left out."""
+    from benchmarks.bench_quantized import _targets, llama_cpp_note
+
+    runs = {name: {"rates": {}} for name in ("one", "concurrent", "prefill")}
+    figures = {
+        "sizes": {"decode": 128, "concurrent": 16, "prefill": 512},
+        "runs": runs,
+        "compute": {"share": summary([0.29, 0.31])},
+    }
+    runs["one"]["against_llama_cpp"] = summary([1.3])
+    targets = {t["name"]: t for t in _targets(figures)}
+    ceiling = targets["quantized, 16 concurrent: share of the workload's arithmetic ceiling"]
+    assert (ceiling["goal"], ceiling["unit"], ceiling["met"]) == (0.5, "%", False)
+    batched = targets["quantized, 16 concurrent: engine / llama.cpp batched"]
+    assert batched["goal"] == 2.5 and batched["measured"] != batched["measured"]  # NaN: not measured
+    section = {
+        "question": "Q?",
+        "runtime_s": 1.0,
+        "load_before": "0",
+        "figures": {"targets": list(targets.values())},
+    }
+    text = render_page(_result({"x": section}), "r.json", {})
+    assert (
+        "| quantized, 16 concurrent: engine / llama.cpp batched | >= 2.50x | n/a |  | not measured |" in text
+    )
+    assert "1 of 4 targets met (2 not measured: see their sections)." in text
+    note = llama_cpp_note({"version": "0.3.36", "crashed": "llama.cpp's process was killed by SIGSEGV"})
+    assert note.startswith("**llama.cpp crashed**") and "SIGSEGV" in note
+    assert llama_cpp_note({"version": "0.3.36"}) == ""
+
+
+def test_a_llama_cpp_child_that_crashes_at_start_raises_naming_the_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llama.cpp runs in a child process: a segmentation fault there (a real one: a read at address 0) is an
+    exception in the bench naming the signal, not the bench's death."""
+    from benchmarks import llama_cpp_runner
+
+    monkeypatch.setenv(llama_cpp_runner.FAULT_ENV, "start")
+    with pytest.raises(llama_cpp_runner.LlamaCppCrashed, match="killed by SIGSEGV while loading the model"):
+        llama_cpp_runner.LlamaCppProcess("unused.gguf", max_sequences=1, max_length=8, threads=1)
+
+
+def _default_gguf() -> str:
+    from benchmarks import llama_cpp_runner
+
+    if llama_cpp_runner.available() is not None:
+        pytest.skip("llama-cpp-python is not installed (the `llamacpp` dependency group)")
+    from enginekit.model.formats.source import default_model_file
+
+    try:
+        return str(default_model_file())
+    except Exception as error:  # the default model's file is not installed here
+        pytest.skip(f"the default model's GGUF file is not here: {error}")
+
+
+def test_llama_cpp_in_its_child_generates_every_sequences_tokens() -> None:
+    from benchmarks import llama_cpp_runner
+
+    with llama_cpp_runner.LlamaCppProcess(_default_gguf(), max_sequences=3, max_length=24, threads=1) as llm:
+        prompts = [[100 + i for i in range(8)], [200 + i for i in range(5)], [300 + i for i in range(12)]]
+        for batched in (True, False):
+            tokens, elapsed = llm.generate(prompts, 6, batched=batched)
+            assert tokens == 18 and elapsed > 0
+
+
+def test_a_llama_cpp_crash_at_its_first_decode_leaves_the_other_systems_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As on Intel AMX hosts, where llama-cpp-python 0.3.36 built from source segfaults at its first decode: the
+    interleave runs again without llama.cpp and says why."""
+    from benchmarks import llama_cpp_runner
+    from benchmarks.common import interleave
+
+    path = _default_gguf()
+    monkeypatch.setenv(llama_cpp_runner.FAULT_ENV, "decode")
+    with llama_cpp_runner.LlamaCppProcess(path, max_sequences=2, max_length=16, threads=1) as llm:
+        calls = []
+        runners = {
+            "engine": lambda: calls.append(1) or 1.0,
+            "llama.cpp": lambda: llm.generate([[100, 101, 102]], 4, batched=True)[0],
+        }
+        samples, crash = llama_cpp_runner.interleave_surviving(
+            runners, ["llama.cpp"], interleave, repeats=2, warmup=1
+        )
+    assert set(samples) == {"engine"} and samples["engine"] == [1.0, 1.0]
+    assert crash is not None and "killed by SIGSEGV while generating for 1 sequence(s)" in crash
