@@ -9,7 +9,13 @@ from typing import Any
 from . import llama_cpp_runner
 from .baselines import clear_model_cache
 from .bench_limits import machine_limits, peak_gflops, products_dtype
-from .bench_throughput import measure_concurrencies, rows_table, transformers_at_its_best, transformers_text
+from .bench_throughput import (
+    measure_concurrencies,
+    rows_table,
+    transformers_at_its_best,
+    transformers_curves,
+    transformers_text,
+)
 from .common import (
     ModelSpec,
     engine_batch_runner,
@@ -37,6 +43,7 @@ def sizes(quick: bool) -> dict[str, Any]:
             llama_cpp_rounds=1,
             probe=(4, 1),
             compile=False,
+            dtypes=("float32", "bfloat16"),
         )
     return dict(
         concurrency=(1, 8, 32),  # 128 of a 30-layer model against transformers: minutes more per round
@@ -52,6 +59,8 @@ def sizes(quick: bool) -> dict[str, Any]:
         compile=False,
         compile_why_not="its first compiled generate of this 30-layer model ran past 9 minutes when measured, "
         "a quarter of the run's budget; the tiny models' section shows what it gives",
+        # the engine's products run in bfloat16 where the CPU has it: transformers gets both dtypes
+        dtypes=("float32", "bfloat16"),
     )
 
 
@@ -94,13 +103,13 @@ def run_real_bench(quick: bool) -> dict[str, Any]:
         if row is not None:
             targets.append(
                 target(
-                    f"real model, {kind} lengths, {concurrency} concurrent: engine / transformers",
+                    f"real model, {kind} lengths, {concurrency} concurrent: engine / the fastest transformers",
                     goal,
                     row["ratio"],
                     headline=(kind, concurrency) in (("equal", 1), ("equal", 32)),
                 )
             )
-    top = found.get(("equal", max(size["concurrency"])))
+    top = largest_equal_row(rows)
     if top is not None and top["share_of_peak"] is not None:
         targets.append(
             target(
@@ -122,10 +131,7 @@ def run_real_bench(quick: bool) -> dict[str, Any]:
             )
         )
     equal = [r for r in rows if r["kind"] == "equal"]
-    systems = {
-        "engine": [(r["concurrency"], r["engine"]) for r in equal],
-        f"transformers ({best['chosen']})": [(r["concurrency"], r["baseline"]) for r in equal],
-    }
+    systems = {"engine": [(r["concurrency"], r["engine"]) for r in equal], **transformers_curves(rows)}
     for key, label in (("batched", "llama.cpp, batched"), ("one_at_a_time", "llama.cpp, one at a time")):
         systems[label] = [(e["concurrency"], e[key]) for e in llama_cpp.get("rows", [])]
     return {
@@ -278,7 +284,8 @@ def render_real_bench(figures: dict[str, Any]) -> str:
     parts = [
         f"{figures['model']}, as `Engine()` loads it (weights {', '.join(streamed['dtypes'])}: "
         f'{streamed["weights"] / 1e6:.0f} MB read per decode step), `mode="inproc"`, {figures["threads"]} '
-        f"threads; transformers loads the same GGUF file dequantized to float32. Workloads as in the tiny "
+        f"threads; transformers loads the same GGUF file dequantized (to float32 or bfloat16: each configuration names its "
+        f"dtype). Workloads as in the tiny "
         f"models' section, sized for a 30-layer model: *equal* {size['equal'][0]}-token prompts and "
         f"{size['equal'][1]} tokens; *mixed* prompts of {size['prompt_range'][0]}-{size['prompt_range'][1]} "
         f"tokens and outputs of {size['output_range'][0]}-{size['output_range'][1]}; *staggered* the mixed ones "
@@ -290,6 +297,7 @@ def render_real_bench(figures: dict[str, Any]) -> str:
         rows_table(
             rows,
             digits=1,
+            peak=figures["peak_dtype"],
             extra=["bytes / token", "of bandwidth"],
             cells=lambda row: [
                 f"{row['bytes_per_token'] / 1e6:.1f} MB",
@@ -304,17 +312,28 @@ def render_real_bench(figures: dict[str, Any]) -> str:
             f"At 1 concurrent request a token streams {one['bytes_per_token'] / 1e6:.0f} MB: the measured read "
             f"bandwidth ({figures['read_gb_s']:.1f} GB/s) allows at most {ceiling:.0f} tokens/s, and the engine "
             f"reaches {median(one['engine']):.1f} ({100 * median(one['engine']) / ceiling:.0f}% of that)."
-            + (
-                ""
-                if peak is None
-                else f" The largest batch's equal row uses {100 * max(r['share_of_peak'] for r in rows):.1f}% of "
-                f"the {figures.get('peak_dtype', streamed['dtype'])} peak ({peak:.0f} GFLOP/s), the arithmetic its products "
-                "run in."
-            )
+            + peak_sentence(rows, peak, figures["peak_dtype"])
             + "\n"
         )
     parts.append(_llama_cpp_text(figures))
     return "\n".join(parts)
+
+
+def largest_equal_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The equal-lengths row at the largest concurrency: the one the share-of-peak target and sentence are about."""
+    equal = [row for row in rows if row["kind"] == "equal"]
+    return max(equal, key=lambda row: row["concurrency"]) if equal else None
+
+
+def peak_sentence(rows: list[dict[str, Any]], peak: float | None, dtype: str) -> str:
+    """How much of the ``dtype`` peak the largest batch's equal row uses (empty without a peak)."""
+    top = largest_equal_row(rows)
+    if peak is None or top is None or top.get("share_of_peak") is None:
+        return ""
+    return (
+        f" The largest batch's equal row ({top['concurrency']} concurrent) uses {100 * top['share_of_peak']:.1f}% "
+        f"of the {dtype} peak ({peak:.0f} GFLOP/s), the arithmetic its products run in."
+    )
 
 
 def _llama_cpp_text(figures: dict[str, Any]) -> str:

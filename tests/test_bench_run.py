@@ -115,6 +115,55 @@ def test_peak_loops_keep_twelve_independent_chains(tmp_path: Path) -> None:
     assert found, "no peak loop found in the disassembly"
 
 
+def _row(kind: str, concurrency: int, share: float) -> dict:
+    rate = summary([100.0, 110.0])
+    return {
+        "concurrency": concurrency,
+        "kind": kind,
+        "window_ms": None,
+        "engine": rate,
+        "baselines": {"generate, bfloat16, dynamic cache": rate},
+        "baseline_label": "generate, bfloat16, dynamic cache",
+        "baseline": rate,
+        "ratio": summary([1.0, 1.1]),
+        "gflops": share * 400.0,
+        "share_of_peak": share,
+    }
+
+
+def test_the_peak_sentence_is_about_the_largest_batchs_equal_row() -> None:
+    """The sentence names the equal row at the largest concurrency, not the largest share of any row (a mixed row
+    at 32 used more of the peak than the equal one)."""
+    from benchmarks.bench_real import peak_sentence
+
+    rows = [_row("equal", 8, 0.41), _row("equal", 32, 0.39), _row("mixed", 32, 0.43)]
+    text = peak_sentence(rows, 437.0, "bfloat16")
+    assert "equal row (32 concurrent) uses 39.0% of the bfloat16 peak (437 GFLOP/s)" in text
+    assert peak_sentence(rows, None, "bfloat16") == ""
+
+
+def test_the_share_column_names_the_peak_it_divides_by() -> None:
+    from benchmarks.bench_throughput import rows_table
+
+    header = rows_table([_row("equal", 1, 0.16)], digits=1, peak="bfloat16").splitlines()[0]
+    assert "of the bfloat16 peak" in header and "FMA" not in header
+    assert "transformers `generate, bfloat16, dynamic cache` tok/s" in header
+
+
+def test_a_row_with_two_transformers_bolds_the_faster_and_compares_with_it() -> None:
+    from benchmarks.bench_throughput import rows_table
+
+    row = _row("mixed", 8, 0.2)
+    row["baselines"] = {
+        "generate, float32, dynamic cache": summary([50.0]),
+        "generate_batch, float32": row["baseline"],
+    }
+    row["baseline_label"] = "generate_batch, float32"
+    lines = rows_table([row], digits=1).splitlines()
+    assert "engine / the faster transformers" in lines[0]
+    assert "| 50.0 | **105.0 (100.0-110.0)** |" in lines[2]
+
+
 def _git(root: Path, *command: str) -> bytes:
     return subprocess.run(["git", *command], cwd=root, check=True, capture_output=True).stdout
 
@@ -241,3 +290,27 @@ def test_a_llama_cpp_crash_at_its_first_decode_leaves_the_other_systems_measured
         )
     assert set(samples) == {"engine"} and samples["engine"] == [1.0, 1.0]
     assert crash is not None and "killed by SIGSEGV while generating for 1 sequence(s)" in crash
+
+
+def test_transformers_continuous_batching_gives_each_request_its_own_length(tmp_path: Path) -> None:
+    """The generate_batch baseline: one manager started per checkpoint and dtype, each call's requests stopping at
+    their own lengths (the runner raises unless every request got exactly its tokens), a smaller batch served by
+    the same manager, and its thread stopped with the model cache."""
+    from benchmarks import baselines
+
+    from hf_checkpoints import build_checkpoint
+
+    build_checkpoint(tmp_path, "llama", vocab_size=512)
+    try:
+        mixed = baselines.hf_batch_runner(
+            tmp_path, [5, 17, 9], [3, 11, 6], capacity=baselines.BatchCapacity(4, 40)
+        )
+        assert mixed() > 0 and mixed() > 0
+        (manager,) = [entry[1] for entry in baselines._MANAGERS.values()]
+        one = baselines.hf_batch_runner(tmp_path, [7], [4])
+        assert one() > 0
+        assert [entry[1] for entry in baselines._MANAGERS.values()] == [manager]  # the same manager served it
+        assert manager.is_running()
+    finally:
+        baselines.clear_model_cache()
+    assert not manager.is_running() and not baselines._MANAGERS
