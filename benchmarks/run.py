@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     import torch
+    from benchmarks.baselines import clear_model_cache
     from benchmarks.common import load_average, log, session
     from benchmarks.report import write_report
     from benchmarks.stats import machine_info
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             entry["error"] = traceback.format_exc(limit=8)
             log(entry["error"])
+        finally:
+            # transformers' continuous-batching managers run a thread the interpreter would wait for at exit
+            clear_model_cache()
         entry["runtime_s"] = round(time.perf_counter() - t0, 1)
         entry["load_after"] = load_average()
         log(f"== {name} done in {entry['runtime_s']:.0f} s")

@@ -151,7 +151,7 @@ def test_the_share_column_names_the_peak_it_divides_by() -> None:
 
 
 def test_a_row_with_two_transformers_bolds_the_faster_and_compares_with_it() -> None:
-    from benchmarks.bench_throughput import rows_table
+    from benchmarks.bench_throughput import rows_table, transformers_curves
 
     row = _row("mixed", 8, 0.2)
     row["baselines"] = {
@@ -159,9 +159,16 @@ def test_a_row_with_two_transformers_bolds_the_faster_and_compares_with_it() -> 
         "generate_batch, float32": row["baseline"],
     }
     row["baseline_label"] = "generate_batch, float32"
-    lines = rows_table([row], digits=1).splitlines()
+    above = _row("mixed", 128, 0.2)  # continuous batching not run above the section's cap
+    above["baselines"] = {"generate, float32, dynamic cache": above["baseline"]}
+    above["baseline_label"] = "generate, float32, dynamic cache"
+    lines = rows_table([row, above], digits=1).splitlines()
     assert "engine / the faster transformers" in lines[0]
     assert "| 50.0 | **105.0 (100.0-110.0)** |" in lines[2]
+    assert "| **105.0 (100.0-110.0)** | not run |" in lines[3]
+    curves = transformers_curves([{**row, "kind": "equal"}, {**above, "kind": "equal"}])
+    assert [c for c, _ in curves["transformers generate_batch, float32"]] == [8]
+    assert [c for c, _ in curves["transformers generate, float32, dynamic cache"]] == [8, 128]
 
 
 def _git(root: Path, *command: str) -> bytes:
