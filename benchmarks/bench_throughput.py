@@ -159,9 +159,9 @@ def run_throughput_bench(quick: bool) -> dict[str, Any]:
 def transformers_at_its_best(spec: ModelSpec, size: dict[str, Any], threads: int) -> dict[str, Any]:
     """transformers' configurations (``hf_variants``) on one equal workload, interleaved. The rows run the fastest
     eager ``generate`` (``chosen``) and the fastest continuous batching (``chosen_batch``) beside it, each row's
-    ratio against the faster of them there. What torch.compile gives at
-    this shape, its compile not charged, is reported beside it (a compiled model compiles again for each new
-    batch shape, which the rows' many shapes cannot afford)."""
+    ratio against the faster of them there. What torch.compile gives at this shape, its compile not charged, is
+    reported beside it (a compiled model compiles again for each new batch shape, which the rows' many shapes
+    cannot afford)."""
     concurrency, repeats = size["probe"]
     prompt_len, output_len = size["equal"]
     workload = equal_workload(concurrency, prompt_len, output_len)
@@ -436,8 +436,8 @@ def render_throughput_bench(figures: dict[str, Any]) -> str:
         f"{figures['threads']} torch threads. Greedy, EOS ignored. *equal*: "
         f"{size['equal'][0]}-token prompts, {size['equal'][1]} tokens each; *mixed*: prompts of "
         f"{size['prompt_range'][0]}-{size['prompt_range'][1]} tokens, outputs of {size['output_range'][0]}-"
-        f"{size['output_range'][1]} (transformers computes each batch until its longest request ends; only the "
-        f"tokens asked for count); *staggered*: the mixed requests arrive as a Poisson process over "
+        f"{size['output_range'][1]} (`generate` computes each batch until its longest request ends, `generate_batch` "
+        f"stops each request at its end; only the tokens asked for count); *staggered*: the mixed requests arrive as a Poisson process over "
         f"{figures['stagger_window']:g}x the engine's burst time, while transformers gets them all at time 0 "
         f"(not charged the window). {size['repeats']} interleaved rounds. GFLOP/s counts useful forward FLOPs; "
         "the share is of the float32 peak (fused multiply-adds) measured in the first section.\n"
