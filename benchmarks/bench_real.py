@@ -340,11 +340,10 @@ def _llama_cpp_text(figures: dict[str, Any]) -> str:
     llama = figures["llama_cpp"]
     if "why_not" in llama:
         return f"**llama.cpp was not measured**: {llama['why_not']} (`make bench` installs it: the `llamacpp` dependency group).\n"
-    crashed = (
-        f"**llama.cpp crashed**, so the rows below stop where it did (its targets say n/a): {llama['crashed']}.\n\n"
-        if "crashed" in llama
-        else ""
-    )
+    crashed = ""
+    if "crashed" in llama:
+        where = "the rows below stop where it did" if llama["rows"] else "it has no rows"
+        crashed = f"**llama.cpp crashed**, so {where} (its targets say n/a): {llama['crashed']}.\n\n"
     rows = [
         [
             e["concurrency"],
@@ -365,16 +364,20 @@ def _llama_cpp_text(figures: dict[str, Any]) -> str:
         "*one at a time*: the sequences one after another, as `Llama.generate` runs them. Interleaved with the "
         f"engine, {figures['sizes']['llama_cpp_rounds']} rounds after a warm-up.\n\n"
         + crashed
-        + markdown_table(
-            [
-                "concurrent",
-                "engine tok/s",
-                "llama.cpp batched",
-                "llama.cpp one at a time",
-                "engine / batched",
-                "engine / one at a time",
-            ],
-            rows,
-            ["r", "r", "r", "r", "r", "r"],
+        + (
+            ""
+            if not rows
+            else markdown_table(
+                [
+                    "concurrent",
+                    "engine tok/s",
+                    "llama.cpp batched",
+                    "llama.cpp one at a time",
+                    "engine / batched",
+                    "engine / one at a time",
+                ],
+                rows,
+                ["r", "r", "r", "r", "r", "r"],
+            )
         )
     )

@@ -321,3 +321,19 @@ def test_transformers_continuous_batching_gives_each_request_its_own_length(tmp_
     finally:
         baselines.clear_model_cache()
     assert not manager.is_running() and not baselines._MANAGERS
+
+
+def test_the_real_models_llama_cpp_text_says_it_crashed() -> None:
+    from benchmarks.bench_real import _llama_cpp_text
+
+    figures = {
+        "llama_cpp": {"version": "0.3.36", "weights": 97e6, "crashed": "killed by SIGSEGV", "rows": []},
+        "streamed": {"weights": 97e6},
+        "threads": 2,
+        "sizes": {"llama_cpp_rounds": 2},
+    }
+    text = _llama_cpp_text(figures)
+    assert "**llama.cpp crashed**, so it has no rows (its targets say n/a): killed by SIGSEGV." in text
+    assert "| concurrent |" not in text
+    missing = _llama_cpp_text({**figures, "llama_cpp": {"why_not": "`llama-cpp-python` is not installed"}})
+    assert missing.startswith("**llama.cpp was not measured**: `llama-cpp-python` is not installed")
