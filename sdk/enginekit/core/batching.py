@@ -9,10 +9,11 @@ from enginekit.model.batch import ScheduledBatch, SequenceChunk
 
 
 def build_batch(
-    scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager
+    scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager, eos_token_ids: tuple[int, ...] = ()
 ) -> tuple[ScheduledBatch, list[Request], list[Request]]:
     """The runner's plain view of this step (decodes first, then prefill chunks), the request of each chunk,
-    and the requests that sample, in the runner's order."""
+    and the requests that sample, in the runner's order. ``eos_token_ids``: the model's, which a request may not
+    sample before its ``min_tokens`` (unless it ignores EOS), like its ``stop_token_ids``."""
     ordered = [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
     block_ids = kv_cache.block_ids
     chunks, sampling = [], []
@@ -31,6 +32,8 @@ def build_batch(
             if params.has_penalties or request.bad_words:
                 chunk.history = (request.all_token_ids, request.num_prompt_tokens)
             chunk.bad_words = request.bad_words
+            if request.num_output_tokens < params.min_tokens:
+                chunk.banned_stop_ids = params.stop_token_ids + (() if params.ignore_eos else eos_token_ids)
             sampling.append(request)
         chunks.append(chunk)
     return ScheduledBatch(chunks, kv_cache.pool.num_used_blocks), [r for r, _ in ordered], sampling

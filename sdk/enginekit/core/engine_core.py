@@ -124,6 +124,7 @@ class EngineCore:
         self.tokenizer = started.tokenizer
         self.kv_size = started.kv_size
         self.num_kv_blocks, self.max_model_len = self.kv_size.num_blocks, self.kv_size.max_model_len
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -170,7 +171,7 @@ class EngineCore:
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
-        added = Request(request, detokenizer=detokenizer)
+        added = Request(request, detokenizer=detokenizer, device=self.device)
         if params.bad_words:
             added.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.structured_outputs is not None:
@@ -267,7 +268,7 @@ class EngineCore:
         if scheduled.is_empty:
             self.outputs.report_status(changes)
             return False
-        batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache)
+        batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache, self.eos_token_ids)
         grammars = [
             (row, request.grammar) for row, request in enumerate(sampling) if request.grammar is not None
         ]

@@ -46,7 +46,9 @@ class Request:
         "stop_reason",
     )
 
-    def __init__(self, message: EngineCoreRequest, *, detokenizer) -> None:
+    def __init__(
+        self, message: EngineCoreRequest, *, detokenizer, device: torch.device | None = None
+    ) -> None:
         self.request_id = message.request_id
         self.sampling_params: SamplingParams = message.sampling_params
         self.arrival_time = message.arrival_time
@@ -74,7 +76,8 @@ class Request:
         self.held_output: EngineCoreOutput | None = None
         self.output_logprobs: list[tuple[torch.Tensor, ...]] = []
         seed = self.sampling_params.seed
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        # on the device that samples (the engine's; rank 0's under tensor parallelism)
+        self.generator = torch.Generator(device or "cpu").manual_seed(seed) if seed is not None else None
         self.grammar: RequestGrammar | None = None  # its structured output's matcher (compiled off the loop)
         self.bad_words: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
 

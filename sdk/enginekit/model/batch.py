@@ -31,6 +31,8 @@ class SequenceChunk:
         The sequence's token ids and how many are the prompt's, when its penalties or bad words need them.
     bad_words
         Token sequences the sample must not complete (``SamplingParams.bad_words``, tokenized).
+    banned_stop_ids
+        EOS and stop token ids the sample may not take yet: the request has fewer than ``min_tokens`` output tokens.
     prompt_embeds
         Embeddings that replace the token embeddings of the chunk's first rows (embedding prompts).
     prompt_logprobs, prompt_targets
@@ -47,6 +49,7 @@ class SequenceChunk:
     generator: torch.Generator | None = None
     history: tuple[list[int], int] | None = None
     bad_words: list[list[int]] | None = None
+    banned_stop_ids: tuple[int, ...] = ()
     prompt_embeds: torch.Tensor | None = None
     prompt_logprobs: int | None = None
     prompt_targets: list[int] | None = None

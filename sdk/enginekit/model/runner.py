@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
+from enginekit.model import transfer
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
 from enginekit.model.decode_graph import DecodeGraphs
 from enginekit.model.decoder import Decoder
 from enginekit.model.layers.paged_attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
-from enginekit.model.sampler import Sampler, SamplerOutput, top_logprobs
+from enginekit.model.sampler import DeviceSample, Sampler, SamplerOutput, top_logprobs
 
 
 class ExecutorError(RuntimeError):
@@ -76,6 +77,7 @@ class ModelRunner:
                 capture=device.type == "cuda",
             )
         self.sampler = Sampler(seed=seed)
+        self.copy_stream = transfer.CopyStream(device)
         self.fail_at_step = fail_at_step
         self.num_steps = 0
 
@@ -112,27 +114,37 @@ class ModelRunner:
     def _sample(
         self, batch: ScheduledBatch, logits: torch.Tensor, prompt_rows: dict[int, slice]
     ) -> SamplerOutput:
-        """Sample the chunks that end their known tokens; score the prompt rows whose logprobs were asked for."""
+        return self.sample_on_device(batch, logits, prompt_rows).to_host(self.copy_stream).result()
+
+    def sample_on_device(
+        self, batch: ScheduledBatch, logits: torch.Tensor, prompt_rows: dict[int, slice]
+    ) -> DeviceSample:
+        """Sample the chunks that end their known tokens; score the prompt rows whose logprobs were asked for; all
+        on the logits' device."""
         chunks = batch.chunks
         sampling = [chunk for chunk in chunks if chunk.samples]
         histories = [chunk.history for chunk in sampling] if any(c.history for c in sampling) else None
         bad_words = [chunk.bad_words for chunk in sampling] if any(c.bad_words for c in sampling) else None
-        output = self.sampler(
+        bans = [c.banned_stop_ids for c in sampling] if any(c.banned_stop_ids for c in sampling) else None
+        sample = self.sampler.sample(
             logits[: len(sampling)],
             [c.sampling_params for c in sampling if c.sampling_params is not None],  # all of them
             [c.generator for c in sampling],
             histories,
             bad_words=bad_words,
             bitmask=batch.token_bitmask,
+            banned_stop_ids=bans,
         )
         if prompt_rows:
-            output.prompt_logprobs = {}
+            sample.prompt_logprobs = {}
             for index, rows in prompt_rows.items():
                 chunk = chunks[index]
-                assert chunk.prompt_logprobs is not None  # prompt_rows holds the chunks that want them
-                targets = torch.tensor(chunk.prompt_targets)
-                output.prompt_logprobs[index] = top_logprobs(logits[rows], targets, chunk.prompt_logprobs)
-        return output
+                assert (
+                    chunk.prompt_logprobs is not None and chunk.prompt_targets is not None
+                )  # wanted, scored
+                targets = transfer.upload(chunk.prompt_targets, torch.long, logits.device)
+                sample.prompt_logprobs[index] = top_logprobs(logits[rows], targets, chunk.prompt_logprobs)
+        return sample
 
     def _prepare_inputs(self, chunks: list[SequenceChunk]) -> ModelInputs:
         token_ids: list[int] = []
