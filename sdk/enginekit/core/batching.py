@@ -24,6 +24,7 @@ def build_batch(
             start,
             block_ids[request.request_id],
             rope_long=request.rope_long,
+            seq_id=request.request_id,
         )
         if start < request.num_prompt_tokens:
             _prompt_chunk(chunk, request, start, num_new)
@@ -36,7 +37,8 @@ def build_batch(
                 chunk.banned_stop_ids = params.stop_token_ids + (() if params.ignore_eos else eos_token_ids)
             sampling.append(request)
         chunks.append(chunk)
-    return ScheduledBatch(chunks, kv_cache.pool.num_used_blocks), [r for r, _ in ordered], sampling
+    batch = ScheduledBatch(chunks, kv_cache.pool.num_used_blocks, freed_seq_ids=kv_cache.take_freed())
+    return batch, [r for r, _ in ordered], sampling
 
 
 def _prompt_chunk(chunk: SequenceChunk, request: Request, start: int, num_new: int) -> None:

@@ -95,6 +95,9 @@ class KVCacheManager:
         self.block_ids: dict[str, list[int]] = {}  # request id -> block table
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self.freed: list[
+            str
+        ] = []  # requests whose blocks were freed since the runner last heard (take_freed)
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of them, found
 
@@ -154,6 +157,12 @@ class KVCacheManager:
             self.pool.release(blocks)
             del self.block_ids[request.request_id]
             del self._num_cached_blocks[request.request_id]
+            self.freed.append(request.request_id)
+
+    def take_freed(self) -> list[str]:
+        """The requests whose blocks were freed since the last call (the runner forgets their block tables)."""
+        freed, self.freed = self.freed, []
+        return freed
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_queries += num_tokens
