@@ -141,7 +141,8 @@ class KVCacheManager:
         """Register the request's newly completed full blocks in the prefix cache."""
         if not (self.enable_prefix_caching and request.is_cacheable):
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # a token still on its way from the device (an overlapped step's) is computed but not known: not hashed yet
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         num_cached = self._num_cached_blocks[request.request_id]
         if num_full <= num_cached:
             return

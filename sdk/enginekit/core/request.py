@@ -31,8 +31,10 @@ class Request:
         "generator",
         "grammar",
         "held_output",
+        "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_pending_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "output_logprobs",
@@ -56,6 +58,12 @@ class Request:
         self.all_token_ids: list[int] = list(message.prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled on the device whose ids have not reached the host yet (an overlapped step's): they count
+        # as tokens for the scheduler (the next step computes them) but are not in all_token_ids yet.
+        self.num_pending_tokens = 0
+        self.max_num_tokens = (
+            2**62
+        )  # where the request ends by length (the engine sets it: max_tokens, max_model_len)
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
@@ -83,7 +91,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Known tokens and those on their way from the device (``num_pending_tokens``)."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -240,7 +240,9 @@ class InputBatch:
         self._rows.clear()
         self._row_tables, self._row_lengths, self._free_rows, self._scratch_rows = [], [], [], []
         self._used_rows = 0
-        self.host_tables = self.tables = self._staging = self._device_staging = torch.zeros(0, dtype=torch.long)
+        self.host_tables = self.tables = self._staging = self._device_staging = torch.zeros(
+            0, dtype=torch.long
+        )
 
     def _wait_for_copy(self) -> None:
         if self._copied is not None:
