@@ -142,28 +142,36 @@ class InputBatch:
 
     # ---- the step's rows ----------------------------------------------------------------------------------
     def prepare(
-        self, chunks: list[SequenceChunk], native: np.ndarray, previous: torch.Tensor | None = None
+        self, chunks: list[SequenceChunk], native_until: int, previous: torch.Tensor | None = None
     ) -> StepInputs:
-        """The inputs of ``chunks``; ``native[i]``: chunk i's rows get their context lengths (the others 0);
-        ``previous``: the ids the step before sampled, on the device, where chunks with a ``sampled_row`` find their
-        token."""
+        """The inputs of ``chunks``. Every decode's row gets its context length, and so does every row of a prefill
+        chunk that ends within ``native_until`` tokens of its sequence's start (0: none; the others get 0);
+        ``previous``: the ids the step before sampled, on the device, where chunks with a ``sampled_row`` find
+        their token."""
         rows = self.sync_tables(chunks)
-        counts = np.fromiter((chunk.num_tokens for chunk in chunks), np.int64, len(chunks))
-        starts = np.fromiter((chunk.start for chunk in chunks), np.int64, len(chunks))
-        ends = np.cumsum(counts)
-        total = int(ends[-1])
-        firsts = ends - counts
-        positions = np.arange(total) - np.repeat(firsts - starts, counts)
-        table_rows = np.repeat(rows, counts)
+        count = len(chunks)
+        starts = np.fromiter((chunk.start for chunk in chunks), np.int64, count)
+        if all(len(chunk.token_ids) == 1 for chunk in chunks):  # decodes only (most steps): a row each
+            total, counts, firsts = count, np.ones(count, np.int64), np.arange(count)
+            positions, table_rows, lens = starts, rows, starts + 1
+            tokens = np.fromiter((chunk.token_ids[0] for chunk in chunks), np.int64, count)
+        else:
+            counts = np.fromiter((chunk.num_tokens for chunk in chunks), np.int64, count)
+            ends = np.cumsum(counts)
+            total = int(ends[-1])
+            firsts = ends - counts
+            positions = np.arange(total) - np.repeat(firsts - starts, counts)
+            table_rows = np.repeat(rows, counts)
+            native = (counts == 1) | (starts + counts <= native_until)
+            lens = np.where(np.repeat(native, counts), positions + 1, 0)
+            tokens = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, total)
         size = self.block_size
         slots = self.host_tables.numpy()[table_rows, positions // size] * size + positions % size
-        lens = np.where(np.repeat(native, counts), positions + 1, 0)
         rope = positions
         if self.rope_offset:
-            long = np.fromiter((chunk.rope_long for chunk in chunks), np.int64, len(chunks))
+            long = np.fromiter((chunk.rope_long for chunk in chunks), np.int64, count)
             rope = positions + np.repeat(long * self.rope_offset, counts)
-        logits_rows, prompt_rows = _logits_rows(chunks, firsts, ends)
-        tokens = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, total)
+        logits_rows, prompt_rows = _logits_rows(chunks, firsts, counts)
         pending = [
             (int(firsts[i]), chunk.sampled_row)
             for i, chunk in enumerate(chunks)
@@ -251,17 +259,21 @@ class InputBatch:
 
 
 def _logits_rows(
-    chunks: list[SequenceChunk], firsts: np.ndarray, ends: np.ndarray
+    chunks: list[SequenceChunk], firsts: np.ndarray, counts: np.ndarray
 ) -> tuple[np.ndarray, dict]:
     """The rows whose logits are computed: every sampling chunk's last, then the prompt rows whose logprobs are
     wanted (chunk index -> their slice among the logits)."""
-    sampling = np.fromiter((chunk.samples for chunk in chunks), bool, len(chunks))
-    parts = [ends[sampling] - 1]
-    prompt_rows, count = {}, int(sampling.sum())
-    for index, chunk in enumerate(chunks):
-        if chunk.prompt_targets:
-            targets = len(chunk.prompt_targets)
-            prompt_rows[index] = slice(count, count + targets)
-            parts.append(np.arange(firsts[index], firsts[index] + targets))
-            count += targets
+    sampling = [index for index, chunk in enumerate(chunks) if chunk.samples]
+    lasts = firsts + counts - 1
+    rows = lasts if len(sampling) == len(chunks) else lasts[sampling]
+    prompt = [
+        (index, len(chunk.prompt_targets)) for index, chunk in enumerate(chunks) if chunk.prompt_targets
+    ]
+    if not prompt:
+        return rows, {}
+    parts, prompt_rows, at = [rows], {}, len(sampling)
+    for index, targets in prompt:
+        prompt_rows[index] = slice(at, at + targets)
+        parts.append(np.arange(firsts[index], firsts[index] + targets))
+        at += targets
     return np.concatenate(parts), prompt_rows

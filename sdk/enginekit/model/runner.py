@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from enginekit.model import transfer
@@ -120,8 +119,9 @@ class ModelRunner:
         self.inputs.release(batch.freed_seq_ids)
         native = self.model.layer_ops is not None
         graphs = self.decode_graphs is not None and self.decode_graphs.accepts(chunks)
-        attends = self._attends_natively(chunks, native and not graphs)
-        inputs = self.inputs.prepare(chunks, attends, batch.previous_token_ids)
+        # the prefill chunks the native call attends: those that end within NATIVE_PREFILL_TOKENS
+        native_until = NATIVE_PREFILL_TOKENS if native and not graphs else 0
+        inputs = self.inputs.prepare(chunks, native_until, batch.previous_token_ids)
         self._zero_new_blocks(batch.num_used_blocks)
         if self.decode_graphs is not None and graphs:
             return self.decode_graphs(inputs, self.inputs.tables), {}
@@ -130,17 +130,6 @@ class ModelRunner:
             inputs.token_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices, inputs.embeds
         )
         return logits, inputs.prompt_rows
-
-    @staticmethod
-    def _attends_natively(chunks: list[SequenceChunk], native: bool) -> np.ndarray:
-        """Per chunk, whether its rows get their context lengths: the decodes always (the native call or the
-        decodes' SDPA mask reads them), prefill chunks that end within ``NATIVE_PREFILL_TOKENS`` with the native
-        layer operations."""
-        return np.fromiter(
-            (c.is_decode or (native and c.start + c.num_tokens <= NATIVE_PREFILL_TOKENS) for c in chunks),
-            bool,
-            len(chunks),
-        )
 
     def _sample(
         self, batch: ScheduledBatch, logits: torch.Tensor, prompt_rows: dict[int, slice]

@@ -71,7 +71,9 @@ class HostCopy:
 def to_host(tensors: tuple[torch.Tensor, ...], copy_stream: CopyStream | None = None) -> HostCopy:
     """Start copying ``tensors`` (all on one device) to pinned host memory, behind the work queued so far."""
     stream = copy_stream.stream if copy_stream is not None else None
-    if stream is None or not tensors or tensors[0].device.type != "cuda":
+    if not tensors or tensors[0].device.type == "cpu":
+        return HostCopy(tensors)
+    if stream is None or tensors[0].device.type != "cuda":
         return HostCopy(tuple(tensor.cpu() for tensor in tensors))
     main = torch.cuda.current_stream(tensors[0].device)
     stream.wait_stream(main)
