@@ -165,6 +165,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
         same padded path runs without graphs (slower; for testing it there). Off by default: not yet measured
         on a GPU.
+    async_scheduling
+        Overlap the engine's steps, as vLLM's option of that name does: step N+1 is scheduled and its inputs
+        prepared while the device runs step N, and its decodes read step N's sampled ids on the device; step N's
+        tokens are applied (stops, text, grammars) before step N+1 samples, so outputs are the same as without.
+        ``None``: on with CUDA, off on CPU (where the host runs the forward pass and nothing overlaps).
+        ``tensor_parallel_size`` above 1 runs without.
     """
 
     model: str | None = None
@@ -203,6 +209,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cuda_graphs: bool = False
     batch_invariant: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require(  # NOTE: an empty path would resolve to the current directory and load whatever lies there
@@ -260,6 +267,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             not self.batch_invariant or self.tensor_parallel_size <= 2,
             f"batch_invariant=True holds with at most two tensor-parallel ranks, got tensor_parallel_size="
             f"{self.tensor_parallel_size}: over more, the row-parallel sums' order follows the size of the step",
+        )
+        _require(
+            not (self.async_scheduling and self.tensor_parallel_size > 1),
+            "async_scheduling=True cannot be used with tensor_parallel_size > 1 (the other model ranks get each "
+            "step's token ids from the host); leave async_scheduling None or False",
         )
         if self.structured_outputs_backend != "llguidance" and importlib.util.find_spec("xgrammar") is None:
             raise ImportError(
