@@ -67,6 +67,7 @@ class MPClient(EngineCoreClient):
         self._closed = False
         self._dead_error: EngineDeadError | None = None
         self._dead_lock = threading.Lock()
+        self._last_words: dict[int, str] = {}  # by rank: why its engine said it died (EngineDead)
         self._send_lock = threading.Lock()
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineOutput, copy_tensors=True)  # they reach the user
@@ -91,7 +92,7 @@ class MPClient(EngineCoreClient):
             wait_for_ready(config, sockets, self.engines, spec.config if spec is not None else None)
             processes = [engine.process for engine in self.engines]
             self.resources.receiver = self.receiver_type(
-                sockets.output, processes, self._handle_frames, self._on_process_exit
+                sockets.output, sockets.output_hang_ups, processes, self._handle_frames, self._on_process_exit
             )
         except BaseException:
             self._closed = True
@@ -164,7 +165,7 @@ class MPClient(EngineCoreClient):
                     (engine for engine in self.engines if engine.process.wait_dead(UNREACHABLE_GRACE_S)), None
                 )
                 if gone is not None:
-                    self._mark_dead(f"{self._who(gone)}the engine process died", gone)
+                    self._mark_dead(self._exit_reason(gone), gone)
                     self._check_usable()
                 raise EngineDeadError(f"cannot reach the engine process: {error}") from error
 
@@ -306,7 +307,10 @@ class MPClient(EngineCoreClient):
     # ---- death --------------------------------------------------------------------------------------
     def _on_process_exit(self, process: WatchedProcess) -> None:
         engine = next(engine for engine in self.engines if engine.process is process)
-        self._mark_dead(f"{self._who(engine)}the engine process died", engine)
+        self._mark_dead(self._exit_reason(engine), engine)
+
+    def _exit_reason(self, engine: EngineRank) -> str:
+        return self._last_words.get(engine.rank) or f"{self._who(engine)}the engine process died"
 
     def _on_engine_dead(self, message: EngineDead) -> None:
         engine = next((e for e in self.engines if e.rank == message.engine_index), self.engines[0])
@@ -317,6 +321,9 @@ class MPClient(EngineCoreClient):
             )
         else:
             reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
+        # NOTE: noted before any thread starts: the exit the receiver reports next (on another thread, which
+        # may take the death lock first) names this reason too
+        self._last_words[engine.rank] = reason
         if running_loop() is None:
             self._mark_dead(reason, engine)
         else:  # NOTE: describing the death waits for the exit (up to a second): never on a running loop
