@@ -114,10 +114,12 @@ class FrontEnd:
         self.receiver.mark_dead()
 
 
-def run_to_the_end(kind: str, end: str) -> tuple[list[tuple[str, object]], EngineAtItsEnd]:
-    """Receive the engine's first batch, make it gone, and wait (as a caller of ``kind``) until the receiver
-    reports the engine dead; what the front end saw, in order, and the engine (``ended`` once the receiver
-    looked at it)."""
+def run_to_the_end(
+    kind: str, end: str, *, sender: bool = False
+) -> tuple[list[tuple[str, object]], EngineAtItsEnd]:
+    """Receive the engine's first batch, make it gone, and wait (as a caller of ``kind``; with ``sender``, as a
+    send that found the engine unreachable) until the receiver reports the engine dead; what the front end saw,
+    in order, and the engine (``ended`` once the receiver looked at it)."""
     sockets = EngineSockets(EngineConfig())
     engine = EngineAtItsEnd(sockets.output_address, end)
     front = FrontEnd()
@@ -133,14 +135,20 @@ def run_to_the_end(kind: str, end: str) -> tuple[list[tuple[str, object]], Engin
                 await asyncio.wait_for(receiver.wait_async(), DEADLINE_S)
                 assert receiver.pop() is not None, "the first batch never came"
                 engine.gone()
-                await asyncio.wait_for(receiver.wait_async(), DEADLINE_S)
+                if sender:  # a send on the loop's thread: it blocks the loop
+                    receiver.wait_reported(DEADLINE_S)
+                else:
+                    await asyncio.wait_for(receiver.wait_async(), DEADLINE_S)
 
             asyncio.run(receive())
         else:
             receiver.wait(DEADLINE_S)
             assert receiver.pop() is not None, "the first batch never came"
             engine.gone()
-            receiver.wait(DEADLINE_S)
+            if sender:
+                receiver.wait_reported(DEADLINE_S)
+            else:
+                receiver.wait(DEADLINE_S)
         return front.seen, engine
     finally:
         receiver.close()
@@ -160,6 +168,14 @@ def no_guard(monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_exit_seen_before_the_last_message_is_reported_after_it(kind, no_guard):
     seen, engine = run_to_the_end(kind, "words")
+    assert seen == [("last words", LAST_WORDS), ("exit", engine)]
+    assert engine.ended
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_send_that_finds_the_engine_gone_waits_for_the_report_with_its_last_words(kind, no_guard):
+    # MPClient's send path: the death must not be named before the receiver read the engine's EngineDead
+    seen, engine = run_to_the_end(kind, "words", sender=True)
     assert seen == [("last words", LAST_WORDS), ("exit", engine)]
     assert engine.ended
 

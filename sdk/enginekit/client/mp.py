@@ -26,7 +26,7 @@ from enginekit.client.balancer import LoadBalancer
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.pending import PendingCalls
 from enginekit.client.ray_ranks import RayCluster, RayRank
-from enginekit.client.receiver import LoopReceiver, ThreadReceiver, WatchedProcess
+from enginekit.client.receiver import EXIT_DRAIN_S, LoopReceiver, ThreadReceiver, WatchedProcess
 from enginekit.client.remote import RankWatcher, RemoteRank
 from enginekit.client.resources import ClientResources
 from enginekit.client.sockets import EngineSockets
@@ -52,6 +52,7 @@ logger = logging.getLogger("enginekit.client")
 
 SHUTDOWN_GRACE_S = 5.0
 UNREACHABLE_GRACE_S = 1.0  # how long a peer whose socket is gone may take to finish exiting
+REPORT_GRACE_S = EXIT_DRAIN_S + 2.0  # how long a send that found it gone waits for its receiver's report
 
 
 class MPClient(EngineCoreClient):
@@ -157,14 +158,18 @@ class MPClient(EngineCoreClient):
                 self.sockets.input.send_multipart(frames, copy=False)
             except zmq.ZMQError as error:
                 self._check_usable()
-                # NOTE: nobody may have watched the engine meanwhile (an "async" engine with no loop running):
-                # say how it ended, as a receiver that saw it would have.
                 # An unreachable peer has closed its socket: it is exiting, and its threads may take a moment
                 # more to finish (the main one is a zombie before the others are gone).
                 gone = next(
                     (engine for engine in self.engines if engine.process.wait_dead(UNREACHABLE_GRACE_S)), None
                 )
                 if gone is not None:
+                    # NOTE: the receiver names the death once it has read what the engine sent before it (its
+                    # EngineDead): marking it here first would race that. Nobody may be reading meanwhile (an
+                    # "async" engine with no loop running): this thread then reads. Past the grace, say how
+                    # it ended, as the receiver would have.
+                    if self.receiver is not None:
+                        self.receiver.wait_reported(REPORT_GRACE_S)
                     self._mark_dead(self._exit_reason(gone), gone)
                     self._check_usable()
                 raise EngineDeadError(f"cannot reach the engine process: {error}") from error

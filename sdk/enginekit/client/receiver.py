@@ -203,6 +203,12 @@ class ThreadReceiver(_Receiver):
         """Block until ``future`` is done (the thread answers it); its result, ``TimeoutError`` past ``timeout``."""
         return future.result(timeout)
 
+    def wait_reported(self, timeout: float) -> None:
+        """Block until the thread has reported the engine's death, or ``timeout`` (at once on the thread)."""
+        if threading.current_thread() is not self._thread:
+            with self._arrived:
+                self._arrived.wait_for(lambda: self.dead, timeout)
+
     def mark_dead(self) -> None:
         self.dead = True
         self._queue(None)
@@ -340,6 +346,19 @@ class LoopReceiver(_Receiver):
                 self._read_slice(_READ_SLICE_S if remaining is None else min(_READ_SLICE_S, remaining))
         return future.result()
 
+    def wait_reported(self, timeout: float) -> None:
+        """Read the socket on this thread until the engine's death is reported, or ``timeout``; at once when a
+        loop in another thread reads it (that loop reports it)."""
+        if self._driven_elsewhere():
+            return
+        deadline = time.monotonic() + timeout
+        with deferred_interrupts() as interrupted:
+            while not (self.dead or interrupted):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._read_slice(min(_READ_SLICE_S, remaining))
+
     def _read_slice(self, timeout: float) -> None:
         if not self._read_lock.acquire(timeout=timeout):
             return  # another thread is reading; it queues what it reads
@@ -365,10 +384,13 @@ class LoopReceiver(_Receiver):
         self.read_ready()
         return not self._closed
 
-    def _check_not_driven_elsewhere(self) -> None:
+    def _driven_elsewhere(self) -> bool:
         loop = self._loop
         driven = loop is not None and not loop.is_closed() and loop.is_running()
-        if driven and self._loop_thread != threading.get_ident():
+        return driven and self._loop_thread != threading.get_ident()
+
+    def _check_not_driven_elsewhere(self) -> None:
+        if self._driven_elsewhere():
             raise RuntimeError(
                 "this engine (mode='async') is being driven by an asyncio loop running in another thread; "
                 "call it from that thread (await engine.agenerate(...)), or use mode='mp' to call it "
