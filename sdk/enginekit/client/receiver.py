@@ -64,6 +64,11 @@ class _Receiver:
     is reported, reads what is left, and then reports the exit, unless an ``EngineDead`` ended the engine
     first. ``EXIT_DRAIN_S`` only guards against a connection whose end never shows (a remote rank's host gone
     silent).
+
+    NOTE: over IPC, libzmq (4.3.5) drops what is left in the kernel's buffer when the peer hangs up while the
+    socket's queue is at its high-water mark (``max_pending_outputs``): a reader that far behind when the
+    engine exits never gets its ``EngineDead``, and the exit is all that is left to report. TCP is not
+    affected (a peer's close does not raise the poll's hang-up there).
     """
 
     def __init__(
