@@ -77,6 +77,11 @@ class EngineCoreProc(EngineCore):
         self.input_thread.start()
         self.output_thread.start()
         self.report_phase("model load")
+        governor = (
+            ThreadGovernor.for_this_process(torch.get_num_threads()) if args.config.adaptive_threads else None
+        )
+        if governor is not None:
+            governor.poll()  # loading the model is work: the first step may run on what this window saw
         try:
             super().__init__(args.config, engine_index=args.engine_index)
         except BaseException:
@@ -90,11 +95,9 @@ class EngineCoreProc(EngineCore):
             raise
         # NOTE: tensor-parallel ranks keep a fixed share of the threads: one rank that ran fewer would hold the
         # others at every all_reduce.
-        self.thread_governor = (
-            ThreadGovernor.for_this_process(torch.get_num_threads())
-            if args.config.adaptive_threads and self.device.type == "cpu" and self.executor is None
-            else None
-        )
+        self.thread_governor = governor if self.device.type == "cpu" and self.executor is None else None
+        if self.thread_governor is not None:
+            self.thread_governor.pause()  # until the first request
         # a worker's death while idle fails the engine at the next loop iteration (one that died before the watch
         # could tell anyone, at the first)
         if self.executor is not None:
