@@ -189,19 +189,24 @@ class InprocClient(EngineCoreClient):
                     self.core.handle(request)
             else:
                 self._handle_within(request, deadline)
-            with self._lock:
-                # The engine process answers a Future when it completes; here, steps run until it does.
-                while call_id not in self._answers:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError
-                    self._step()
-                answer = self._answers.pop(call_id)
+            answer = self._wait_for_answer(call_id, deadline)
         except TimeoutError:
             self._abandoned.add(call_id)  # its answer, if it ever comes, is dropped
             raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
         if answer.failure_message is not None:
             raise UtilityCallError(answer.failure_message)
         return answer.result
+
+    def _wait_for_answer(self, call_id: int, deadline: float | None) -> UtilityOutput:
+        """The engine process answers a Future when it completes; here, steps run until it does. The lock is
+        taken one step at a time, so other threads' calls (an abort that lets ``wait_idle`` answer) get in."""
+        while True:
+            with self._lock:
+                if call_id in self._answers:
+                    return self._answers.pop(call_id)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError
+                self._step()
 
     def _handle_within(self, request: UtilityRequest, deadline: float) -> None:
         """Run the utility on a thread of its own, so that the caller's timeout holds as it does for an engine

@@ -178,11 +178,8 @@ class EngineCoreProc(EngineCore):
                 self.abort_requests(self.aborts_queue.get_nowait())
             except queue.Empty:
                 break
-        while self.output_queue.qsize() >= self.config.max_pending_outputs:
-            # Back-pressure: the front end is not reading; stop producing until it does.
-            time.sleep(GIL_YIELD_S)
-            if not self.is_running or not self.output_thread.is_alive():
-                break
+        if self.output_queue.qsize() >= self.config.max_pending_outputs:
+            self._wait_for_the_reader()
         if self.thread_governor is not None:
             self.thread_governor.poll()
         try:
@@ -196,6 +193,18 @@ class EngineCoreProc(EngineCore):
             self.max_output_queue_depth = max(self.max_output_queue_depth, self.output_queue.qsize())
         if not ran_forward and self.scheduler.has_unfinished_requests():
             time.sleep(GIL_YIELD_S)  # NOTE: let the IO threads take the GIL
+
+    def _wait_for_the_reader(self) -> None:
+        """Back-pressure: the front end is not reading; stop producing until it does. Logged at debug level: the
+        lines reach the front end through the process's output, which the stalled socket does not hold up."""
+        logger.debug(
+            "output queue full (%d batches unread): steps wait for the front end", self.output_queue.qsize()
+        )
+        while self.output_queue.qsize() >= self.config.max_pending_outputs:
+            time.sleep(GIL_YIELD_S)
+            if not self.is_running or not self.output_thread.is_alive():
+                break
+        logger.debug("steps resume (%d batches unread)", self.output_queue.qsize())
 
     @property
     def is_running(self) -> bool:
