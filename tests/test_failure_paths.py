@@ -168,7 +168,7 @@ def test_a_failing_pidfd_open_leaks_no_pipe(monkeypatch):
     with pytest.raises(EngineStartupError, match="Too many open files"):
         Engine("builtin", mode="mp")
     monkeypatch.undo()
-    diff = wait_until_clean(before, timeout=15)
+    diff = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert not diff.leaks(), diff.leaks()
 
 

@@ -23,6 +23,7 @@ from enginekit.runtime.engine_process import EngineProcess
 from enginekit.runtime.launcher import Launcher, LauncherError
 from enginekit.wire.messages import EngineProcArgs
 from hf_checkpoints import build_checkpoint, corrupt_safetensors
+from process_support import HANG_GUARD_S
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def baseline():
     Launcher.shared()
     before = snapshot()
     yield before
-    diff = wait_until_clean(before, timeout=15)
+    diff = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert not diff.leaks(), diff.leaks()
 
 

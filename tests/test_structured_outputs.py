@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from enginekit import Engine, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from process_support import HANG_GUARD_S
 
 BACKENDS = ["llguidance", "xgrammar"]
 SCHEMA = {
@@ -133,7 +134,7 @@ def test_a_request_waits_for_its_grammar_while_the_batch_goes_on():
         compile_grammar, release = manager._compile, threading.Event()
 
         def held_compile(spec):  # the real compile, once the test lets it run
-            release.wait(30)
+            release.wait(HANG_GUARD_S)
             return compile_grammar(spec)
 
         manager._compile = held_compile
