@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from enginekit import Engine, EngineDeadError, SamplingParams
-from process_support import HANG_GUARD_S, wait_for, wait_gone
+from process_support import HANG_GUARD_S, in_thread, wait_for, wait_gone
 
 # A death reaches the waiting calls through the engine's pidfd and sockets, at once ("about a second" on a quiet
 # machine): the messages below name how the engine ended, which only those paths know. A call still blocked after
@@ -133,6 +133,31 @@ def test_a_signal_to_the_engine_process_fails_the_calls_in_flight_naming_it(engi
         engine.generate("a later call fails the same way", SamplingParams(max_tokens=2))
     engine.restart()
     assert engine.generate("alive again", SamplingParams(max_tokens=3))[0].finished
+
+
+def test_a_signal_is_named_when_the_engine_exit_is_seen_before_its_last_message():
+    # On a busy machine the front end can see the engine's exit (its pidfd) while zmq still delivers the EngineDead
+    # that names the signal: the exit code (128 + SIGTERM) must name it the same way.
+    with Engine("builtin", mode="mp") as engine:
+        client, receiver = engine.client, engine.client.receiver
+        holding, released = threading.Event(), threading.Event()
+        handle_frames = receiver._handle_frames
+
+        def held(frames):  # the reader takes one message and holds it
+            holding.set()
+            released.wait()
+            return handle_frames(frames)
+
+        receiver._handle_frames = held
+        in_thread(engine.ping)  # its answer is the message held
+        assert holding.wait(HANG_GUARD_S)
+        process = client.engines[0].process
+        os.kill(engine.engine_pid, signal.SIGTERM)
+        assert process.wait_dead(HANG_GUARD_S)
+        client._on_process_exit(process)  # what the reader does when it sees the exit first
+        released.set()
+        with pytest.raises(EngineDeadError, match=r"was sent SIGTERM \(not by this front end\)"):
+            engine.generate("after the signal", SamplingParams(max_tokens=2))
 
 
 @pytest.mark.parametrize(

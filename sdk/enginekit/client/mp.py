@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import signal
 import threading
 import time
 from typing import Any, ClassVar
@@ -306,15 +307,27 @@ class MPClient(EngineCoreClient):
     # ---- death --------------------------------------------------------------------------------------
     def _on_process_exit(self, process: WatchedProcess) -> None:
         engine = next(engine for engine in self.engines if engine.process is process)
-        self._mark_dead(f"{self._who(engine)}the engine process died", engine)
+        # NOTE: an engine that stopped for a signal sent EngineDead naming it before it exited, but on a busy
+        # machine its exit can be seen first, while zmq still delivers the message: its exit code (128 + the
+        # signal) says the same. This front end sends none before it has closed, when an exit is no death.
+        code = process.returncode() if isinstance(process, EngineProcess) else None
+        if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+            assert isinstance(code, int)
+            reason = self._stopped_for(engine, signal.Signals(code - 128).name)
+        else:
+            reason = f"{self._who(engine)}the engine process died"
+        self._mark_dead(reason, engine)
+
+    def _stopped_for(self, engine: EngineRank, signal_name: str) -> str:
+        return (
+            f"{self._who(engine)}the engine process was sent {signal_name} (not by this front end) and stopped; "
+            "the requests it was running did not finish"
+        )
 
     def _on_engine_dead(self, message: EngineDead) -> None:
         engine = next((e for e in self.engines if e.rank == message.engine_index), self.engines[0])
         if message.signal_name is not None:
-            reason = (
-                f"{self._who(engine)}the engine process was sent {message.signal_name} (not by this front end) "
-                "and stopped; the requests it was running did not finish"
-            )
+            reason = self._stopped_for(engine, message.signal_name)
         else:
             reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
         if running_loop() is None:
