@@ -13,13 +13,13 @@ engine process sets its count when it changes; an in-process engine applies it a
 Fewer threads take effect at the first reading that asks for them: a step stalled on every core beside a busy
 process can take seconds (the real model's took 1.7 s against 0.1 s on one thread), and a second reading to
 confirm it costs one more such step. More threads need two readings in a row that agree, so one burst costs at
-most half a second on one thread and the count never flaps. Only working time counts: the engine marks each
+most half a second on one thread and the count does not flap. Only working time counts: the engine marks each
 wait for requests (``pause``), and the first step after it takes the wait out of the window, the other
 processes' CPU during it included. What other processes do with the cores while the engine has nothing to do
 says nothing about how they share them with its work (a benchmark that alternates engines kept an engine of
-short runs on one thread that way: each reading then held the other engines' runs). An in-process engine opens
-its first window before it loads the model (a first ``poll``): loading is work too, and its first step then
-runs on the count that window measured.
+short runs on one thread that way: each reading then held the other engines' runs). An engine opens its first
+window before it loads the model (a first ``poll``, then ``pause`` once it is built): loading is work too, and
+its first step then runs on the count that window measured.
 
 The thread count changes the last bits of some ops (decode attention splits its work by thread), so with
 ``adaptive_threads=False`` an engine keeps exactly ``num_threads`` and repeats its logprobs bit for bit.
