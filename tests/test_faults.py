@@ -89,9 +89,17 @@ def run_until_fault(engine, operation, *, in_flight, inject):
 
 
 @pytest.fixture(scope="module", params=["mp", "async"])
-def engine(request):
+def module_engine(request):
     with Engine("builtin", mode=request.param) as engine:
         yield engine
+
+
+@pytest.fixture
+def engine(module_engine):
+    """The module's engine, running: a test that failed before its own restart leaves it dead for no other."""
+    if not module_engine.is_running:
+        module_engine.restart()
+    return module_engine
 
 
 @pytest.mark.parametrize("operation", list(OPERATIONS))
