@@ -21,7 +21,7 @@ from process_support import HANG_GUARD_S, in_thread, wait_gone, wait_until_gener
 PROMPTS = [f"ray rank prompt {i}: " + "z" * i for i in range(8)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
-JOIN_TIMEOUT_S = 120.0  # each actor imports torch in a fresh Ray worker
+JOIN_TIMEOUT_S = 180.0  # a bound against hanging: each actor imports torch in a fresh Ray worker
 OPTIONS = {"data_parallel_size": 2, "num_kv_blocks": 128, "startup_timeout": JOIN_TIMEOUT_S}
 
 

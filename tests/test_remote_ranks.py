@@ -32,9 +32,10 @@ PROMPTS = [f"remote rank prompt {i}: " + "y" * i for i in range(8)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 SEEDED = [SamplingParams(max_tokens=8, temperature=0.9, seed=i) for i in range(8)]
 LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
-JOIN_TIMEOUT_S = (
-    90.0  # a rank's process imports torch (twice: it re-executes under the engine's OpenMP settings)
-)
+# A bound against hanging: a rank's process imports torch (twice: it re-executes under the engine's OpenMP
+# settings) and may be the session's first to compile the native kernels; beside two busy processes on a shared
+# 2-core machine that took more than 90 s.
+JOIN_TIMEOUT_S = 180.0
 POLL_GUARD_MS = int(HANG_GUARD_S * 1000)  # a poll returns as soon as its event is there; this bounds a hang
 
 
@@ -120,7 +121,11 @@ def cluster(tmp_path_factory):
     """A front end (mode "mp") with rank 0 here and rank 1 a remote process that serves one engine after another."""
     keys, port = tmp_path_factory.mktemp("remote") / "keys.json", free_port_triple()
     remote = start_rank(keys)  # it waits for the keys file, then joins
-    engine = Engine("builtin", mode="mp", **options(keys, port))
+    try:
+        engine = Engine("builtin", mode="mp", **options(keys, port))
+    except BaseException:
+        stop_rank(remote, 0)  # the start failed: the rank must not outlive it
+        raise
     yield engine, remote, keys
     engine.shutdown()
     stop_rank(remote, 0)
@@ -372,7 +377,7 @@ FRONT_END = """
 import sys, time
 from enginekit import Engine
 engine = Engine("builtin", mode="mp", data_parallel_size=2, data_parallel_size_local=1,
-                address=sys.argv[1], data_parallel_keys=sys.argv[2], startup_timeout=90)
+                address=sys.argv[1], data_parallel_keys=sys.argv[2], startup_timeout=180)
 print("ready", engine.client.engine_pids[0], flush=True)
 time.sleep(600)
 """
