@@ -128,6 +128,11 @@ def test_launcher_that_cannot_fork(baseline, monkeypatch):
 
 def _construct(args: EngineProcArgs) -> list[BaseException]:
     """Build an engine core process object here, on a thread; the exception it raised (a hang fails too)."""
+    from enginekit.model.kernels.library import native_library
+
+    # The test run's cache starts empty: building the native kernels here first keeps a compile (minutes on a
+    # busy machine) out of the bound below, which is on the engine core's start.
+    native_library()
     raised: list[BaseException] = []
 
     def build() -> None:
