@@ -392,6 +392,7 @@ class EngineCore:
             else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "num_idle_waiters": len(self._idle_waiters),
             "num_generated_tokens": self.outputs.num_generated_tokens,
             "uptime_s": time.monotonic() - self.start_time,
             "data_parallel_rank": self.engine_index,
