@@ -75,11 +75,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         (shared out between data-parallel ranks); in-process, the process's current torch setting.
         In-process, an explicit value is applied while the engine runs and restored at shutdown.
     adaptive_threads
-        A background engine on CPU runs up to ``num_threads`` threads and fewer while other processes keep
-        its cores busy (checked four times a second), so a busy machine does not stall every op. ``False``
+        An engine on CPU runs up to ``num_threads`` threads and fewer while other processes keep its cores
+        busy (checked four times a second), so a busy machine does not stall every op. In-process the count
+        applies inside each engine step only: between steps torch runs on the user's setting. ``False``
         keeps exactly ``num_threads``: logprobs then repeat bit for bit from run to run (the thread count
         changes the last bits of attention), but beside a busy process its spinning workers stall every op;
-        on a shared machine set ``OMP_WAIT_POLICY=PASSIVE`` as well.
+        on a shared machine set ``OMP_WAIT_POLICY=PASSIVE`` as well (in-process, before importing torch).
     startup_timeout
         Seconds to wait for the engine process to report READY.
     shutdown_timeout
@@ -165,6 +166,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
         same padded path runs without graphs (slower; for testing it there). Off by default: not yet measured
         on a GPU.
+    async_scheduling
+        Overlap the engine's steps, as vLLM's option of that name does: step N+1 is scheduled and its inputs
+        prepared while the device runs step N, and its decodes read step N's sampled ids on the device; step N's
+        tokens are applied (stops, text, grammars) before step N+1 samples, so outputs are the same as without.
+        ``None``: on with CUDA, off on CPU (where the host runs the forward pass and nothing overlaps).
+        ``tensor_parallel_size`` above 1 runs without.
     """
 
     model: str | None = None
@@ -203,6 +210,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cuda_graphs: bool = False
     batch_invariant: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require(  # NOTE: an empty path would resolve to the current directory and load whatever lies there
@@ -260,6 +268,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             not self.batch_invariant or self.tensor_parallel_size <= 2,
             f"batch_invariant=True holds with at most two tensor-parallel ranks, got tensor_parallel_size="
             f"{self.tensor_parallel_size}: over more, the row-parallel sums' order follows the size of the step",
+        )
+        _require(
+            not (self.async_scheduling and self.tensor_parallel_size > 1),
+            "async_scheduling=True cannot be used with tensor_parallel_size > 1 (the other model ranks get each "
+            "step's token ids from the host); leave async_scheduling None or False",
         )
         if self.structured_outputs_backend != "llguidance" and importlib.util.find_spec("xgrammar") is None:
             raise ImportError(

@@ -88,6 +88,7 @@ class StepOutputs:
         stops the request; ``status`` is the request's status change this step, if any."""
         token_id = sampled.token_ids[row]
         request.all_token_ids.append(token_id)
+        request.num_pending_tokens = max(request.num_pending_tokens - 1, 0)
         self.num_generated_tokens += 1
         if request.grammar is not None and not _grammar_takes(request, token_id):
             self.fail(request, ValueError(_no_token_left(request, token_id)))
@@ -160,9 +161,9 @@ class StepOutputs:
             return FinishReason.STOP, token_id
         if request.grammar is not None and request.grammar.ready_matcher.is_terminated():
             return FinishReason.STOP, None  # the structured output is complete: nothing more can follow
-        if (
-            params.max_tokens is not None and num_output >= params.max_tokens
-        ) or request.num_tokens >= self.max_model_len:
+        if (params.max_tokens is not None and num_output >= params.max_tokens) or len(
+            request.all_token_ids
+        ) >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 
