@@ -256,12 +256,27 @@ def test_sequences_attend_in_any_order_of_the_flat_batch(ops):
     torch.testing.assert_close(reordered.triton(ops), step.triton(ops)[torch.cat(rows)], atol=1e-6, rtol=1e-6)
 
 
+def test_int64_layouts_attend_as_int32_ones(ops):
+    """The runner hands the kernel int64 views of its staged inputs (no cast per step): the same attention."""
+    step = Step(LAYOUTS["mixed"], 8, 2, 64, 16, torch.float32)
+    expected = step.triton(ops, window=20)
+    step.inputs = PagedAttentionInputs(
+        **{
+            **vars(step.inputs),
+            "block_tables": step.inputs.block_tables.long(),
+            "query_start": step.inputs.query_start.long(),
+            "seq_lens": step.inputs.seq_lens.long(),
+        }
+    )
+    torch.testing.assert_close(step.triton(ops, window=20), expected, atol=0, rtol=0)
+
+
 def test_paged_attention_refuses_mismatched_inputs(ops):
     step = Step(LAYOUTS["decodes"], 4, 2, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="query heads over 3 KV heads"):
         ops.paged_attention(step.q, torch.zeros(2, 64, 3, 32), step.inputs, 1.0)
-    with pytest.raises(ValueError, match="must be int32"):
-        inputs = PagedAttentionInputs(**{**vars(step.inputs), "seq_lens": step.inputs.seq_lens.long()})
+    with pytest.raises(ValueError, match="must be int32 or int64"):
+        inputs = PagedAttentionInputs(**{**vars(step.inputs), "seq_lens": step.inputs.seq_lens.float()})
         ops.paged_attention(step.q, step.cache, inputs, 1.0)
     with pytest.raises(ValueError, match="num_splits must be a power of two"):
         ops.paged_attention(step.q, step.cache, step.inputs, 1.0, num_splits=3)
@@ -427,3 +442,61 @@ def test_a_decoder_step_through_the_triton_path_matches_the_torch_path(ops, conf
         return
     torch_error = (run(step.torch_metadata(), dtype)[0] - expected).abs().max()
     assert (logits - expected).abs().max() <= 2.5 * torch_error
+
+
+# --------------------------------------------------------------------------------------
+# A whole engine: the runner's step layout through the kernels
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_checkpoint(tmp_path_factory):
+    """A Gemma 2 model: sliding-window layers (of 6 tokens: shorter than the prompts), soft-capping, sandwich
+    norms, GeLU-tanh."""
+    from hf_checkpoints import build_checkpoint
+
+    return str(build_checkpoint(tmp_path_factory.mktemp("triton-gemma2"), "gemma2", sliding_window=6))
+
+
+@pytest.mark.parametrize(
+    ("model", "cuda_graphs"),
+    [
+        ("builtin", False),
+        pytest.param("builtin", True, marks=pytest.mark.slow),  # about 10-25 s each on a busy machine
+        pytest.param("gemma2", False, marks=pytest.mark.slow),
+        pytest.param("gemma2", True, marks=pytest.mark.slow),
+    ],
+    ids=["builtin-eager", "builtin-padded-decodes", "gemma2-eager", "gemma2-padded-decodes"],
+)
+def test_an_engine_on_the_triton_path_generates_the_torch_paths_greedy_tokens(
+    ops, gemma_checkpoint, monkeypatch, model, cuda_graphs
+):
+    """The runner's ``PagedAttentionInputs`` (staged with the step's inputs, the tables' rows gathered) drive the
+    kernels through decodes, chunked prefills and mixed steps: the greedy tokens are the torch path's. With
+    ``cuda_graphs`` the pure-decode steps take the padded static-buffer path that CUDA graphs record (run eagerly
+    here)."""
+    from enginekit import Engine, SamplingParams
+
+    checkpoint = "builtin" if model == "builtin" else gemma_checkpoint
+    options = dict(
+        mode="inproc",
+        block_size=8,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,  # prompts past it are chunked, and chunks share steps with decodes
+        max_model_len=128,
+        cuda_graphs=cuda_graphs,
+    )
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(n)]} for n in (3, 30, 11, 19)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with Engine(checkpoint, **options) as engine:
+        expected = [o.outputs[0].token_ids for o in engine.generate(prompts, params, progress=False)]
+        calls = []
+        kernels = TritonOps()
+        attend = kernels.paged_attention
+        monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or attend(*a, **k))
+        engine.client.core.runner.model.use_triton(kernels)
+        got = [o.outputs[0].token_ids for o in engine.generate(prompts, params, progress=False)]
+    assert calls  # the kernels did run
+    assert [list(t) for t in got] == [list(t) for t in expected]

@@ -192,6 +192,7 @@ class Decoder(nn.Module):
         )
         self.layer_ops: LayerOps | None = None  # see use_layer_ops
         self.fused_layers = 0  # layers run in one native call each (DecoderLayer.fuse)
+        self.triton: TritonOps | None = None  # see use_triton
         # a row's arithmetic does not depend on the step's other rows (load_model's batch_invariant): every query
         # attends natively, whatever its chunk's length (the runner reads this), and the kernels are the invariant ones
         self.batch_invariant = False
@@ -220,7 +221,9 @@ class Decoder(nn.Module):
 
     def use_triton(self, ops: TritonOps | None) -> None:
         """Run the layers with the Triton kernels ``ops`` (``triton_path.triton_ops``: CUDA only) at every step
-        whose metadata carries their inputs (``AttentionMetadata.kernel_inputs``); ``None``: the torch code."""
+        whose metadata carries their inputs (``AttentionMetadata.kernel_inputs``: the runner sets them while
+        ``self.triton`` is set); ``None``: the torch code."""
+        self.triton = ops
         for layer in self._layers():
             layer.triton = layer.self_attn.triton = ops
 

@@ -310,8 +310,10 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, inputs: PagedAttentionInputs
             f"got {tuple(inputs.query_start.shape)} and {tuple(tables.shape)}"
         )
     index_tensors = (tables, inputs.query_start, inputs.seq_lens)
-    if any(t.dtype != torch.int32 for t in index_tensors) or tables.stride(-1) != 1:
-        problems.append("block_tables, query_start and seq_lens must be int32 (tables with contiguous rows)")
+    if any(t.dtype not in (torch.int32, torch.int64) for t in index_tensors) or tables.stride(-1) != 1:
+        problems.append(
+            "block_tables, query_start and seq_lens must be int32 or int64 (tables with contiguous rows)"
+        )
     if any(t.device != q.device for t in (kv_cache, *index_tensors)):
         problems.append(f"every tensor on q's device ({q.device})")
     if problems:

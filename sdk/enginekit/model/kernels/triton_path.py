@@ -42,14 +42,12 @@ class PagedAttentionInputs:
     lengths in the same tensors.
     """
 
-    slot_mapping: (
-        torch.Tensor
-    )  # [num_tokens] int64: the cache slot of each new token's key and value (<0: none)
-    block_tables: (
-        torch.Tensor
-    )  # [num_seqs, max_blocks] int32: each sequence's blocks (past its length: unread)
-    query_start: torch.Tensor  # [num_seqs + 1] int32: cumulative new tokens, 0 first
-    seq_lens: torch.Tensor  # [num_seqs] int32: each sequence's context length after this step
+    # [num_tokens] int64: the cache slot of each new token's key and value (<0: none)
+    slot_mapping: torch.Tensor
+    # the three below: int32 (``build``) or int64 (the runner's, views of the step's staged inputs)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]: each sequence's blocks (past its length: unread)
+    query_start: torch.Tensor  # [num_seqs + 1]: cumulative new tokens, 0 first
+    seq_lens: torch.Tensor  # [num_seqs]: each sequence's context length after this step
     block_size: int
     max_query_len: int
     max_seq_len: int
