@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+# a constexpr: a jitted function reads no other global (the interpreter would, the compiler refuses)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
