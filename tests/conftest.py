@@ -13,6 +13,9 @@ pytest_plugins = ["enginekit.testing", "pytester"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Engine processes log into the front end's logger; keep test output readable.
 os.environ.setdefault("ENGINEKIT_TEST", "1")
+# Triton kernels run in Triton's interpreter, on CPU tensors (tests/test_triton_kernels.py). Set before triton is
+# first imported: triton.language decorates its own helpers (tl.cdiv, tl.zeros, ...) as it loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 # The weight cache of this test run (engine processes and notebook kernels inherit it): tests never write into
 # the user's ~/.cache, and every run starts from a clean cache.
 if "ENGINEKIT_CACHE" not in os.environ:

@@ -14,6 +14,9 @@ Steps with prefill chunks, prompt embeddings or prompt logprobs, and batches lar
 run eagerly. Graphs are captured on first use of a shape (capturing every shape at start would cost seconds
 on every restart) and share one memory pool.
 
+With Triton kernels (``Decoder.triton``) the graphs record them: the static buffers are their inputs too (one new
+token per row, each row's blocks, its context length), and the padded context only picks their launch shape.
+
 Without CUDA (``capture=False``) the same padded, static-buffer path runs eagerly: that is how its shape
 handling is tested on CPU, and how ``EngineConfig(cuda_graphs=True)`` behaves there.
 """
@@ -28,6 +31,7 @@ import torch
 from enginekit.model.batch import SequenceChunk
 from enginekit.model.decoder import Decoder
 from enginekit.model.input_batch import StepInputs
+from enginekit.model.kernels.triton_path import PagedAttentionInputs
 from enginekit.model.layers.paged_attention import AttentionMetadata
 
 
@@ -97,6 +101,7 @@ class DecodeGraphs:
         self.token_ids, self.positions, self.slot_mapping, self.context_lens = self.inputs
         self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.long, device=device)
         self.rows = torch.arange(largest, device=device)
+        self.query_start = torch.arange(largest + 1, device=device)  # the Triton kernels': one token per row
         self.padding = torch.tensor([[0], [0], [pad_slot], [1]], device=device)  # attending to one slot
         self.offsets = torch.arange(max_blocks * block_size, device=device)
         self.steps: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (batch, blocks) -> step
@@ -130,6 +135,20 @@ class DecodeGraphs:
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The padded step on the static buffers: everything a graph of this shape records."""
         length = blocks * self.block_size
+        if self.model.triton is not None:
+            inputs = PagedAttentionInputs(
+                slot_mapping=self.slot_mapping[:batch],
+                block_tables=self.block_tables[:batch, :blocks],
+                query_start=self.query_start[: batch + 1],
+                seq_lens=self.context_lens[:batch],
+                block_size=self.block_size,
+                max_query_len=1,
+                max_seq_len=length,
+            )
+            meta = AttentionMetadata(self.slot_mapping[:batch], self.block_size, kernel_inputs=inputs)
+            return self.model(
+                self.token_ids[:batch], self.positions[:batch], self.kv_caches, meta, self.rows[:batch]
+            )
         mask = self.offsets[:length].unsqueeze(0) < self.context_lens[:batch].unsqueeze(1)
         meta = AttentionMetadata(
             self.slot_mapping[:batch],

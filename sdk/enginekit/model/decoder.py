@@ -15,6 +15,7 @@ from torch import nn
 from enginekit.model.config import ModelConfig
 from enginekit.model.kernels.native import LayerOps, native_layer_ops
 from enginekit.model.kernels.quant_gemm import PATHS, NativeQuantGemm
+from enginekit.model.kernels.triton_path import TritonOps
 from enginekit.model.layers.attention import Attention
 from enginekit.model.layers.embedding import Embedding
 from enginekit.model.layers.linear import Linear, LinearKernel
@@ -44,6 +45,8 @@ def layer_ops(
 
 
 class DecoderLayer(nn.Module):
+    triton: TritonOps | None = None  # see Decoder.use_triton
+
     def __init__(self, config: ModelConfig, layer: int, comm: Collectives | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -116,12 +119,35 @@ class DecoderLayer(nn.Module):
         return True
 
     def forward(self, hidden, rotary, kv_cache, meta):
+        if self.triton is not None and meta.kernel_inputs is not None:  # CUDA: the Triton path
+            return self.forward_triton(self.triton, hidden, rotary, kv_cache, meta)
         if self.sandwich:
             attended = self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, meta)
             hidden = hidden + self.post_attention_layernorm(attended)
             return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, kv_cache, meta)
         return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
+
+    def forward_triton(self, ops: TritonOps, hidden, rotary, kv_cache, meta):
+        """``forward`` with the Triton kernels: each norm fused with the residual add before it (Gemma's sandwich
+        norms: the output's norm, the add and the next norm in one launch), the rotation with the cache write,
+        attention over the cache in place, the gated activation (see docs/architecture.md)."""
+        eps = self.input_layernorm.eps
+        attended = self.self_attn(
+            ops.rms_norm(hidden, self.input_layernorm.weight, eps), rotary, kv_cache, meta
+        )
+        if self.sandwich:
+            hidden, x = ops.residual_norm(
+                attended,
+                hidden,
+                eps,
+                x_weight=self.post_attention_layernorm.weight,
+                weight=self.pre_feedforward_layernorm.weight,
+            )
+            out = self.mlp.forward_triton(x, ops)
+            return ops.residual_norm(out, hidden, eps, x_weight=self.post_feedforward_layernorm.weight)[0]
+        hidden, x = ops.residual_norm(attended, hidden, eps, weight=self.post_attention_layernorm.weight)
+        return hidden.add_(self.mlp.forward_triton(x, ops))
 
     __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"
 
@@ -166,6 +192,7 @@ class Decoder(nn.Module):
         )
         self.layer_ops: LayerOps | None = None  # see use_layer_ops
         self.fused_layers = 0  # layers run in one native call each (DecoderLayer.fuse)
+        self.triton: TritonOps | None = None  # see use_triton
         # a row's arithmetic does not depend on the step's other rows (load_model's batch_invariant): every query
         # attends natively, whatever its chunk's length (the runner reads this), and the kernels are the invariant ones
         self.batch_invariant = False
@@ -191,6 +218,14 @@ class Decoder(nn.Module):
         self.layer_ops = ops
         self.fused_layers = sum(layer.fuse(ops) for layer in self._layers())
         return len(modules) if ops is not None else 0
+
+    def use_triton(self, ops: TritonOps | None) -> None:
+        """Run the layers with the Triton kernels ``ops`` (``triton_path.triton_ops``: CUDA only) at every step
+        whose metadata carries their inputs (``AttentionMetadata.kernel_inputs``: the runner sets them while
+        ``self.triton`` is set); ``None``: the torch code."""
+        self.triton = ops
+        for layer in self._layers():
+            layer.triton = layer.self_attn.triton = ops
 
     def forward(
         self,

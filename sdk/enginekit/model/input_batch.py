@@ -8,7 +8,8 @@ itself, and nothing is copied):
   sequence's blocks are 0. The rows that changed are copied up in one copy of the tables' used rows.
 - **The step's token rows** (token id, rotary row, cache slot, context length, table row) and the logits rows,
   computed with numpy from a handful of per-chunk numbers (no loop over tokens), packed into one buffer and copied up
-  in one copy.
+  in one copy; with ``kernel_layout`` (the Triton path, ``runner.py``), each chunk's first row and context length
+  after the step in the same copy.
 
 NOTE: on CUDA a host buffer is written again only after the copy that read it has run (``_copied``): the next step
 is prepared while this one may still be queued behind the previous one.
@@ -46,6 +47,10 @@ class StepInputs:
     starts: np.ndarray
     counts: np.ndarray
     rows: np.ndarray
+    # with ``kernel_layout`` (else None), on the device: [chunks + 1] cumulative token counts (0 first) and
+    # [chunks] each chunk's context length after the step
+    query_start: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
 
 
 class InputBatch:
@@ -142,12 +147,18 @@ class InputBatch:
 
     # ---- the step's rows ----------------------------------------------------------------------------------
     def prepare(
-        self, chunks: list[SequenceChunk], native_until: int, previous: torch.Tensor | None = None
+        self,
+        chunks: list[SequenceChunk],
+        native_until: int,
+        previous: torch.Tensor | None = None,
+        *,
+        kernel_layout: bool = False,
     ) -> StepInputs:
         """The inputs of ``chunks``. Every decode's row gets its context length, and so does every row of a prefill
         chunk that ends within ``native_until`` tokens of its sequence's start (0: none; the others get 0);
         ``previous``: the ids the step before sampled, on the device, where chunks with a ``sampled_row`` find
-        their token."""
+        their token; ``kernel_layout``: stage each chunk's token start and length after the step too
+        (``StepInputs.query_start``, ``seq_lens``)."""
         rows = self.sync_tables(chunks)
         count = len(chunks)
         starts = np.fromiter((chunk.start for chunk in chunks), np.int64, count)
@@ -177,7 +188,12 @@ class InputBatch:
             for i, chunk in enumerate(chunks)
             if chunk.sampled_row is not None
         ]
-        staged = self._stage(total, (tokens, rope, slots, lens, table_rows), logits_rows, rows, pending)
+        layout = None
+        if kernel_layout:  # query starts (the firsts, then the total) and lengths after the step
+            layout = np.concatenate((firsts, (total,), starts + counts))
+        staged = self._stage(
+            total, (tokens, rope, slots, lens, table_rows), logits_rows, rows, layout, pending
+        )
         if pending:
             assert previous is not None  # a chunk takes its token from the step before only when it is given
             end = staged.shape[0]
@@ -190,6 +206,10 @@ class InputBatch:
         ]
         per_token = staged[: TOKEN_FIELDS * total].view(TOKEN_FIELDS, total)
         end = TOKEN_FIELDS * total + len(logits_rows)
+        query_start = seq_lens = None
+        if layout is not None:
+            at = end + count
+            query_start, seq_lens = staged[at : at + count + 1], staged[at + count + 1 : at + 2 * count + 1]
         return StepInputs(
             per_token,
             per_token[0],
@@ -204,6 +224,8 @@ class InputBatch:
             starts,
             counts,
             rows,
+            query_start,
+            seq_lens,
         )
 
     def _stage(
@@ -212,11 +234,14 @@ class InputBatch:
         fields: tuple[np.ndarray, ...],
         logits_rows: np.ndarray,
         rows: np.ndarray,
+        layout: np.ndarray | None,
         pending: list[tuple[int, int]],
     ) -> torch.Tensor:
         """Pack the step's rows into the staging buffer and copy them (and the changed tables) to the device;
-        ``pending``: (token row, row of the previous step's ids) pairs, packed last."""
-        size = TOKEN_FIELDS * total + len(logits_rows) + len(rows) + 2 * len(pending)
+        ``layout`` (or None) after the chunks' rows; ``pending``: (token row, row of the previous step's ids)
+        pairs, packed last."""
+        extra = len(layout) if layout is not None else 0
+        size = TOKEN_FIELDS * total + len(logits_rows) + len(rows) + extra + 2 * len(pending)
         self._wait_for_copy()
         if self._staging.shape[0] < size:
             self._staging, self._device_staging = self._pair((max(size, self._staging.shape[0] * 3 // 2),))
@@ -227,8 +252,12 @@ class InputBatch:
         staging[at : at + len(logits_rows)] = logits_rows
         at += len(logits_rows)
         staging[at : at + len(rows)] = rows
+        at += len(rows)
+        if layout is not None:
+            staging[at : at + extra] = layout
+            at += extra
         if pending:
-            staging[at + len(rows) : size] = np.array(pending, dtype=np.int64).ravel()
+            staging[at:size] = np.array(pending, dtype=np.int64).ravel()
         if not self._pinned:
             self._dirty = False
             return self._staging[:size]

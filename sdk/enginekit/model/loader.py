@@ -31,6 +31,7 @@ from enginekit.model.formats.hf import read_hf_config, read_hf_weights
 from enginekit.model.formats.source import ModelSource, resolve_model
 from enginekit.model.kernels.library import native_kernels_status
 from enginekit.model.kernels.native import native_layer_ops, native_skinny_gemm
+from enginekit.model.kernels.triton_path import triton_ops
 from enginekit.model.layers.linear import linear_kernel
 from enginekit.model.layers.parallel_linear import Collectives
 from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
@@ -175,6 +176,8 @@ def load_model(
     count = module.use_linear_kernel(kernel)
     module.batch_invariant = batch_invariant
     native = module.use_layer_ops(layer_ops(config, device, dtype, module.tensor_parallel_size))
+    triton = triton_ops(device)
+    module.use_triton(triton)
     logger.info(
         "model loaded on %s in %s%s; its %d projections run %s%s; norms and attention: %s",
         device,
@@ -183,7 +186,9 @@ def load_model(
         count,
         kernel_name,
         describe_stored(stored),
-        "native layer operations" if native else "torch",
+        "native layer operations"
+        if native
+        else "torch" + (" (Triton kernels at steps that carry their inputs)" if triton else ""),
     )
     return module
 

@@ -3,6 +3,10 @@
 ``execute`` is the whole story of a step: prepare the flat inputs (``InputBatch``: persistent host buffers, copied
 to the device without blocking), describe the attention layout, run the model, sample on the device, copy back the
 sampled ids. Decodes come first in the flat batch so that they attend in one batched call.
+
+A model with Triton kernels (``Decoder.triton``: on CUDA, ``kernels/triton_path.py``) gets the step's layout as
+``PagedAttentionInputs`` (views of the step's staged inputs and its rows of the block tables, no host sync) instead
+of the torch path's metadata: its layers then attend over the cache in place.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from enginekit.model.config import ModelConfig
 from enginekit.model.decode_graph import DecodeGraphs
 from enginekit.model.decoder import Decoder
 from enginekit.model.input_batch import InputBatch, StepInputs
+from enginekit.model.kernels.triton_path import PagedAttentionInputs
 from enginekit.model.layers.paged_attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
 from enginekit.model.sampler import DeviceSample, PendingSample, Sampler, SamplerOutput, top_logprobs
 
@@ -119,13 +124,22 @@ class ModelRunner:
         chunks = batch.chunks
         self.inputs.release(batch.freed_seq_ids)
         native = self.model.layer_ops is not None
+        triton = self.model.triton is not None
         graphs = self.decode_graphs is not None and self.decode_graphs.accepts(chunks)
-        native_until = self._native_until if native and not graphs else 0
-        inputs = self.inputs.prepare(chunks, native_until, batch.previous_token_ids)
+        native_until = self._native_until if native and not graphs and not triton else 0
+        kernel_layout = triton and not graphs
+        inputs = self.inputs.prepare(
+            chunks, native_until, batch.previous_token_ids, kernel_layout=kernel_layout
+        )
         self._zero_new_blocks(batch.num_used_blocks)
         if self.decode_graphs is not None and graphs:
             return self.decode_graphs(inputs, self.inputs.tables), {}
-        meta = self._attention_metadata(chunks, inputs, native)
+        if kernel_layout:
+            meta = AttentionMetadata(
+                inputs.slot_mapping, self.block_size, kernel_inputs=self._kernel_inputs(inputs)
+            )
+        else:
+            meta = self._attention_metadata(chunks, inputs, native)
         logits = self.model(
             inputs.token_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices, inputs.embeds
         )
@@ -165,6 +179,23 @@ class ModelRunner:
                 targets = transfer.upload(chunk.prompt_targets, torch.long, logits.device)
                 sample.prompt_logprobs[index] = top_logprobs(logits[rows], targets, chunk.prompt_logprobs)
         return sample
+
+    def _kernel_inputs(self, inputs: StepInputs) -> PagedAttentionInputs:
+        """The Triton kernels' layout of the step: the staged starts and lengths, and each chunk's row of the
+        block tables cut to the longest context (one device gather per step, shared by every layer)."""
+        assert inputs.query_start is not None and inputs.seq_lens is not None  # staged with kernel_layout
+        ends = inputs.starts + inputs.counts
+        longest = int(ends.max())
+        tables = self.inputs.tables[:, : -(-longest // self.block_size)].index_select(0, inputs.chunk_rows)
+        return PagedAttentionInputs(
+            slot_mapping=inputs.slot_mapping,
+            block_tables=tables,
+            query_start=inputs.query_start,
+            seq_lens=inputs.seq_lens,
+            block_size=self.block_size,
+            max_query_len=int(inputs.counts.max()),
+            max_seq_len=longest,
+        )
 
     def _attention_metadata(
         self, chunks: list[SequenceChunk], inputs: StepInputs, native: bool

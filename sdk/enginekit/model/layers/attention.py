@@ -9,6 +9,7 @@ from torch import nn
 
 from enginekit.model.config import ModelConfig
 from enginekit.model.kernels.native import LayerOps
+from enginekit.model.kernels.triton_path import PagedAttentionInputs, TritonOps
 from enginekit.model.layers.linear import Linear
 from enginekit.model.layers.norm import RMSNorm
 from enginekit.model.layers.paged_attention import AttentionMetadata, paged_attention
@@ -18,6 +19,7 @@ from enginekit.model.layers.rotary import rotate
 
 class Attention(nn.Module):
     ops: LayerOps | None = None  # see Decoder.use_layer_ops
+    triton: TritonOps | None = None  # see Decoder.use_triton
 
     def __init__(self, config: ModelConfig, window: int = 0, comm: Collectives | None = None) -> None:
         super().__init__()
@@ -62,6 +64,8 @@ class Attention(nn.Module):
             )
             qkv[:, : self.q_size] = self.q_norm(q).view(tokens, self.q_size)
             qkv[:, self.q_size : self.q_size + self.kv_size] = self.k_norm(k).view(tokens, self.kv_size)
+        if self.triton is not None and meta.kernel_inputs is not None:  # CUDA: the Triton path
+            return self.o_proj(self._triton_attention(self.triton, qkv, rotary, kv_cache, meta.kernel_inputs))
         if self.ops is not None:  # rotates q and k, and writes k and v to the cache, in one call
             qk = self.ops.rope_write_cache(
                 qkv, *rotary, meta.slot_mapping, kv_cache, self.num_heads, self.num_kv_heads
@@ -78,5 +82,21 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.ops, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _triton_attention(
+        self,
+        ops: TritonOps,
+        qkv: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        inputs: PagedAttentionInputs,
+    ) -> torch.Tensor:
+        """q rotated and the new keys and values written (one launch), then every query attends over the cache in
+        place (one, or two for a split of long contexts): ``[T, q_size]``."""
+        q = ops.rope_write_cache(
+            qkv, *rotary, inputs.slot_mapping, kv_cache, self.num_heads, self.num_kv_heads
+        )
+        out = ops.paged_attention(q, kv_cache, inputs, self.scale, self.window, self.softcap)
+        return out.view(-1, self.q_size)
 
     __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 from enginekit.model.config import ModelConfig
 from enginekit.model.kernels.native import LayerOps
+from enginekit.model.kernels.triton_path import TritonOps
 from enginekit.model.layers.linear import Linear
 from enginekit.model.layers.parallel_linear import Collectives, ColumnParallelLinear, RowParallelLinear
 
@@ -42,5 +43,9 @@ class MLP(nn.Module):
             return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in place: no new [T, inter] tensors
+
+    def forward_triton(self, x: torch.Tensor, ops: TritonOps) -> torch.Tensor:
+        """``forward`` with the gated activation in one Triton launch (``DecoderLayer.forward_triton``)."""
+        return self.down_proj(ops.gated_activation(self.gate_up_proj(x), gelu_tanh=self.gelu_tanh))
 
     __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from enginekit.model.kernels.native import LayerOps
+from enginekit.model.kernels.triton_path import PagedAttentionInputs
 
 # Prefill chunks that end within this many tokens of their sequence's start attend through the native call (each
 # query over its own context), the others through SDPA (which reuses each key across many queries): past about
@@ -65,6 +66,9 @@ class AttentionMetadata:
     query_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     gather_buffer: torch.Tensor | None = None  # [2, rows, block row] scratch for the gathered K and V blocks
+    # The Triton path (CUDA; model/kernels/triton_path.py): the step's layout on the device. When set, the layers
+    # given Triton kernels (Decoder.use_triton) run them instead of the torch code; None on CPU.
+    kernel_inputs: PagedAttentionInputs | None = None
 
 
 def _gather(blocks: torch.Tensor, table: torch.Tensor, buffer: torch.Tensor | None, kv: int) -> torch.Tensor:
