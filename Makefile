@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	# out triton (about 290 MB of GPU kernels the CPU path never uses); its other dependencies (torch,
 	# transformers, pydantic, numpy) are installed above, and apache-tvm-ffi is named here.
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	# Triton, for the tests of the CUDA kernels: they run on CPU tensors in Triton's interpreter and are compiled
+	# for sm_90 with its bundled ptxas (tests/test_triton_kernels.py, tests/test_triton_compile.py).
+	$(PY) -m pip install -q --no-deps triton==3.9.0
 	touch $(STAMP)
 
 demo: setup
