@@ -26,6 +26,7 @@ from enginekit.config import EngineConfig
 from enginekit.core.batching import build_batch
 from enginekit.core.detokenizer import IncrementalDetokenizer
 from enginekit.core.kv_cache import KVCacheManager
+from enginekit.core.lora import LoRAManager
 from enginekit.core.model_start import start_model
 from enginekit.core.request import Request
 from enginekit.core.resources import release_device_memory, resolve_device
@@ -124,7 +125,9 @@ class EngineCore:
         self.tokenizer = started.tokenizer
         self.kv_size = started.kv_size
         self.num_kv_blocks, self.max_model_len = self.kv_size.num_blocks, self.kv_size.max_model_len
-        self.limits = RequestLimits(model_config.vocab_size, model_config.hidden_size, self.max_model_len)
+        self.limits = RequestLimits(
+            model_config.vocab_size, model_config.hidden_size, self.max_model_len, config.enable_lora
+        )
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -133,7 +136,13 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             long_rope_from=model_config.long_rope_from,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
+        self.loras: LoRAManager | None = None  # the LoRA adapters (enable_lora)
+        if config.enable_lora:
+            model = self.executor if self.executor is not None else self.runner
+            live = lambda: (request.lora for request in self.scheduler.requests.values())  # noqa: E731
+            self.loras = LoRAManager(config, model_config, model.load_lora, live)
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend,
             self.tokenizer,
@@ -171,6 +180,13 @@ class EngineCore:
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
         added = Request(request, detokenizer=detokenizer)
+        if request.lora_request is not None:
+            assert self.loras is not None  # validate_request refuses an adapter without enable_lora
+            try:
+                added.lora = self.loras.resolve(request.lora_request)
+            except ValueError as error:
+                self.outputs.refuse(request_id, error)
+                return
         if params.bad_words:
             added.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.structured_outputs is not None:
@@ -268,6 +284,8 @@ class EngineCore:
             self.outputs.report_status(changes)
             return False
         batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache)
+        if self.loras is not None:
+            batch.lora_slots = self.loras.rows(requests, batch.chunks)
         grammars = [
             (row, request.grammar) for row, request in enumerate(sampling) if request.grammar is not None
         ]
@@ -336,6 +354,7 @@ class EngineCore:
             "data_parallel_rank": self.engine_index,
             "native_kernels": native_kernels_status(),
             **self.structured.stats(),
+            **(self.loras.stats() if self.loras is not None else {}),
         }
 
     def utility_wait_idle(self) -> concurrent.futures.Future[dict[str, Any]]:
@@ -349,6 +368,23 @@ class EngineCore:
 
     def utility_get_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
+
+    def utility_add_lora(self, lora_request: Any) -> bool:
+        return self._lora_manager().add(lora_request)
+
+    def utility_remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().remove(lora_int_id)
+
+    def utility_pin_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().pin(lora_int_id)
+
+    def utility_list_loras(self) -> list[int]:
+        return self._lora_manager().list()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.loras is None:
+            raise ValueError("LoRA is off in this engine: start it with enable_lora=True")
+        return self.loras
 
     def utility_sleep(self, seconds: float) -> float:
         """Block the engine loop for a while (tests use it to hold a step open)."""

@@ -22,6 +22,7 @@ class RequestLimits(msgspec.Struct, frozen=True):
     vocab_size: int
     hidden_size: int
     max_model_len: int
+    enable_lora: bool = False
 
 
 def validate_request(request: EngineCoreRequest, limits: RequestLimits) -> None:
@@ -42,6 +43,11 @@ def validate_request(request: EngineCoreRequest, limits: RequestLimits) -> None:
     if embeds is not None:
         check_prompt_embeds(embeds, limits.hidden_size, num_tokens=len(token_ids))
     _check_token_ids(request.sampling_params, limits.vocab_size)
+    if request.lora_request is not None and not limits.enable_lora:
+        raise ValueError(
+            f"lora_request names adapter {request.lora_request.lora_name!r}, but LoRA is off in this engine: start "
+            "it with enable_lora=True (Engine(..., enable_lora=True), or engine.restart(enable_lora=True))"
+        )
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -12,7 +12,9 @@ import msgspec
 import torch
 
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
+from enginekit.lora_request import LoRARequest
 from enginekit.model.loader import ModelSpec
+from enginekit.model.lora.adapter import inspect_adapter
 from enginekit.model.text.tokenizer import Tokenizer
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import EngineCoreRequest
@@ -61,6 +63,23 @@ def normalize_params(params: Any, num_prompts: int) -> list[SamplingParams]:
     return list(params)
 
 
+def normalize_lora_requests(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:
+    """``lora_request=``: one ``LoRARequest`` (or ``None``) for every prompt, or a list with one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)):
+        raise TypeError(
+            f"lora_request must be a LoRARequest, None, or a list of them (one per prompt), "
+            f"not {type(lora_request).__name__}"
+        )
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {num_prompts} prompts")
+    for item in lora_request:
+        if item is not None and not isinstance(item, LoRARequest):
+            raise TypeError(f"lora_request must hold LoRARequest or None, not {type(item).__name__}")
+    return list(lora_request)
+
+
 def prepare_request(
     prompt: PromptInput,
     params: SamplingParams,
@@ -68,6 +87,7 @@ def prepare_request(
     tokenizer: Tokenizer,
     limits: RequestLimits,
     arrival_time: float,
+    lora_request: LoRARequest | None = None,
 ) -> tuple[EngineCoreRequest, str | None]:
     """The engine request for one prompt, checked exactly as the engine checks it; and the prompt text."""
     text, token_ids, embeds = _tokens(prompt, tokenizer, limits.hidden_size)
@@ -78,7 +98,9 @@ def prepare_request(
         embeds = embeds[-keep:] if embeds is not None else None
     if params.max_tokens is None:  # vLLM's meaning: as many as the context has room for
         params = msgspec.structs.replace(params, max_tokens=max(1, limits.max_model_len - len(token_ids)))
-    request = EngineCoreRequest(request_id, token_ids, params, arrival_time, embeds)
+    request = EngineCoreRequest(
+        request_id, token_ids, params, arrival_time, embeds, lora_request=lora_request
+    )
     validate_request(request, limits)
     return request, text
 
@@ -146,14 +168,16 @@ class PreparedRequest:
     params: SamplingParams
     engine_requests: list[EngineCoreRequest]
     messages: list[dict[str, Any]] | None = None
+    lora_request: LoRARequest | None = None
 
 
 class RequestBuilder:
     """Makes the engine requests of one engine's calls: ids, tokenization, the same checks the engine runs."""
 
-    def __init__(self, spec: ModelSpec, limits: RequestLimits) -> None:
+    def __init__(self, spec: ModelSpec, limits: RequestLimits, max_lora_rank: int = 0) -> None:
         self.spec = spec
         self.limits = limits
+        self.max_lora_rank = max_lora_rank
         self._prefix = uuid.uuid4().hex[:6]
         self._counter = itertools.count()
 
@@ -165,17 +189,21 @@ class RequestBuilder:
         single: str = "",
         request_id: Any = None,
         final_only: bool | None = None,
+        lora_request: Any = None,
     ) -> list[PreparedRequest]:
         """One checked request per prompt (``single`` names a method that takes exactly one). ``final_only``:
-        the caller needs only each request's end (``None``: if its ``output_kind`` is ``FINAL_ONLY``)."""
+        the caller needs only each request's end (``None``: if its ``output_kind`` is ``FINAL_ONLY``).
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (each checked against the model)."""
         items = normalize_prompts(prompts)
         if single and len(items) != 1:
             raise ValueError(f"{single} takes one prompt; use generate for a batch")
         all_params = normalize_params(params, len(items))
+        adapters = normalize_lora_requests(lora_request, len(items))
         ids = self._request_ids(request_id, len(items))
+        self._check_adapters(adapters)
         tokenizer, now, prepared = self.spec.tokenizer, time.time(), []
-        for item, item_params, rid in zip(items, all_params, ids):
-            request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+        for item, item_params, rid, adapter in zip(items, all_params, ids, adapters):
+            request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now, adapter)
             if item_params.max_tokens is None:  # the output shows the limit the request got
                 item_params = request.sampling_params
             only_end = item_params.output_kind is RequestOutputKind.FINAL_ONLY
@@ -183,9 +211,18 @@ class RequestBuilder:
             conversation = item.messages if isinstance(item, ChatPrompt) else None
             samples = _samples(request) if item_params.n > 1 else [request]
             prepared.append(
-                PreparedRequest(rid, text, request.prompt_token_ids, item_params, samples, conversation)
+                PreparedRequest(
+                    rid, text, request.prompt_token_ids, item_params, samples, conversation, adapter
+                )
             )
         return prepared
+
+    def _check_adapters(self, adapters: list[LoRARequest | None]) -> None:
+        """Each adapter's folder, config and shapes against the model, before anything is sent (the engine reads
+        the weights, and checks them again)."""
+        if self.max_lora_rank:  # else validate_request refuses them: LoRA is off
+            for adapter in dict.fromkeys(a for a in adapters if a is not None):
+                inspect_adapter(adapter, self.spec.config, self.max_lora_rank)
 
     def _request_ids(self, request_id: Any, count: int) -> list[str]:
         if request_id is None:

@@ -80,9 +80,11 @@ class ScheduledBatch:
 
     ``num_used_blocks``: blocks ``[0, num_used_blocks)`` may hold data (the pool hands out fresh blocks in id
     order), so the runner zeroes any of them it has not zeroed yet before the forward pass. ``token_bitmask``:
-    the structured outputs' masks of the chunks that sample (rows in sampling order).
+    the structured outputs' masks of the chunks that sample (rows in sampling order). ``lora_slots``: the LoRA
+    adapter slot of each token row, ``-1`` for none (``None``: no row uses an adapter).
     """
 
     chunks: list[SequenceChunk] = field(default_factory=list)
     num_used_blocks: int = 0
     token_bitmask: TokenBitmask | None = None
+    lora_slots: list[int] | None = None

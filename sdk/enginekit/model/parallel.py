@@ -10,12 +10,15 @@ eight integers (sent by the executor over each worker's pipe, see ``enginekit.co
 tensor (every chunk's numbers, tokens and block table), plus the prompt embeddings if any, which rank 0
 broadcasts (``broadcast_batch``); ``receive_batch`` rebuilds the chunks on the other ranks. They need what shapes
 the forward pass: the tokens, positions, cache slots and tables, and which rows are sampled or scored; never the
-sampling parameters (only rank 0 samples).
+sampling parameters (only rank 0 samples). Each token row's LoRA adapter slot, if any, follows the tables in the
+payload. A LoRA adapter written into a slot travels the same way (``OP_LORA``: ``broadcast_lora`` /
+``receive_lora``): its whole weights as one float32 tensor, of which each rank keeps its slice.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import struct
 
 import torch
@@ -23,12 +26,16 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it, untyped
 
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
+from enginekit.model.config import ModelConfig
+from enginekit.model.lora.weights import LoRAWeights, pack, unpack
 from enginekit.sampling_params import SamplingParams
 
 COLLECTIVE_TIMEOUT_S = 300.0  # the longest a rank waits for the others in one collective (a long prefill)
 STORE_HOST = "127.0.0.1"
-HEADER = struct.Struct("<8q")  # op, chunks, tokens, table entries, used blocks, embedding rows, payload, 0
-OP_STEP, OP_STOP = 1, 0
+HEADER = struct.Struct(
+    "<8q"
+)  # op, chunks, tokens, table entries, used blocks, embedding rows, payload, LoRA rows
+OP_STEP, OP_STOP, OP_LORA = 1, 0, 2  # OP_LORA: op, slot, rank, values, then 0s
 CHUNK_FIELDS = 7  # start, tokens, samples, prompt targets, rope_long, table length, embedding rows
 _SAMPLES = SamplingParams(max_tokens=1)  # what marks a worker's chunk as sampled (only its presence counts)
 
@@ -126,7 +133,8 @@ def pack_batch(batch: ScheduledBatch) -> tuple[bytes, torch.Tensor, torch.Tensor
         tables += chunk.block_table
         if chunk.prompt_embeds is not None:
             embeds.append(chunk.prompt_embeds)
-    payload = torch.tensor(fields + tokens + tables, dtype=torch.long)
+    lora_slots = batch.lora_slots or []
+    payload = torch.tensor(fields + tokens + tables + lora_slots, dtype=torch.long)
     embeddings = torch.cat(embeds) if embeds else None
     header = HEADER.pack(
         OP_STEP,
@@ -136,7 +144,7 @@ def pack_batch(batch: ScheduledBatch) -> tuple[bytes, torch.Tensor, torch.Tensor
         batch.num_used_blocks,
         embeddings.shape[0] if embeddings is not None else 0,
         payload.numel(),
-        0,
+        len(lora_slots),
     )
     return header, payload, embeddings
 
@@ -156,7 +164,7 @@ def receive_batch(
     group: ProcessGroup, header: bytes, hidden_size: int, dtype: torch.dtype
 ) -> ScheduledBatch | None:
     """A worker's side: the batch ``header`` announces (``None`` for a stop)."""
-    op, num_chunks, _, _, used_blocks, embed_rows, payload_len, _ = HEADER.unpack(header)
+    op, num_chunks, _, _, used_blocks, embed_rows, payload_len, lora_rows = HEADER.unpack(header)
     if op == OP_STOP:
         return None
     payload = group.broadcast(torch.empty(payload_len, dtype=torch.long, device=group.device)).tolist()
@@ -189,4 +197,21 @@ def receive_batch(
         token_at += count
         table_at += table_len
         chunks.append(chunk)
-    return ScheduledBatch(chunks, used_blocks)
+    lora_slots = payload[payload_len - lora_rows :] if lora_rows else None
+    return ScheduledBatch(chunks, used_blocks, lora_slots=lora_slots)
+
+
+def broadcast_lora(group: ProcessGroup, pipes: list[int], slot: int, weights: LoRAWeights) -> None:
+    """Rank 0's side of writing a LoRA adapter into ``slot``: the header on each worker's pipe, then the weights."""
+    flat = pack(weights)
+    header = HEADER.pack(OP_LORA, slot, weights.rank, flat.numel(), 0, 0, 0, 0)
+    for fd in pipes:
+        os.write(fd, header)
+    group.broadcast(flat.to(group.device))
+
+
+def receive_lora(group: ProcessGroup, header: bytes, config: ModelConfig) -> tuple[int, LoRAWeights]:
+    """A worker's side: the slot and the weights ``header`` announces."""
+    _, slot, rank, size, *_ = HEADER.unpack(header)
+    flat = group.broadcast(torch.empty(size, dtype=torch.float32, device=group.device)).cpu()
+    return slot, unpack(flat, f"slot {slot}", rank, config)

@@ -15,6 +15,8 @@ from enginekit.model.config import ModelConfig
 from enginekit.model.decode_graph import DecodeGraphs
 from enginekit.model.decoder import Decoder
 from enginekit.model.layers.paged_attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
+from enginekit.model.lora.model import LoRAModel, LoRASpec
+from enginekit.model.lora.weights import LoRAWeights
 from enginekit.model.sampler import Sampler, SamplerOutput, top_logprobs
 
 
@@ -47,8 +49,10 @@ class ModelRunner:
         decode_graphs: bool = False,
         max_num_seqs: int = 1,
         max_blocks_per_seq: int = 1,
+        lora: LoRASpec | None = None,
     ) -> None:
         self.model: Decoder = model  # None only once released
+        self.lora = LoRAModel(model, lora, device, dtype) if lora is not None else None
         self.block_size = block_size
         self.device = device
         # With decode graphs, one more block past the pool's: the scratch slot of padding rows (never handed out).
@@ -89,7 +93,9 @@ class ModelRunner:
         if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
             raise ExecutorError(f"injected executor failure at step {self.num_steps} (fail_at_step)")
         chunks = batch.chunks
-        if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
+        if self.decode_graphs is not None and batch.lora_slots is None and self.decode_graphs.accepts(chunks):
+            if self.lora is not None:
+                self.lora.begin_step(None)  # a graph captured now runs no adapter
             self._zero_new_blocks(batch.num_used_blocks)
             with torch.inference_mode():
                 return self._sample(batch, self.decode_graphs(chunks), {})
@@ -104,6 +110,8 @@ class ModelRunner:
         inputs = self._prepare_inputs(chunks)
         meta = self._attention_metadata(chunks, inputs.slot_mapping)
         self._zero_new_blocks(batch.num_used_blocks)
+        if self.lora is not None:
+            self.lora.begin_step(batch.lora_slots)
         logits = self.model(
             inputs.token_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices, inputs.embeds
         )
@@ -249,8 +257,16 @@ class ModelRunner:
                 kv_cache[:, start:end].zero_()
             self._num_zeroed_blocks = num_used_blocks
 
+    def load_lora(self, slot: int, weights: LoRAWeights) -> None:
+        """Write a LoRA adapter's weights into ``slot`` of the adapter pool (``enable_lora``)."""
+        assert self.lora is not None
+        self.lora.load(slot, weights)
+
     def release(self) -> None:
         """Drop the model and the KV cache so their memory can be returned."""
+        if self.lora is not None:
+            self.lora.release()
+            self.lora = None
         if self.decode_graphs is not None:
             self.decode_graphs.release()
             self.decode_graphs = None
