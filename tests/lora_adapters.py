@@ -41,15 +41,18 @@ def build_adapter(
     config = LoraConfig(
         r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_dropout=0.0, **options
     )
-    peft_model = get_peft_model(model, config)
+    with _quiet():  # peft calls transformers' deprecated is_gradient_checkpointing
+        peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
-    for name, module in peft_model.named_modules():
+    for module in peft_model.modules():
         if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
             a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
             a.copy_(torch.randn(a.shape, generator=generator) / a.shape[1] ** 0.5)
             base_std = module.base_layer.weight.std() * module.base_layer.weight.shape[1] ** 0.5
             scale = module.scaling["default"]
-            b.copy_(torch.randn(b.shape, generator=generator) * strength * base_std / (scale * a.shape[0] ** 0.5))
+            b.copy_(
+                torch.randn(b.shape, generator=generator) * strength * base_std / (scale * a.shape[0] ** 0.5)
+            )
     with _quiet():
         peft_model.save_pretrained(path)
     return Path(path)

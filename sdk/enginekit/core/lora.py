@@ -141,7 +141,7 @@ class LoRAManager:
         """``list_loras``: the ids of the adapters loaded in host memory."""
         return sorted(self.adapters)
 
-    def _drop_unused(self, keep: Adapter) -> None:
+    def _drop_unused(self, keep: Adapter | None) -> None:
         """Forget the least recently used adapters past ``max_cpu_loras``: never ``keep``, a pinned one, or one
         that live requests use (then the cache holds more for a while)."""
         excess = len(self.adapters) - self.max_cpu_loras
@@ -169,12 +169,16 @@ class LoRAManager:
         needed = {request.lora for request in requests if request.lora is not None}
         if not needed:
             return None
+        if len(self.adapters) > self.max_cpu_loras:  # held past the bound while requests used them
+            self._drop_unused(keep=None)
         for adapter in needed:
             self._place(adapter, needed)
         rows: list[int] = []
         for request, chunk in zip(requests, chunks):
-            slot = request.lora.slot if request.lora is not None else -1
-            rows += [-1 if slot is None else slot] * chunk.num_tokens
+            adapter = request.lora
+            rows += [
+                adapter.slot if adapter is not None and adapter.slot is not None else -1
+            ] * chunk.num_tokens
         return rows
 
     def _place(self, adapter: Adapter, needed: set[Adapter]) -> None:
