@@ -343,22 +343,28 @@ def test_two_tensor_parallel_ranks_split_the_adapters_as_the_base_layers(lora_ca
 # ---- the pieces ---------------------------------------------------------------------------------------------
 
 
-def test_the_batched_product_equals_each_rows_own_adapter():
+@pytest.mark.parametrize(
+    ("row_slots", "segments"),
+    [
+        ([1, -1, 3, 1, 3, -1, 3], [(1, None), (3, None)]),  # scattered: gathered with an index
+        ([3, 3, -1, 1, 1, 1, -1], [(3, (0, 2)), (1, (3, 6))]),  # together: slices of the batch
+    ],
+)
+def test_the_batched_product_equals_each_rows_own_adapter(row_slots, segments):
     from enginekit.model.lora.slots import LoRASlots, LoRAStep
 
     torch.manual_seed(0)
-    step, parts, rank = LoRAStep(), [6, 4, 4], 3
-    slots = LoRASlots(
-        5, parts, max_loras=4, max_rank=rank, step=step, device=torch.device("cpu"), dtype=torch.float32
-    )
+    step, parts, cpu = LoRAStep(), [6, 4, 4], torch.device("cpu")
+    slots = LoRASlots(5, parts, max_loras=4, max_rank=3, step=step, device=cpu, dtype=torch.float32)
     weights = {}
-    for slot, r in ((1, 3), (3, 2)):  # slot 2 stays empty inside the span the step covers
+    for slot, r in ((1, 3), (3, 2)):  # rank 2 below the slots' 3
         a, b = torch.randn(3 * r, 5), torch.randn(14, r)
         slots.write(slot, a, b)
         weights[slot] = (a, b, r)
-    row_slots = [1, -1, 3, 1, 3, -1, 3]
     x, base = torch.randn(7, 5), torch.randn(7, 14)
-    step.begin(row_slots, torch.device("cpu"), torch.float32)
+    step.begin(row_slots, cpu)
+    found = [(s.slot, None if s.rows is not None else (s.start, s.end)) for s in step.segments]
+    assert found == segments
     out = base.clone()
     slots(x, out)
     expected = base.clone()
@@ -369,4 +375,5 @@ def test_the_batched_product_equals_each_rows_own_adapter():
         for part, (start, end) in enumerate([(0, 6), (6, 10), (10, 14)]):
             expected[row, start:end] += b[start:end] @ (a[part * r : (part + 1) * r] @ x[row])
     torch.testing.assert_close(out, expected)
-    assert torch.equal(out[[1, 5]], base[[1, 5]])  # rows without an adapter are the base layer's, exactly
+    no_adapter = [row for row, slot in enumerate(row_slots) if slot < 0]
+    assert torch.equal(out[no_adapter], base[no_adapter])  # the base layer's rows, exactly

@@ -26,7 +26,7 @@ from enginekit.config import EngineConfig
 from enginekit.core.batching import build_batch
 from enginekit.core.detokenizer import IncrementalDetokenizer
 from enginekit.core.kv_cache import KVCacheManager
-from enginekit.core.lora import LoRAManager
+from enginekit.core.lora import LoRAManager, adapter_order
 from enginekit.core.model_start import start_model
 from enginekit.core.request import Request
 from enginekit.core.resources import release_device_memory, resolve_device
@@ -283,6 +283,10 @@ class EngineCore:
         if scheduled.is_empty:
             self.outputs.report_status(changes)
             return False
+        if self.loras is not None:
+            scheduled.scheduled.sort(
+                key=adapter_order
+            )  # each adapter's rows side by side: slices, not gathers
         batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache)
         if self.loras is not None:
             batch.lora_slots = self.loras.rows(requests, batch.chunks)

@@ -208,6 +208,12 @@ class LoRAManager:
         }
 
 
+def adapter_order(item: tuple[Request, int]) -> int:
+    """A scheduled request's place when a step's requests are grouped by adapter (the base model's first)."""
+    adapter = item[0].lora
+    return adapter.key if adapter is not None else 0
+
+
 def _lora_request(value: Any) -> LoRARequest:
     """A ``LoRARequest`` from a utility argument (as sent over the wire: its fields, in order)."""
     if isinstance(value, LoRARequest):

@@ -65,6 +65,7 @@ class LoRAModel:
             dtype=self.dtype,
             shard_a=row,  # as the base layers split: a row-parallel layer by its input
             shard_b=column,  # a column-parallel one by its output
+            kernel=linear.kernel,
         )
 
     def load(self, slot: int, weights: LoRAWeights) -> None:
@@ -81,7 +82,7 @@ class LoRAModel:
     def begin_step(self, row_slots: list[int] | None) -> None:
         """The step's rows (each one's slot, ``-1`` for none): the fused native layers run no adapter, so a step
         with adapters runs the layers piece by piece."""
-        self.step.begin(row_slots, self.device, self.dtype)
+        self.step.begin(row_slots, self.device)
         self.decoder.lora_active = self.step.active
 
     def release(self) -> None:

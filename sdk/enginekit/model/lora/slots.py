@@ -1,18 +1,13 @@
 """The device side of LoRA: every adapted projection's fixed pool of adapter slots, and the batched product of a
 step whose rows use several adapters (and none).
 
-Each adapted projection holds ``max_loras`` slots of ``A`` (``[parts x max_rank, in]``) and ``B``
-(``[max_rank, out]``), zero where an adapter is smaller or absent. A step's rows each name a slot (or none); the
-product runs over the span of slots the step uses, for all its rows at once, in a fixed number of calls whatever the
-number of adapters and requests:
-
-1. shrink: ``h = x @ A[first:last]^T``, ``[rows, slots x parts x rank]`` (one product);
-2. mask: each row keeps only its own slot's columns of ``h`` (one multiply by a ``[rows, slots]`` 0/1 mask, built
-   once per step and shared by every layer; skipped when every row uses the one slot);
-3. expand: ``out[:, part] += h_part @ B[first:last, :, part]`` (one product per fused part: q/k/v, gate/up).
-
-A row of another slot or of none adds exact zeros, so the base model's rows are the base model's. The span's cost
-grows with the slots it covers; the pool hands out the lowest free slot first, so a step's adapters sit close.
+Each adapted projection holds ``max_loras`` slots: ``A`` ``[parts x max_rank, in]`` and ``B`` block-diagonal,
+``[parts x max_rank, out]`` (part p's rows of ``A`` feed only part p's output features: q, k, v; gate, up), zero
+where an adapter is smaller or absent. A step's rows are gathered per adapter once, before the forward pass
+(``LoRAStep.begin``), and every projection then runs two products per adapter the step uses, whatever the number of
+requests: ``h = x[rows] @ A^T``, ``out[rows] += h @ B``. An adapter's rows that lie together (one request, or
+requests side by side) are a slice of the batch, read and written in place; scattered ones are gathered with one
+index and added back with another. Rows of no adapter are not touched: the base model's rows are the base model's.
 """
 
 from __future__ import annotations
@@ -24,35 +19,52 @@ import torch
 from torch.nn import functional as F
 
 Shard = Callable[[str, torch.Tensor], torch.Tensor]
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# up to this many rows (a decode step's share) B's product is one call over its blocks, zeros included; past
+# them one call per part, which skips the zeros (a fused q/k/v: a third of the work)
+SMALL_ROWS = 64
+
+
+class Segment:
+    """One adapter's rows in a step: ``slot``, and ``start:end`` when they lie together, else ``rows``."""
+
+    __slots__ = ("end", "rows", "slot", "start")
+
+    def __init__(self, slot: int, start: int, end: int, rows: torch.Tensor | None = None) -> None:
+        self.slot, self.start, self.end, self.rows = slot, start, end, rows
 
 
 class LoRAStep:
-    """Which slots this step's rows use, shared by every adapted projection of one model; set once per step."""
+    """This step's rows gathered per adapter slot, shared by every adapted projection of one model."""
 
-    __slots__ = ("active", "count", "first", "mask")
+    __slots__ = ("segments",)
 
     def __init__(self) -> None:
-        self.active = False  # some row uses an adapter
-        self.first = 0  # the span of slots the rows use: [first, first + count)
-        self.count = 0
-        self.mask: torch.Tensor | None = None  # [rows, count, 1]: 1 where the row uses that slot
+        self.segments: list[Segment] = []
 
-    def begin(self, row_slots: list[int] | None, device: torch.device, dtype: torch.dtype) -> None:
+    @property
+    def active(self) -> bool:
+        """Whether some row of the step uses an adapter."""
+        return bool(self.segments)
+
+    def begin(self, row_slots: list[int] | None, device: torch.device) -> None:
         """Set the step's rows: each row's slot, ``-1`` for none (``None``: no row uses an adapter)."""
-        used = set(row_slots) if row_slots else set()
-        used.discard(-1)
-        if not used:
-            self.active, self.mask = False, None
+        self.segments = []
+        if not row_slots:
             return
-        assert row_slots is not None
-        first, last = min(used), max(used)
-        self.first, self.count, self.active = first, last - first + 1, True
-        if first == last and -1 not in row_slots:
-            self.mask = None  # every row: the one slot
-            return
-        rows = torch.tensor(row_slots, device=device)
-        span = torch.arange(first, last + 1, device=device)
-        self.mask = (rows[:, None] == span[None, :]).to(dtype).unsqueeze(-1)
+        runs: dict[int, list[tuple[int, int]]] = {}  # slot -> its runs of rows [start, end)
+        start = 0
+        for row in range(1, len(row_slots) + 1):
+            if row == len(row_slots) or row_slots[row] != row_slots[start]:
+                if row_slots[start] >= 0:
+                    runs.setdefault(row_slots[start], []).append((start, row))
+                start = row
+        for slot, spans in runs.items():
+            if len(spans) == 1:
+                self.segments.append(Segment(slot, *spans[0]))
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
+                self.segments.append(Segment(slot, 0, 0, rows))
 
 
 class LoRASlots:
@@ -60,7 +72,8 @@ class LoRASlots:
 
     ``parts``: the output features of each fused part on this rank (q, k, v; gate, up; or the one part).
     ``shard_a`` / ``shard_b``: a row-parallel layer splits ``A`` by its input, a column-parallel one ``B`` by its
-    output, as the base layer's weight is split (its own ``shard``); ``None`` keeps it whole.
+    output, as the base layer's weight is split (its own ``shard``); ``None`` keeps it whole. ``kernel``: the
+    base layer's product (``x @ weight^T``), used for the shrink.
     """
 
     def __init__(
@@ -75,17 +88,27 @@ class LoRASlots:
         dtype: torch.dtype,
         shard_a: Shard | None = None,
         shard_b: Shard | None = None,
+        kernel: Kernel = F.linear,
     ) -> None:
         self.step = step
         self.rank = max_rank
         self.parts = parts
-        self.width = len(parts) * max_rank  # columns of h per slot
         self.in_features = in_features
         self.out_features = sum(parts)
-        self.part_bounds = list(itertools.pairwise(itertools.accumulate(parts, initial=0)))
-        self.a = torch.zeros((max_loras, self.width, in_features), device=device, dtype=dtype)
-        self.b = torch.zeros((max_loras, max_rank, self.out_features), device=device, dtype=dtype)
+        width = len(parts) * max_rank
+        self.a = torch.zeros((max_loras, width, in_features), device=device, dtype=dtype)
+        self.b = torch.zeros((max_loras, width, self.out_features), device=device, dtype=dtype)
         self.shard_a, self.shard_b = shard_a, shard_b
+        self.kernel = kernel
+        # each part's block of B: its rows (of h) and its output features
+        bounds = list(itertools.accumulate(parts, initial=0))
+        self.blocks = [
+            (slice(p * max_rank, (p + 1) * max_rank), slice(bounds[p], bounds[p + 1]))
+            for p in range(len(parts))
+        ]
+        self.b_blocks = [
+            [self.b[slot, inner, outer] for inner, outer in self.blocks] for slot in range(max_loras)
+        ]
 
     def write(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Put an adapter's whole-model ``A`` ``[parts x r, in]`` and ``B`` ``[out, r]`` (``LoRAWeights``) in ``slot``."""
@@ -96,9 +119,12 @@ class LoRASlots:
             b = self.shard_b("weight", b)
         assert a.shape == (len(self.parts) * rank, self.in_features) and b.shape == (self.out_features, rank)
         self.clear(slot)
-        for part in range(len(self.parts)):
-            self.a[slot, part * self.rank : part * self.rank + rank] = a[part * rank : (part + 1) * rank]
-        self.b[slot, :rank] = b.t()
+        start = 0
+        for part, size in enumerate(self.parts):
+            rows = slice(part * self.rank, part * self.rank + rank)
+            self.a[slot, rows] = a[part * rank : (part + 1) * rank]
+            self.b[slot, rows, start : start + size] = b[start : start + size].t()
+            start += size
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -106,18 +132,17 @@ class LoRASlots:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the adapters' product of ``x`` ``[rows, in]`` to the base layer's ``out`` ``[rows, out]``, in place."""
-        step = self.step
-        if not step.active:
-            return
-        first, count, rows = step.first, step.count, x.shape[0]
-        a = self.a[first : first + count].view(count * self.width, self.in_features)
-        h = F.linear(x.to(a.dtype), a)  # [rows, slots x parts x rank]
-        if step.mask is not None:
-            h.view(rows, count, self.width).mul_(step.mask)
-        b = self.b[first : first + count].view(count * self.rank, self.out_features)
-        if len(self.parts) == 1:
-            out.addmm_(h, b)
-            return
-        per_part = h.view(rows, count, len(self.parts), self.rank)
-        for part, (start, end) in enumerate(self.part_bounds):
-            out[:, start:end].addmm_(per_part[:, :, part].reshape(rows, count * self.rank), b[:, start:end])
+        for segment in self.step.segments:
+            slot = segment.slot
+            if segment.rows is not None:
+                h = self.kernel(x.index_select(0, segment.rows), self.a[slot], None)
+                out.index_add_(0, segment.rows, h.mm(self.b[slot]))
+                continue
+            start, end = segment.start, segment.end
+            h = self.kernel(x[start:end], self.a[slot], None)
+            if end - start <= SMALL_ROWS or len(self.parts) == 1:
+                out[start:end].addmm_(h, self.b[slot])
+                continue
+            rows = out[start:end]
+            for (inner, outer), block in zip(self.blocks, self.b_blocks[slot]):
+                rows[:, outer].addmm_(h[:, inner], block)
