@@ -115,6 +115,18 @@ def test_background_modes_and_a_restart_with_another_adapter(lora_case, mode):
         prompts, adapters, mixed = mixed_batch(lora_case, ["attn", None])
         assert tokens(engine.generate(prompts, GREEDY, lora_request=adapters)) == mixed
         assert engine.list_loras() == {requests["attn"].lora_int_id}
+        if mode == "async":
+
+            async def manage():
+                added = await engine.aadd_lora(requests["qv"])
+                return (
+                    added,
+                    await engine.apin_lora(2),
+                    await engine.aremove_lora(3),
+                    await engine.alist_loras(),
+                )
+
+            assert asyncio.run(manage()) == (True, True, True, {requests["qv"].lora_int_id})
 
 
 def test_chat_takes_an_adapter(lora_case):
@@ -274,6 +286,8 @@ def test_an_adapter_needs_enable_lora(lora_case):
             engine.generate("the", GREEDY, lora_request=request)
         with pytest.raises(ValueError, match="LoRA is off in this engine: start it with enable_lora=True"):
             engine.add_lora(request)
+        with pytest.raises(ValueError, match="LoRA is off in this engine"):
+            engine.list_loras()
 
 
 def test_lora_request_is_checked(lora_case):
