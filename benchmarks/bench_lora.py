@@ -4,8 +4,8 @@ four adapters mixed (8 requests each), rank 16 on every projection, in one engin
 The adapters are random peft folders written here (``adapter_config.json``, ``adapter_model.safetensors``), of the
 default model's shapes. Every request generates the same number of tokens (EOS ignored) from a fresh random prompt
 (no prefix-cache hits), so the three batches step the same shapes and their times compare directly; the runs are
-interleaved round by round. vLLM's published LoRA overhead (its Punica kernels on a GPU) is the comparison the
-issue names; this page measures the CPU engine alone.
+interleaved round by round. For comparison, Punica, whose batched kernels vLLM's LoRA is built on, reports about 2 ms
+of added latency per token for 7B models on a GPU (arXiv 2310.18547); this section measures the CPU engine alone.
 """
 
 from __future__ import annotations
