@@ -354,6 +354,17 @@ def test_two_tensor_parallel_ranks_split_the_adapters_as_the_base_layers(lora_ca
         assert tokens(engine.generate(prompts, GREEDY, lora_request=adapters)) == expected
 
 
+def test_data_parallel_ranks_load_the_adapters_of_the_requests_they_serve(lora_case):
+    requests = lora_case["requests"]
+    prompts, adapters, expected = mixed_batch(lora_case, [None, "all", "qv"])
+    with Engine(str(lora_case["base"]), mode="mp", enable_lora=True, data_parallel_size=2, **SMALL) as engine:
+        assert tokens(engine.generate(prompts, GREEDY, lora_request=adapters)) == expected
+        assert engine.add_lora(requests["attn"]) is True  # on every rank
+        ids = {request.lora_int_id for request in requests.values()}
+        assert engine.list_loras() == ids
+        assert [set(rank) >= {3} for rank in engine.call_utility("list_loras")] == [True, True]
+
+
 # ---- the pieces ---------------------------------------------------------------------------------------------
 
 
