@@ -6,7 +6,8 @@ Each baseline states a floor or a ceiling the engine is compared against:
   processes on this machine (the engine's client <-> core transport cannot beat it);
 * ``torch_import_time``: the fixed cost of starting a process that imports torch;
 * ``hf_generate_runner``: tokens/s of ``transformers`` ``generate`` on a batch (dynamic or static cache,
-  eager or compiled).
+  eager or compiled, float32 or bfloat16);
+* ``hf_batch_runner``: tokens/s of transformers' continuous batching (``generate_batch``'s scheduler).
 
 Everything runs locally: sockets are ``ipc://`` in a private temporary directory (or
 ``tcp://127.0.0.1`` where ipc is unavailable), models load from a local directory only, and
@@ -26,6 +27,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 try:  # run as part of a package (python -m benchmarks.x) or as a script (benchmarks/x.py)
@@ -37,7 +39,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BatchCapacity",
     "clear_model_cache",
+    "hf_batch_runner",
     "hf_generate_runner",
     "import_time",
     "torch_import_time",
@@ -47,6 +51,7 @@ __all__ = [
 
 # How long any single wait on a child process or socket may take before the baseline fails.
 _IO_TIMEOUT_S = 30.0
+_GENERATE_TIMEOUT_S = 600.0  # one batch's generation: past this it is hung, not slow
 _CHILD_START_TIMEOUT_S = 60.0
 
 
@@ -393,7 +398,9 @@ _MODEL_CACHE: dict[str, Any] = {}
 
 
 def clear_model_cache() -> None:
-    """Drop the models ``hf_generate_runner`` keeps between calls."""
+    """Stop the continuous-batching managers and drop the models the runners keep between calls."""
+    while _MANAGERS:
+        _stop_manager(_MANAGERS.popitem()[1][1])
     _MODEL_CACHE.clear()
     gc.collect()
 
@@ -519,6 +526,159 @@ def hf_generate_runner(
     return timed
 
 
+@dataclass(frozen=True)
+class BatchCapacity:
+    """What a continuous-batching manager is sized for: requests at once and tokens per request."""
+
+    requests: int
+    tokens_per_request: int
+
+    def holds(self, other: BatchCapacity) -> bool:
+        return self.requests >= other.requests and self.tokens_per_request >= other.tokens_per_request
+
+
+_MANAGERS: dict[str, tuple[BatchCapacity, Any]] = {}  # checkpoint and dtype -> a started manager
+
+
+def hf_batch_runner(
+    checkpoint_path: str | os.PathLike,
+    prompt_lens: Sequence[int],
+    max_new_tokens: Sequence[int],
+    *,
+    seed: int = 0,
+    num_threads: int | None = None,
+    dtype: str = "float32",
+    capacity: BatchCapacity | None = None,
+) -> Callable[[], float]:
+    """transformers' continuous batching, the scheduler behind ``model.generate_batch``: one call adds the batch's
+    requests to a running manager (``model.init_continuous_batching``), each with its own ``max_new_tokens``, and
+    waits for all of them; returns the call's tokens/s (prefill included). No padding: each request stops at its
+    own length. Fresh random prompts per call (built before the clock starts), so no call finds an earlier one's
+    prompts in the manager's prefix cache.
+
+    The manager is started once per checkpoint and dtype, sized for ``capacity`` (or this batch), and kept for
+    later batches it holds, as a server keeps it, until ``clear_model_cache``; ``generate_batch`` would build and
+    size one per call. Its attention: the model's (sdpa), as ``generate_batch`` keeps it on a CPU, where flash
+    attention kernels do not run.
+    """
+    import torch
+
+    plens, wanted = list(prompt_lens), list(max_new_tokens)
+    if len(plens) != len(wanted) or not plens or min(plens + wanted) < 1:
+        raise ValueError("prompt_lens and max_new_tokens need one positive entry per request")
+    needed = BatchCapacity(len(plens), max(p + o for p, o in zip(plens, wanted)))
+    with warnings.catch_warnings(), _RaiseOnTransformersWarning():
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = _load_model(checkpoint_path, dtype)
+        manager = _manager(model, f"{os.path.realpath(checkpoint_path)}:{dtype}", capacity or needed, needed)
+    vocab, special = _token_space(model)
+    generator = torch.Generator().manual_seed(seed)
+
+    def timed() -> float:
+        prompts = [_random_ids(n, vocab, special, generator) for n in plens]
+        with (
+            torch_threads(num_threads),
+            torch.inference_mode(),
+            warnings.catch_warnings(),
+            _RaiseOnTransformersWarning(),
+        ):
+            warnings.simplefilter("error")
+            warnings.simplefilter("ignore", DeprecationWarning)
+            t0 = time.perf_counter()
+            ids = [
+                manager.add_request(input_ids=prompt, max_new_tokens=n) for prompt, n in zip(prompts, wanted)
+            ]
+            tokens = _collect(manager, set(ids))
+            elapsed = time.perf_counter() - t0
+        if tokens != sum(wanted):
+            raise RuntimeError(f"generate_batch produced {tokens} of the {sum(wanted)} wanted tokens")
+        return tokens / elapsed
+
+    return timed
+
+
+def _manager(model: Any, key: str, capacity: BatchCapacity, needed: BatchCapacity) -> Any:
+    """The started manager for ``key`` if it holds ``needed``, else a new one sized for the larger of the two."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    cached = _MANAGERS.get(key)
+    if cached is not None and cached[0].holds(needed):
+        return cached[1]
+    if cached is not None:
+        _stop_manager(_MANAGERS.pop(key)[1])
+    capacity = BatchCapacity(
+        max(capacity.requests, needed.requests), max(capacity.tokens_per_request, needed.tokens_per_request)
+    )
+    page = 256  # the manager's default page of KV cache, in tokens
+    config = ContinuousBatchingConfig(
+        page_size=page,
+        # the whole batch at once, no more: on a CPU the manager would otherwise take 60% of the free memory
+        num_blocks=capacity.requests * -(-capacity.tokens_per_request // page) + 2,
+        auto_switch_to_flash=False,  # flash attention kernels do not run on a CPU
+    )
+    hints = WorkloadHints(
+        max_prompt_length=capacity.tokens_per_request,
+        max_generated_length=0,
+        num_requests=capacity.requests,
+    )
+    generation = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=-1, use_cache=True)
+    manager = model.init_continuous_batching(
+        generation_config=generation, continuous_batching_config=config, workload_hints=hints
+    )
+    manager.start()
+    _MANAGERS[key] = (capacity, manager)
+    return manager
+
+
+def _collect(manager: Any, pending: set[Any]) -> int:
+    """Wait for every request in ``pending`` to finish; the tokens they generated."""
+    tokens = 0
+    deadline = time.monotonic() + _GENERATE_TIMEOUT_S
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"generate_batch did not finish within {_GENERATE_TIMEOUT_S:.0f} s")
+        result = manager.get_result(timeout=1.0)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+            continue
+        if result.request_id in pending and result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"generate_batch failed a request: {result.error}")
+            pending.discard(result.request_id)
+            tokens += len(result.generated_tokens)
+    return tokens
+
+
+def _stop_manager(manager: Any) -> None:
+    manager.stop(block=True, timeout=_IO_TIMEOUT_S)
+    manager.destroy()
+
+
+def _token_space(model: Any) -> tuple[int, set[int]]:
+    """The vocabulary size and the special token ids, which random prompts avoid."""
+    cfg = model.config
+    special: set[int] = set()
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        tok = getattr(cfg, name, None)
+        for t in tok if isinstance(tok, (list, tuple)) else [tok]:
+            if t is not None:
+                special.add(int(t))
+    return int(cfg.vocab_size), special
+
+
+def _random_ids(length: int, vocab: int, special: set[int], generator: Any) -> list[int]:
+    import torch
+
+    filler = next(t for t in range(vocab) if t not in special)
+    ids = torch.randint(0, vocab, (length,), generator=generator)
+    for s in special:
+        ids[ids == s] = filler
+    return ids.tolist()
+
+
 @contextlib.contextmanager
 def torch_threads(num_threads: int | None) -> Iterator[None]:
     """Use ``num_threads`` torch intra-op threads for the block (``None``: leave as is)."""
@@ -542,13 +702,7 @@ def _prepare_generate(
     from transformers import GenerationConfig
 
     cfg = model.config
-    vocab = int(cfg.vocab_size)
-    special: set[int] = set()
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        tok = getattr(cfg, name, None)
-        for t in tok if isinstance(tok, (list, tuple)) else [tok]:
-            if t is not None:
-                special.add(int(t))
+    vocab, special = _token_space(model)
     pad_id = getattr(cfg, "pad_token_id", None)
     if pad_id is None:
         pad_id = min(special) if special else 0

@@ -7,7 +7,13 @@ from typing import Any
 
 from .baselines import clear_model_cache
 from .bench_limits import machine_limits, peak_gflops
-from .bench_throughput import measure_rows, rows_table, transformers_at_its_best, transformers_text
+from .bench_throughput import (
+    measure_rows,
+    rows_table,
+    transformers_at_its_best,
+    transformers_curves,
+    transformers_text,
+)
 from .common import equal_workload, kv_blocks_for, log, make_engine, session
 from .figures import curve, median, target
 
@@ -65,7 +71,7 @@ def run_arch_bench(quick: bool) -> dict[str, Any]:
     top = max(size["concurrency"])
     targets = [
         target(
-            f"qwen3, {kind} lengths, {top} concurrent: engine / transformers",
+            f"qwen3, {kind} lengths, {top} concurrent: engine / the fastest transformers",
             goal,
             found[(kind, top)]["ratio"],
         )
@@ -85,7 +91,7 @@ def run_arch_bench(quick: bool) -> dict[str, Any]:
                 f"{spec.label}, equal lengths",
                 {
                     "engine": [(r["concurrency"], r["engine"]) for r in equal],
-                    f"transformers ({best['chosen']})": [(r["concurrency"], r["baseline"]) for r in equal],
+                    **transformers_curves(rows),
                 },
             )
         ],

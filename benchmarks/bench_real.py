@@ -9,7 +9,13 @@ from typing import Any
 from . import llama_cpp_runner
 from .baselines import clear_model_cache
 from .bench_limits import machine_limits, peak_gflops, products_dtype
-from .bench_throughput import measure_concurrencies, rows_table, transformers_at_its_best, transformers_text
+from .bench_throughput import (
+    measure_concurrencies,
+    rows_table,
+    transformers_at_its_best,
+    transformers_curves,
+    transformers_text,
+)
 from .common import (
     ModelSpec,
     engine_batch_runner,
@@ -37,6 +43,7 @@ def sizes(quick: bool) -> dict[str, Any]:
             llama_cpp_rounds=1,
             probe=(4, 1),
             compile=False,
+            dtypes=("float32", "bfloat16"),
         )
     return dict(
         concurrency=(1, 8, 32),  # 128 of a 30-layer model against transformers: minutes more per round
@@ -52,6 +59,8 @@ def sizes(quick: bool) -> dict[str, Any]:
         compile=False,
         compile_why_not="its first compiled generate of this 30-layer model ran past 9 minutes when measured, "
         "a quarter of the run's budget; the tiny models' section shows what it gives",
+        # the engine's products run in bfloat16 where the CPU has it: transformers gets both dtypes
+        dtypes=("float32", "bfloat16"),
     )
 
 
@@ -94,13 +103,13 @@ def run_real_bench(quick: bool) -> dict[str, Any]:
         if row is not None:
             targets.append(
                 target(
-                    f"real model, {kind} lengths, {concurrency} concurrent: engine / transformers",
+                    f"real model, {kind} lengths, {concurrency} concurrent: engine / the fastest transformers",
                     goal,
                     row["ratio"],
                     headline=(kind, concurrency) in (("equal", 1), ("equal", 32)),
                 )
             )
-    top = found.get(("equal", max(size["concurrency"])))
+    top = largest_equal_row(rows)
     if top is not None and top["share_of_peak"] is not None:
         targets.append(
             target(
@@ -111,21 +120,18 @@ def run_real_bench(quick: bool) -> dict[str, Any]:
                 digits=0,
             )
         )
-    for entry in llama_cpp.get("rows", []):
-        if entry["concurrency"] in (1, 8):
-            targets.append(
-                target(
-                    f"real model, {entry['concurrency']} concurrent: engine / llama.cpp (batched)",
-                    1.0,
-                    entry["against_batched"],
-                    headline=True,
-                )
+    measured = {entry["concurrency"]: entry["against_batched"] for entry in llama_cpp.get("rows", [])}
+    for concurrency in (c for c in size["llama_cpp"] if c in (1, 8)):
+        targets.append(  # n/a where llama.cpp is missing or crashed
+            target(
+                f"real model, {concurrency} concurrent: engine / llama.cpp (batched)",
+                1.0,
+                measured.get(concurrency, float("nan")),
+                headline=True,
             )
+        )
     equal = [r for r in rows if r["kind"] == "equal"]
-    systems = {
-        "engine": [(r["concurrency"], r["engine"]) for r in equal],
-        f"transformers ({best['chosen']})": [(r["concurrency"], r["baseline"]) for r in equal],
-    }
+    systems = {"engine": [(r["concurrency"], r["engine"]) for r in equal], **transformers_curves(rows)}
     for key, label in (("batched", "llama.cpp, batched"), ("one_at_a_time", "llama.cpp, one at a time")):
         systems[label] = [(e["concurrency"], e[key]) for e in llama_cpp.get("rows", [])]
     return {
@@ -196,32 +202,35 @@ def _mean_context(row: dict[str, Any], size: dict[str, Any]) -> float:
 
 def compare_llama_cpp(spec: ModelSpec, size: dict[str, Any], threads: int) -> dict[str, Any]:
     """The engine against llama.cpp on the same GGUF file, equal lengths: llama.cpp with every sequence in one
-    batch per step, and one sequence after another; the three interleaved."""
+    batch per step, and one sequence after another; the three interleaved. llama.cpp runs in a child process: if
+    it crashes, the rows measured before stay and ``crashed`` says how it ended."""
     why = llama_cpp_runner.available()
     if why is not None:
         return {"why_not": why}
     prompt_len, output_len = size["equal"]
     rng = random.Random(11)
+    rows: list[dict[str, Any]] = []
+    out: dict[str, Any] = {
+        "version": llama_cpp_runner.version(),
+        "weights": gguf_streamed_bytes(spec.hf_path),
+    }
     engine = make_engine(spec, "inproc", num_threads=threads)
-    llm = llama_cpp_runner.LlamaCpp(
-        spec.hf_path,
-        max_sequences=max(size["llama_cpp"]),
-        max_length=prompt_len + output_len,
-        threads=threads,
-    )
-    rows = []
+    llm = None
     try:
+        llm = llama_cpp_runner.LlamaCppProcess(
+            spec.hf_path,
+            max_sequences=max(size["llama_cpp"]),
+            max_length=prompt_len + output_len,
+            threads=threads,
+        )
         for concurrency in size["llama_cpp"]:
             log(f"real: llama.cpp x{concurrency}")
 
-            def llama(batched: bool, concurrency: int = concurrency) -> Any:
+            def llama(batched: bool, concurrency: int = concurrency, llm: Any = llm) -> Any:
                 def run() -> float:
-                    import time
-
                     prompts = [spec.random_prompt(prompt_len, rng) for _ in range(concurrency)]
-                    start = time.perf_counter()
-                    tokens = llm.generate(prompts, output_len, batched=batched)
-                    return tokens / (time.perf_counter() - start)
+                    tokens, elapsed = llm.generate(prompts, output_len, batched=batched)
+                    return tokens / elapsed
 
                 return run
 
@@ -245,10 +254,14 @@ def compare_llama_cpp(spec: ModelSpec, size: dict[str, Any], threads: int) -> di
                     ),
                 }
             )
+    except llama_cpp_runner.LlamaCppCrashed as crash:
+        log(f"real: {crash}")
+        out["crashed"] = str(crash)
     finally:
         engine.shutdown()
-        llm.close()
-    return {"version": llama_cpp_runner.version(), "weights": gguf_streamed_bytes(spec.hf_path), "rows": rows}
+        if llm is not None:
+            llm.close()
+    return {**out, "rows": rows}
 
 
 def gguf_streamed_bytes(path: str) -> int:
@@ -271,7 +284,8 @@ def render_real_bench(figures: dict[str, Any]) -> str:
     parts = [
         f"{figures['model']}, as `Engine()` loads it (weights {', '.join(streamed['dtypes'])}: "
         f'{streamed["weights"] / 1e6:.0f} MB read per decode step), `mode="inproc"`, {figures["threads"]} '
-        f"threads; transformers loads the same GGUF file dequantized to float32. Workloads as in the tiny "
+        f"threads; transformers loads the same GGUF file dequantized (to float32 or bfloat16: each configuration names its "
+        f"dtype). Workloads as in the tiny "
         f"models' section, sized for a 30-layer model: *equal* {size['equal'][0]}-token prompts and "
         f"{size['equal'][1]} tokens; *mixed* prompts of {size['prompt_range'][0]}-{size['prompt_range'][1]} "
         f"tokens and outputs of {size['output_range'][0]}-{size['output_range'][1]}; *staggered* the mixed ones "
@@ -283,6 +297,7 @@ def render_real_bench(figures: dict[str, Any]) -> str:
         rows_table(
             rows,
             digits=1,
+            peak=figures["peak_dtype"],
             extra=["bytes / token", "of bandwidth"],
             cells=lambda row: [
                 f"{row['bytes_per_token'] / 1e6:.1f} MB",
@@ -297,23 +312,38 @@ def render_real_bench(figures: dict[str, Any]) -> str:
             f"At 1 concurrent request a token streams {one['bytes_per_token'] / 1e6:.0f} MB: the measured read "
             f"bandwidth ({figures['read_gb_s']:.1f} GB/s) allows at most {ceiling:.0f} tokens/s, and the engine "
             f"reaches {median(one['engine']):.1f} ({100 * median(one['engine']) / ceiling:.0f}% of that)."
-            + (
-                ""
-                if peak is None
-                else f" The largest batch's equal row uses {100 * max(r['share_of_peak'] for r in rows):.1f}% of "
-                f"the {figures.get('peak_dtype', streamed['dtype'])} peak ({peak:.0f} GFLOP/s), the arithmetic its products "
-                "run in."
-            )
+            + peak_sentence(rows, peak, figures["peak_dtype"])
             + "\n"
         )
     parts.append(_llama_cpp_text(figures))
     return "\n".join(parts)
 
 
+def largest_equal_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The equal-lengths row at the largest concurrency: the one the share-of-peak target and sentence are about."""
+    equal = [row for row in rows if row["kind"] == "equal"]
+    return max(equal, key=lambda row: row["concurrency"]) if equal else None
+
+
+def peak_sentence(rows: list[dict[str, Any]], peak: float | None, dtype: str) -> str:
+    """How much of the ``dtype`` peak the largest batch's equal row uses (empty without a peak)."""
+    top = largest_equal_row(rows)
+    if peak is None or top is None or top.get("share_of_peak") is None:
+        return ""
+    return (
+        f" The largest batch's equal row ({top['concurrency']} concurrent) uses {100 * top['share_of_peak']:.1f}% "
+        f"of the {dtype} peak ({peak:.0f} GFLOP/s), the arithmetic its products run in."
+    )
+
+
 def _llama_cpp_text(figures: dict[str, Any]) -> str:
     llama = figures["llama_cpp"]
     if "why_not" in llama:
-        return f"llama.cpp: not measured, {llama['why_not']}. `make bench` installs it (`llamacpp` dependency group)."
+        return f"**llama.cpp was not measured**: {llama['why_not']} (`make bench` installs it: the `llamacpp` dependency group).\n"
+    crashed = ""
+    if "crashed" in llama:
+        where = "the rows below stop where it did" if llama["rows"] else "it has no rows"
+        crashed = f"**llama.cpp crashed**, so {where} (its targets say n/a): {llama['crashed']}.\n\n"
     rows = [
         [
             e["concurrency"],
@@ -327,22 +357,27 @@ def _llama_cpp_text(figures: dict[str, Any]) -> str:
     ]
     engine_mb = figures["streamed"]["weights"] / 1e6
     return (
-        f"**llama.cpp** (llama-cpp-python {llama['version']}, the same GGUF with its own quantized kernels: "
-        f"{llama['weights'] / 1e6:.0f} MB of weights per step against the engine's {engine_mb:.0f} MB), equal "
+        f"**llama.cpp** (llama-cpp-python {llama['version']} in a child process, the same GGUF with its own quantized "
+        f"kernels: {llama['weights'] / 1e6:.0f} MB of weights per step against the engine's {engine_mb:.0f} MB), equal "
         f"lengths, {figures['threads']} threads. *batched*: every sequence in one `llama_batch` per step through "
         "the low-level API (one context, a unified KV cache), as a llama.cpp server with parallel slots runs; "
         "*one at a time*: the sequences one after another, as `Llama.generate` runs them. Interleaved with the "
         f"engine, {figures['sizes']['llama_cpp_rounds']} rounds after a warm-up.\n\n"
-        + markdown_table(
-            [
-                "concurrent",
-                "engine tok/s",
-                "llama.cpp batched",
-                "llama.cpp one at a time",
-                "engine / batched",
-                "engine / one at a time",
-            ],
-            rows,
-            ["r", "r", "r", "r", "r", "r"],
+        + crashed
+        + (
+            ""
+            if not rows
+            else markdown_table(
+                [
+                    "concurrent",
+                    "engine tok/s",
+                    "llama.cpp batched",
+                    "llama.cpp one at a time",
+                    "engine / batched",
+                    "engine / one at a time",
+                ],
+                rows,
+                ["r", "r", "r", "r", "r", "r"],
+            )
         )
     )

@@ -59,7 +59,7 @@ def _instrumented(core: Any, timers: _Timers) -> Iterator[None]:
         (core.scheduler, "schedule", "schedule"),
         (runner, "execute", "execute"),
         (runner.model, "forward", "forward"),  # the module is called: time its forward
-        (runner, "sampler", "sampler"),
+        (runner.sampler, "sample", "sampler"),
         (core.outputs, "token", "append"),
         (core.kv_cache, "cache_full_blocks", "cache_blocks"),
     ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .baselines import clear_model_cache, hf_generate_runner
+from .baselines import BatchCapacity, clear_model_cache, hf_batch_runner, hf_generate_runner
 from .bench_limits import machine_limits, peak_gflops
 from .common import (
     ModelSpec,
@@ -30,13 +30,49 @@ from .stats import markdown_table, summarize
 CONCURRENCY = (1, 8, 32, 128)
 QUICK_CONCURRENCY = (1, 8)  # --quick: the 32 and 128 rows take minutes
 STAGGER_WINDOW = 0.5  # arrivals spread over this fraction of the time the burst of the same requests takes
-# transformers' configurations: (cache, compiled)
-HF_VARIANTS = {
-    "dynamic cache": ("dynamic", False),
-    "static cache": ("static", False),
-    "static cache + torch.compile": ("static", True),
-}
-COMPILED = "static cache + torch.compile"
+REFERENCE = "generate, float32, dynamic cache"  # transformers' defaults: what the others are compared with
+
+
+def hf_variants(size: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """transformers' configurations a section probes, by label: ``generate`` with the dynamic and the static cache
+    (and the static one through torch.compile where ``size["compile"]``), and continuous batching
+    (``generate_batch``'s scheduler), in each of ``size["dtypes"]`` (float32 alone by default)."""
+    variants: dict[str, dict[str, Any]] = {}
+    for dtype in size.get("dtypes", ("float32",)):
+        for cache, compiled in (("dynamic", False), ("static", False), ("static", True)):
+            if compiled and not size["compile"]:
+                continue
+            label = f"generate, {dtype}, {cache} cache" + (" + torch.compile" if compiled else "")
+            variants[label] = {"api": "generate", "dtype": dtype, "cache": cache, "compiled": compiled}
+        variants[f"generate_batch, {dtype}"] = {"api": "generate_batch", "dtype": dtype}
+    return variants
+
+
+def hf_runner(
+    spec: ModelSpec, variant: dict[str, Any], workload: Workload, threads: int, size: dict[str, Any]
+) -> Any:
+    """A function that runs ``workload`` once with transformers configured as ``variant`` and returns tokens/s."""
+    if variant["api"] == "generate_batch":
+        largest = _largest(size)
+        capacity = BatchCapacity(largest.size, largest.prompt_lens[0] + largest.output_lens[0])
+        return hf_batch_runner(
+            spec.hf_path,
+            workload.prompt_lens,
+            workload.output_lens,
+            num_threads=threads,
+            dtype=variant["dtype"],
+            capacity=capacity,
+        )
+    return hf_generate_runner(
+        spec.hf_path,
+        workload.size,
+        workload.prompt_lens,
+        workload.output_lens,
+        num_threads=threads,
+        dtype=variant["dtype"],
+        cache=variant["cache"],
+        compiled=variant["compiled"],
+    )
 
 
 def sizes(quick: bool) -> dict[str, Any]:
@@ -58,6 +94,10 @@ def sizes(quick: bool) -> dict[str, Any]:
         repeats=3,
         probe=(8, 3),
         compile=True,
+        # transformers' continuous batching attends, on a CPU (sdpa), every query over all the batch's keys under a
+        # mask: measured by hand at 128 concurrent (built-in model, loaded 2-core machine) 150 tok/s against
+        # generate's 1,570, a minute a call, which the run's budget cannot take for a baseline that far behind
+        batch_max_concurrency=32,
     )
 
 
@@ -88,7 +128,7 @@ def run_throughput_bench(quick: bool) -> dict[str, Any]:
             if row is not None:
                 targets.append(
                     target(
-                        f"{key}, {kind} lengths, {concurrency} concurrent: engine / transformers",
+                        f"{key}, {kind} lengths, {concurrency} concurrent: engine / the fastest transformers",
                         goal,
                         row["ratio"],
                         headline=kind == "equal",
@@ -108,9 +148,7 @@ def run_throughput_bench(quick: bool) -> dict[str, Any]:
                     "engine": [
                         (r["concurrency"], r["engine"]) for r in model["rows"] if r["kind"] == "equal"
                     ],
-                    f"transformers ({model['transformers']['chosen']})": [
-                        (r["concurrency"], r["baseline"]) for r in model["rows"] if r["kind"] == "equal"
-                    ],
+                    **transformers_curves(model["rows"]),
                 },
             )
             for model in models.values()
@@ -119,60 +157,66 @@ def run_throughput_bench(quick: bool) -> dict[str, Any]:
 
 
 def transformers_at_its_best(spec: ModelSpec, size: dict[str, Any], threads: int) -> dict[str, Any]:
-    """transformers' configurations on one equal workload, interleaved: the faster eager one (dynamic or static
-    cache) is the baseline of every row; what torch.compile (on the static cache) gives at this shape, its
-    compile not charged, is reported beside it."""
+    """transformers' configurations (``hf_variants``) on one equal workload, interleaved. The rows run the fastest
+    eager ``generate`` (``chosen``) and the fastest continuous batching (``chosen_batch``) beside it, each row's
+    ratio against the faster of them there. What torch.compile gives at this shape, its compile not charged, is
+    reported beside it (a compiled model compiles again for each new batch shape, which the rows' many shapes
+    cannot afford)."""
     concurrency, repeats = size["probe"]
     prompt_len, output_len = size["equal"]
-    log(f"transformers: {spec.key}, its configurations at {concurrency} concurrent")
+    workload = equal_workload(concurrency, prompt_len, output_len)
+    variants = hf_variants(size)
+    log(f"transformers: {spec.key}, {len(variants)} configurations at {concurrency} concurrent")
     runners, first_call_s = {}, {}
     compile_error = None
-    for name, (cache, compiled) in HF_VARIANTS.items():
-        if compiled and not size["compile"]:
-            continue
+    for name, variant in variants.items():
         start = time.perf_counter()
         try:
-            runner = hf_generate_runner(
-                spec.hf_path,
-                concurrency,
-                prompt_len,
-                output_len,
-                num_threads=threads,
-                cache=cache,
-                compiled=compiled,
-            )
+            runner = hf_runner(spec, variant, workload, threads, size)
             runner()  # the warm-up: for torch.compile, the compile
         except Exception as error:
-            if not compiled:
+            if not variant.get("compiled"):
                 raise
             # torch.compile failing (no C++ compiler, a warning transformers logs) leaves the eager baselines
             compile_error = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
             log(f"transformers: {spec.key}, {name} failed: {compile_error}")
-            clear_model_cache()
             continue
         first_call_s[name] = time.perf_counter() - start
         runners[name] = runner
     samples = interleave(runners, repeats=repeats, warmup=0)
     rates = {name: summarize(values) for name, values in samples.items()}
-    # The rows use the faster eager configuration: a compiled model compiles again for every new batch shape
-    # (each concurrency and each mixed batch: tens of seconds each for a 4-layer model, more for 30 layers),
-    # which a 35-minute run cannot afford; what compile gives is measured here, at the probe's shape.
-    chosen = max((name for name in rates if not HF_VARIANTS[name][1]), key=lambda name: rates[name].median)
-    compile_gain = summary(paired_ratio(samples[COMPILED], samples[chosen])) if COMPILED in samples else None
+
+    def fastest(api: str) -> str | None:
+        names = [n for n in rates if variants[n]["api"] == api and not variants[n].get("compiled")]
+        return max(names, key=lambda n: rates[n].median) if names else None
+
+    chosen = fastest("generate")
+    assert chosen is not None
+    chosen_batch = fastest("generate_batch")
+    compiled = [n for n in rates if variants[n].get("compiled")]
+    best_compiled = max(compiled, key=lambda n: rates[n].median) if compiled else None
+    row_variants = [chosen] + ([chosen_batch] if chosen_batch else [])
     return {
         "concurrency": concurrency,
         "lengths": [prompt_len, output_len],
+        "variants": {name: variants[name] for name in rates},
         "rates": {name: summary(value) for name, value in rates.items()},
-        "against_dynamic": {
-            name: summary(paired_ratio(samples[name], samples["dynamic cache"])) for name in samples
+        "reference": REFERENCE,
+        "against_reference": {
+            name: summary(paired_ratio(samples[name], samples[REFERENCE])) for name in samples
         },
         "first_call_s": first_call_s,
         "chosen": chosen,
-        "compile_gain": compile_gain,
+        "chosen_batch": chosen_batch,
+        "row_variants": row_variants,
+        "compiled": best_compiled,
+        "compile_gain": None
+        if best_compiled is None
+        else summary(paired_ratio(samples[best_compiled], samples[chosen])),
+        "batch_max_concurrency": size.get("batch_max_concurrency"),
         "compile_probed": size["compile"],
         "compile_why_not": compile_error
         or size.get("compile_why_not", "a quick run leaves out its minutes of compiling"),
-        "options": dict(zip(("cache", "compiled"), HF_VARIANTS[chosen])),
     }
 
 
@@ -181,10 +225,11 @@ def measure_concurrencies(
 ) -> list[dict[str, Any]]:
     """``measure_rows`` at each of the size's concurrencies; ``tag`` begins each progress line."""
     rows: list[dict[str, Any]] = []
+    compiled = any(best["variants"][name].get("compiled") for name in best["row_variants"])
     for index, concurrency in enumerate(size["concurrency"]):
         log(f"{tag} x{concurrency}")
         # a compiled transformers model compiles again for new shapes: each concurrency warms up
-        warmup = 1 if index == 0 or best["options"]["compiled"] else 0
+        warmup = 1 if index == 0 or compiled else 0
         rows += measure_rows(engine, spec, concurrency, size, threads, best, warmup=warmup)
     return rows
 
@@ -199,29 +244,32 @@ def measure_rows(
     *,
     warmup: int = 1,
 ) -> list[dict[str, Any]]:
-    """Equal, mixed and staggered rows at one concurrency, engine and transformers interleaved.
+    """Equal, mixed and staggered rows at one concurrency, the engine and each of ``best["row_variants"]`` of
+    transformers interleaved; each row's ``ratio`` is against the faster transformers there (``baseline_label``).
 
     *staggered*: the mixed requests arrive over a Poisson window of ``STAGGER_WINDOW`` x the engine's burst
     time; transformers gets all of them at time 0 (a static batch cannot take requests mid-``generate``, and
     charging it the window would flatter the engine)."""
     equal = equal_workload(concurrency, *size["equal"])
     mixed = mixed_workload(concurrency, size["prompt_range"], size["output_range"], seed=concurrency)
+    labels = [
+        label
+        for label in best["row_variants"]
+        if best["variants"][label]["api"] != "generate_batch"
+        or concurrency <= size.get("batch_max_concurrency", concurrency)
+    ]
 
-    def hf(workload: Workload) -> Any:
-        return hf_generate_runner(
-            spec.hf_path,
-            concurrency,
-            workload.prompt_lens,
-            workload.output_lens,
-            num_threads=threads,
-            **best["options"],
-        )
+    def hf(workload: Workload) -> dict[str, Any]:
+        return {
+            f"hf-{workload.name}:{label}": hf_runner(spec, best["variants"][label], workload, threads, size)
+            for label in labels
+        }
 
     runners: dict[str, Any] = {
         "engine-equal": _rate(engine_batch_runner(engine, spec, equal, threads=threads, seed=1)),
-        "hf-equal": hf(equal),
+        **hf(equal),
         "engine-mixed": _rate(engine_batch_runner(engine, spec, mixed, threads=threads, seed=2)),
-        "hf-mixed": hf(mixed),
+        **hf(mixed),
     }
     samples = interleave(runners, repeats=size["repeats"], warmup=warmup)
     window = 0.0
@@ -232,19 +280,18 @@ def measure_rows(
             "engine-staggered": _rate(
                 engine_staggered_runner(engine, spec, mixed, arrivals, threads=threads, seed=3)
             ),
-            "hf-mixed-2": runners["hf-mixed"],
+            **{f"hf-staggered:{label}": runners[f"hf-mixed:{label}"] for label in labels},
         }
         samples.update(interleave(staggered, repeats=size["repeats"], warmup=warmup))
     rows = []
-    for kind, workload, engine_key, hf_key in (
-        ("equal", equal, "engine-equal", "hf-equal"),
-        ("mixed", mixed, "engine-mixed", "hf-mixed"),
-        ("staggered", mixed, "engine-staggered", "hf-mixed-2"),
-    ):
+    for kind, workload in (("equal", equal), ("mixed", mixed), ("staggered", mixed)):
+        engine_key = f"engine-{kind}"
         if engine_key not in samples:
             continue
         flops_per_token = workload_flops(spec.config, workload) / workload.num_output_tokens
         engine_rate = summarize(samples[engine_key])
+        baselines = {label: samples[f"hf-{kind}:{label}"] for label in labels}
+        faster = max(labels, key=lambda label: summarize(baselines[label]).median)
         rows.append(
             {
                 "concurrency": concurrency,
@@ -252,8 +299,10 @@ def measure_rows(
                 "lengths": workload.describe(),
                 "window_ms": window * 1e3 if kind == "staggered" else None,
                 "engine": summary(engine_rate),
-                "baseline": summary(samples[hf_key]),
-                "ratio": summary(paired_ratio(samples[engine_key], samples[hf_key])),
+                "baselines": {label: summary(values) for label, values in baselines.items()},
+                "baseline_label": faster,
+                "baseline": summary(baselines[faster]),
+                "ratio": summary(paired_ratio(samples[engine_key], baselines[faster])),
                 "flops_per_token": flops_per_token,
                 "gflops": engine_rate.median * flops_per_token / 1e9,
             }
@@ -273,59 +322,102 @@ def _largest(size: dict[str, Any]) -> Workload:
 
 
 def transformers_text(best: dict[str, Any]) -> str:
-    """Which configuration of transformers the rows use, and what the others measured (the probe)."""
+    """Which configurations of transformers the rows run, and what every configuration measured (the probe)."""
+    reference = best["reference"]
     others = ", ".join(
-        f"{name} {best['against_dynamic'][name]['median']:.2f}x"
+        f"`{name}` {best['against_reference'][name]['median']:.2f}x"
         + (
             f" (first call {best['first_call_s'][name]:.0f} s: the compile)"
-            if name.endswith("torch.compile")
+            if best["variants"][name].get("compiled")
             else ""
         )
-        for name in best["against_dynamic"]
-        if name != "dynamic cache"
+        for name in best["against_reference"]
+        if name != reference
     )
     gain = best.get("compile_gain")
     if gain is not None and gain["median"] > 1.0:
         verdict = (
-            f"torch.compile pays at this shape ({gain['median']:.2f}x the {best['chosen']} once compiled), but "
-            "compiles again for every new batch shape, so the rows run eager: read the engine's ratios at this "
-            f"shape as {gain['median']:.2f}x smaller against a compiled transformers"
+            f"torch.compile pays at this shape (`{best['compiled']}` {gain['median']:.2f}x `{best['chosen']}` once "
+            "compiled), but compiles again for every new batch shape, so the rows run eager: read the engine's "
+            f"ratios at this shape as {gain['median']:.2f}x smaller against a compiled transformers"
         )
     elif gain is not None:
-        verdict = f"torch.compile does not pay here ({gain['median']:.2f}x the {best['chosen']}), so the rows run eager"
+        verdict = (
+            f"torch.compile does not pay here (`{best['compiled']}` {gain['median']:.2f}x `{best['chosen']}`), "
+            "so the rows run eager"
+        )
     elif best.get("compile_probed"):
         verdict = f"torch.compile failed here ({best['compile_why_not']}), so the rows run eager"
     else:
         verdict = f"torch.compile was not tried ({best.get('compile_why_not', 'a quick run')})"
+    rows = " and ".join(f"`{name}`" for name in best["row_variants"])
+    against = (
+        ", the fastest of each kind, and each row's ratio is against the faster of them there (in bold)"
+        if len(best["row_variants"]) > 1
+        else ", the fastest"
+    )
+    if best.get("batch_max_concurrency") is not None and best["chosen_batch"] is not None:
+        verdict += (
+            f"; `{best['chosen_batch']}` is not run above {best['batch_max_concurrency']} concurrent: on a CPU its "
+            "sdpa path attends every query over all the batch's keys, about 10x slower than `generate` at 128 "
+            "when measured"
+        )
     return (
         f"transformers at its best: its configurations were run side by side on {best['concurrency']} concurrent "
-        f"requests ({best['lengths'][0]}-token prompts, {best['lengths'][1]} tokens), against the dynamic cache: "
-        f"{others}. The rows use the faster eager one, **{best['chosen']}**: {verdict}."
+        f"requests ({best['lengths'][0]}-token prompts, {best['lengths'][1]} tokens), against `{reference}` "
+        f"(its defaults): {others}. `generate` runs the requests as one left-padded batch; `generate_batch` is its "
+        "continuous batching (requests join and leave the running batch, no padding; one manager kept across "
+        f"calls, sdpa attention). The rows run {rows}{against}: {verdict}."
     )
 
 
+def transformers_curves(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, dict[str, float]]]]:
+    """Each transformers configuration's tokens/s against concurrency over the equal rows, for ``curve``."""
+    equal = [row for row in rows if row["kind"] == "equal"]
+    labels = dict.fromkeys(label for row in equal for label in row["baselines"])
+    return {
+        f"transformers {label}": [
+            (row["concurrency"], row["baselines"][label]) for row in equal if label in row["baselines"]
+        ]
+        for label in labels
+    }
+
+
 def rows_table(
-    rows: list[dict[str, Any]], *, digits: int, extra: list[str] | None = None, cells: Any = None
+    rows: list[dict[str, Any]],
+    *,
+    digits: int,
+    peak: str = "float32",
+    extra: list[str] | None = None,
+    cells: Any = None,
 ) -> str:
-    """Engine against transformers, one row per workload and concurrency."""
+    """Engine against transformers, one row per workload and concurrency: one column per transformers
+    configuration the rows ran (the faster in bold), the ratio against the faster; ``peak`` names the dtype
+    whose peak the rows' ``share_of_peak`` divides by."""
+    labels = list(dict.fromkeys(label for row in rows for label in row["baselines"]))
     headers = [
         "concurrent",
         "workload",
         "engine tok/s",
-        "transformers tok/s",
-        "engine / transformers",
+        *(f"transformers `{label}` tok/s" for label in labels),
+        "engine / transformers" if len(labels) == 1 else "engine / the faster transformers",
         "GFLOP/s",
-        "of FMA peak",
+        f"of the {peak} peak",
+        *(extra or []),
     ]
     table = []
     for row in rows:
         kind = row["kind"] + (f" (arrivals over {row['window_ms']:.0f} ms)" if row.get("window_ms") else "")
         share = row.get("share_of_peak")
+        baselines = []
+        for label in labels:
+            text = rate(row["baselines"][label], digits) if label in row["baselines"] else "not run"
+            baselines.append(f"**{text}**" if len(labels) > 1 and label == row["baseline_label"] else text)
         line = [
             row["concurrency"],
             kind,
             rate(row["engine"], digits),
-            rate(row["baseline"], digits),
+            *baselines,
             ratio(row["ratio"]),
             f"{row['gflops']:.1f}",
             "n/a" if share is None else f"{100 * share:.1f}%",
@@ -333,23 +425,22 @@ def rows_table(
         if cells is not None:
             line += cells(row)
         table.append(line)
-    headers += extra or []
-    return markdown_table(headers, table, ["r", "l", "r", "r", "r", "r", "r"] + ["r"] * len(extra or []))
+    return markdown_table(headers, table, ["r", "l"] + ["r"] * (len(headers) - 2))
 
 
 def render_throughput_bench(figures: dict[str, Any]) -> str:
     size = figures["sizes"]
     parts = [
         f'`Engine(model, mode="inproc", num_threads={figures["threads"]})` runs `generate` on *N* requests '
-        f"submitted at once; transformers runs `model.generate` on one batch of the same requests (left-padded, "
-        f"same float32 weights, {figures['threads']} torch threads). Greedy, EOS ignored. *equal*: "
+        f"submitted at once; transformers runs the same requests on the same float32 weights with "
+        f"{figures['threads']} torch threads. Greedy, EOS ignored. *equal*: "
         f"{size['equal'][0]}-token prompts, {size['equal'][1]} tokens each; *mixed*: prompts of "
         f"{size['prompt_range'][0]}-{size['prompt_range'][1]} tokens, outputs of {size['output_range'][0]}-"
-        f"{size['output_range'][1]} (transformers computes each batch until its longest request ends; only the "
-        f"tokens asked for count); *staggered*: the mixed requests arrive as a Poisson process over "
+        f"{size['output_range'][1]} (`generate` computes each batch until its longest request ends, `generate_batch` "
+        f"stops each request at its end; only the tokens asked for count); *staggered*: the mixed requests arrive as a Poisson process over "
         f"{figures['stagger_window']:g}x the engine's burst time, while transformers gets them all at time 0 "
         f"(not charged the window). {size['repeats']} interleaved rounds. GFLOP/s counts useful forward FLOPs; "
-        "the share is of the float32 FMA peak measured in the first section.\n"
+        "the share is of the float32 peak (fused multiply-adds) measured in the first section.\n"
     ]
     for model in figures["models"].values():
         parts.append(f"**{model['label']}.** {transformers_text(model['transformers'])}\n")

@@ -15,7 +15,10 @@ per process), and its baseline is taken after that one shut down.
 
 Two device checks carried over from the earlier GPU lifecycle check: ``kv_sizing`` (the KV cache sized to the
 device at ``gpu_memory_utilization`` 0.5 and 0.9 stays within that share) and ``tp`` (two tensor-parallel ranks
-over NCCL give one rank's tokens and leave no process behind; needs two GPUs).
+over NCCL give one rank's tokens and leave no process behind; then a worker killed (SIGKILL) and one stopped
+(SIGSTOP, ``tensor_parallel_stall_timeout=2``) during a long ``generate`` must each end the call in
+``EngineDeadError`` naming rank 1: NCCL's collectives never raise on a dead peer, so the engine's watch of the
+workers' processes, the group's abort and, past 5 s, the engine process's own exit end it; needs two GPUs).
 """
 
 from __future__ import annotations
@@ -156,13 +159,59 @@ def check_tensor_parallel(
             pids += [engine.engine_pid, *engine.call_utility("debug_process")["tensor_parallel_workers"]]
     finally:
         engine.shutdown()
+    failures = {how: _tp_worker_failure(folder, options, how) for how in ("SIGKILL", "SIGSTOP")}
+    pids += [pid for failure in failures.values() for pid in failure.pop("pids")]
     running = _wait_gone(pids, GONE_TIMEOUT_S)
     return {
         "restarts": restarts,
         "same_tokens_as_one_rank": same,
+        "worker_failures": failures,
         "processes_still_running": running,
-        "passed": same and not running,
+        "passed": same and not running and all(failure["passed"] for failure in failures.values()),
     }
+
+
+def _tp_worker_failure(folder: str, options: dict[str, Any], how: str) -> dict[str, Any]:
+    """Kill (``SIGKILL``) or stop (``SIGSTOP``) rank 1 during a long ``generate``: the call must fail naming it."""
+    import os
+    import signal
+    import threading
+
+    from enginekit import Engine, EngineDeadError, SamplingParams
+
+    engine = Engine(folder, tensor_parallel_size=2, tensor_parallel_stall_timeout=2.0, **options)
+    outcome: list[BaseException | None] = []
+    started_generating = threading.Event()
+    long = SamplingParams(max_tokens=engine.max_model_len - 16, temperature=0, ignore_eos=True)
+    seconds = float("nan")
+    try:
+        (worker,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
+        pids = [engine.engine_pid, worker]
+
+        def generate() -> None:
+            try:
+                for _ in engine.stream({"prompt_token_ids": [100, 2000, 3000]}, long):
+                    started_generating.set()
+                outcome.append(None)
+            except BaseException as error:
+                outcome.append(error)
+            finally:
+                started_generating.set()
+
+        caller = threading.Thread(target=generate, daemon=True)
+        caller.start()
+        started_generating.wait(120.0)
+        started = time.monotonic()
+        os.kill(worker, getattr(signal, how))
+        caller.join(120.0)
+        seconds = time.monotonic() - started
+        if how == "SIGSTOP" and _running(worker):
+            os.kill(worker, signal.SIGCONT)
+    finally:
+        engine.shutdown()
+    error = outcome[0] if outcome else None
+    named = isinstance(error, EngineDeadError) and "tensor-parallel worker rank 1" in str(error)
+    return {"seconds_to_error": round(seconds, 2), "error": str(error)[:300], "passed": named, "pids": pids}
 
 
 def _serve(engine: Any) -> list[list[int]]:

@@ -277,6 +277,11 @@ def _tp(tp: dict[str, Any], result: dict[str, Any]) -> str:
         f"Two tensor-parallel ranks over {tp['restarts']} restarts: same tokens as one rank "
         f"{'yes' if tp['same_tokens_as_one_rank'] else '**no**'}, processes left {tp['processes_still_running'] or 'none'}: "
         f"{verdict}.\n"
+        + "".join(
+            f"A worker's {how} during a long generate: {'EngineDeadError naming rank 1' if failure['passed'] else '**' + failure['error'] + '**'}"
+            f" after {failure['seconds_to_error']} s.\n"
+            for how, failure in tp.get("worker_failures", {}).items()
+        )
     )
 
 
@@ -294,7 +299,7 @@ def _targets(targets: list[dict[str, Any]]) -> str:
             t["name"],
             goal_text(t),
             number(t["measured"], t["unit"], t["digits"]),
-            "met" if t["met"] else "**NOT met**",
+            _verdict(t),
         ]
         for t in targets
     ]

@@ -5,30 +5,208 @@ one batch (what a llama.cpp server does with parallel slots), or one sequence at
 Here one context holds up to ``max_sequences`` sequences in a unified KV cache: the prompts are decoded
 together (in ``n_batch``-token chunks), then every step decodes one token of each sequence in one
 ``llama_decode`` call, as the engine's steps do. Greedy: each sequence's next token is the argmax of its logits.
+
+The benchmark sections run it in a child process (``LlamaCppProcess``): llama-cpp-python built from source can
+crash in native code (on Intel AMX hosts 0.3.36 segfaults at its first decode), and a crash there must cost the
+run its llama.cpp figures only. A crash raises ``LlamaCppCrashed`` naming the signal; ``interleave_surviving``
+then measures the other systems without it. ``python benchmarks/llama_cpp_runner.py serve ARGS`` is the child.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import json
 import logging
-from collections.abc import Sequence
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 N_BATCH = 512  # llama.cpp's default logical batch
+REPLY_TIMEOUT_S = 600.0  # a reply slower than this is a hung child, not a slow one
+# Set in the child's environment, makes it fault for real (a null-pointer read) at "start" (before llama.cpp
+# loads) or at its first "decode": how the tests check that a crash costs the run only llama.cpp's figures.
+FAULT_ENV = "ENGINEKIT_BENCH_LLAMA_CPP_FAULT"
 
 
 def available() -> str | None:
-    """None when llama-cpp-python imports, else why not."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError as error:
-        return f"`llama-cpp-python` is not installed ({error})"
+    """None when llama-cpp-python is installed, else why not. Looked up without importing it: its native
+    library is loaded in the child process only."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "`llama-cpp-python` is not installed"
     return None
 
 
 def version() -> str:
-    import llama_cpp
+    try:
+        return importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
-    return getattr(llama_cpp, "__version__", "?")
+
+class LlamaCppCrashed(RuntimeError):
+    """llama.cpp's child process died (a signal or an exit) or stopped answering."""
+
+
+class LlamaCppProcess:
+    """``LlamaCpp`` in a child process: the same model and context, the same greedy decoding, timed in the child.
+
+    Raises ``LlamaCppCrashed`` (from the constructor or ``generate``) when the child dies, and ``RuntimeError``
+    when llama.cpp reports an error (a model it cannot load, a failed decode)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        max_sequences: int,
+        max_length: int,
+        threads: int,
+        reply_timeout_s: float = REPLY_TIMEOUT_S,
+    ) -> None:
+        self._timeout = reply_timeout_s
+        # llama.cpp logs its load on stderr: into a file, which cannot fill as a pipe can (closed in close())
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
+        arguments = dict(path=path, max_sequences=max_sequences, max_length=max_length, threads=threads)
+        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "serve", json.dumps(arguments)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+        )
+        self._selector = selectors.DefaultSelector()
+        assert self._proc.stdout is not None
+        self._selector.register(self._proc.stdout, selectors.EVENT_READ)
+        self._buffer = b""
+        try:
+            ready = self._receive("loading the model")
+        except BaseException:
+            self.close()
+            raise
+        self.vocab_size = int(ready["vocab_size"])
+        self.max_sequences = max_sequences
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], output_len: int, *, batched: bool
+    ) -> tuple[int, float]:
+        """``LlamaCpp.generate`` in the child: (tokens generated, seconds the child took for them)."""
+        self._send(
+            {
+                "op": "generate",
+                "prompts": [list(p) for p in prompts],
+                "output_len": output_len,
+                "batched": batched,
+            }
+        )
+        reply = self._receive(f"generating for {len(prompts)} sequence(s)")
+        return int(reply["tokens"]), float(reply["elapsed_s"])
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None and proc.stdin is not None:
+                proc.stdin.write(b'{"op": "close"}\n')
+                proc.stdin.flush()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        self._selector.close()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+        self._stderr.close()
+
+    def __enter__(self) -> LlamaCppProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        proc = self._proc
+        if proc is None:
+            raise RuntimeError("llama.cpp's process is closed")
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(message).encode() + b"\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            raise LlamaCppCrashed(self._death("receiving a request")) from None
+
+    def _receive(self, doing: str) -> dict[str, Any]:
+        proc = self._proc
+        if proc is None:
+            raise RuntimeError("llama.cpp's process is closed")
+        assert proc.stdout is not None
+        deadline = time.monotonic() + self._timeout
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                proc.kill()
+                proc.wait(timeout=30)
+                raise LlamaCppCrashed(
+                    f"llama.cpp's process did not answer within {self._timeout:.0f} s {doing}"
+                )
+            if not self._selector.select(min(remaining, 1.0)):
+                continue
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise LlamaCppCrashed(self._death(doing))
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"llama.cpp {doing}: {reply['error']}")
+        return reply
+
+    def _death(self, doing: str) -> str:
+        """How the child ended, while ``doing``, with the last line it wrote on stderr."""
+        assert self._proc is not None
+        try:
+            code = self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            code = self._proc.wait(timeout=30)
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        self._stderr.seek(0)
+        lines = [
+            line.strip() for line in self._stderr.read().decode(errors="replace").splitlines() if line.strip()
+        ]
+        last = f"; its last stderr line: {lines[-1][:200]}" if lines else ""
+        return f"llama.cpp's process (llama-cpp-python {version()}) {how} while {doing}{last}"
+
+
+def interleave_surviving(
+    runners: dict[str, Callable[[], Any]],
+    llama_keys: Sequence[str],
+    interleave: Callable[..., dict[str, list[Any]]],
+    **options: Any,
+) -> tuple[dict[str, list[Any]], str | None]:
+    """``interleave(runners, **options)``; if a llama.cpp runner (one of ``llama_keys``) crashes, the same
+    interleave again without the llama.cpp runners. Returns the samples and the crash's message (or None)."""
+    try:
+        return interleave(runners, **options), None
+    except LlamaCppCrashed as crash:
+        rest = {name: run for name, run in runners.items() if name not in llama_keys}
+        return interleave(rest, **options), str(crash)
 
 
 class LlamaCpp:
@@ -44,7 +222,11 @@ class LlamaCpp:
         self._model = lib.llama_model_load_from_file(path.encode(), lib.llama_model_default_params())
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {path}")
-        self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
+        vocab = lib.llama_model_get_vocab(self._model)
+        if not vocab:
+            lib.llama_model_free(self._model)
+            raise RuntimeError(f"llama.cpp found no vocabulary in {path}")
+        self.vocab_size = lib.llama_vocab_n_tokens(vocab)
         params = lib.llama_context_default_params()
         params.n_ctx = max_sequences * max_length + 64
         params.n_batch = params.n_ubatch = N_BATCH
@@ -93,6 +275,8 @@ class LlamaCpp:
 
     def _decode(self, chunk: list[tuple[int, int, int, bool]]) -> list[int]:
         """Decode one batch of (token, position, sequence, wants logits); the argmax of every output row."""
+        if os.environ.get(FAULT_ENV) == "decode":
+            _fault()
         batch = self._batch
         for i, (token, position, seq, wants) in enumerate(chunk):
             batch.token[i] = token
@@ -125,3 +309,51 @@ class LlamaCpp:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _fault() -> None:
+    """A real segmentation fault: a read at address 0."""
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def serve(arguments: dict[str, Any]) -> int:
+    """The child: load the model, then answer one JSON line per request line on stdin. Its stdout carries only
+    the replies (anything native code prints goes to stderr)."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    if os.environ.get(FAULT_ENV) == "start":
+        _fault()
+    try:
+        llm = LlamaCpp(
+            arguments["path"],
+            max_sequences=arguments["max_sequences"],
+            max_length=arguments["max_length"],
+            threads=arguments["threads"],
+        )
+    except Exception as error:
+        replies.write(json.dumps({"error": f"{type(error).__name__}: {error}"}) + "\n")
+        return 1
+    replies.write(json.dumps({"ready": True, "vocab_size": llm.vocab_size}) + "\n")
+    try:
+        for line in sys.stdin:
+            request = json.loads(line)
+            if request["op"] == "close":
+                break
+            try:
+                start = time.perf_counter()
+                tokens = llm.generate(request["prompts"], request["output_len"], batched=request["batched"])
+                reply: dict[str, Any] = {"tokens": tokens, "elapsed_s": time.perf_counter() - start}
+            except Exception as error:
+                reply = {"error": f"{type(error).__name__}: {error}"}
+            replies.write(json.dumps(reply) + "\n")
+    finally:
+        llm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "serve":
+        sys.exit('usage: llama_cpp_runner.py serve \'{"path": ..., "max_sequences": ..., ...}\'')
+    sys.exit(serve(json.loads(sys.argv[2])))

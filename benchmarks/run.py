@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     import torch
+    from benchmarks.baselines import clear_model_cache
     from benchmarks.common import load_average, log, session
     from benchmarks.report import write_report
     from benchmarks.stats import machine_info
@@ -125,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             entry["error"] = traceback.format_exc(limit=8)
             log(entry["error"])
+        finally:
+            # transformers' continuous-batching managers run a thread the interpreter would wait for at exit
+            clear_model_cache()
         entry["runtime_s"] = round(time.perf_counter() - t0, 1)
         entry["load_after"] = load_average()
         log(f"== {name} done in {entry['runtime_s']:.0f} s")
@@ -162,18 +167,32 @@ def other_work_share(seconds: float = 1.0) -> float | None:
     return round(1.0 - idle / total, 3)
 
 
-def revision() -> dict[str, Any]:
-    def git(*command: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
+def revision(root: Path = REPO_ROOT) -> dict[str, Any]:
+    """The commit the run measures, and whether the tree had changes beside it: ``dirty`` (tracked files differ
+    from the commit), ``diff_sha256`` (the SHA-256 of ``git diff HEAD``'s output, so a page can be matched with
+    the diff it was run on: ``git diff HEAD | sha256sum``), ``changed`` (the files that differ) and ``untracked``
+    (source files in ``sdk/`` and ``benchmarks/`` that git does not track, which the run may import)."""
 
+    def git(*command: str) -> bytes:
+        try:
+            return subprocess.run(["git", *command], cwd=root, capture_output=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return b""
+
+    diff = git("diff", "HEAD")
+    untracked = [
+        name
+        for name in git("ls-files", "--others", "--exclude-standard", "--", "sdk", "benchmarks")
+        .decode(errors="replace")
+        .splitlines()
+        if name.endswith((".py", ".c", ".h")) and not name.startswith("benchmarks/results/")
+    ]
     return {
-        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": git("rev-parse", "--short", "HEAD").decode().strip() or "unknown",
+        "dirty": bool(diff),
+        "diff_sha256": hashlib.sha256(diff).hexdigest() if diff else None,
+        "changed": git("diff", "HEAD", "--name-only").decode(errors="replace").splitlines(),
+        "untracked": untracked,
     }
 
 
@@ -194,11 +213,10 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def _llama_cpp_version() -> str | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return getattr(llama_cpp, "__version__", "?")
+    """llama-cpp-python's version, read without loading its native library (it runs in a child process)."""
+    from benchmarks import llama_cpp_runner
+
+    return None if llama_cpp_runner.available() else llama_cpp_runner.version()
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -136,6 +136,13 @@ SECTIONS: tuple[Section, ...] = (
         "render_quantized_bench",
     ),
     Section(
+        "invariant",
+        "What does batch_invariant=True cost?",
+        "benchmarks.bench_batch_invariant",
+        "run_batch_invariant_bench",
+        "render_batch_invariant_bench",
+    ),
+    Section(
         "structured",
         "What do structured outputs cost?",
         "benchmarks.bench_structured",

@@ -113,3 +113,227 @@ def test_peak_loops_keep_twelve_independent_chains(tmp_path: Path) -> None:
         instructions = body[1].split("\n\n", 1)[0]
         assert instructions.count(mnemonic) >= 12, f"{function}: {instructions.count(mnemonic)} {mnemonic}"
     assert found, "no peak loop found in the disassembly"
+
+
+def _row(kind: str, concurrency: int, share: float) -> dict:
+    rate = summary([100.0, 110.0])
+    return {
+        "concurrency": concurrency,
+        "kind": kind,
+        "window_ms": None,
+        "engine": rate,
+        "baselines": {"generate, bfloat16, dynamic cache": rate},
+        "baseline_label": "generate, bfloat16, dynamic cache",
+        "baseline": rate,
+        "ratio": summary([1.0, 1.1]),
+        "gflops": share * 400.0,
+        "share_of_peak": share,
+    }
+
+
+def test_the_peak_sentence_is_about_the_largest_batchs_equal_row() -> None:
+    """The sentence names the equal row at the largest concurrency, not the largest share of any row (a mixed row
+    at 32 used more of the peak than the equal one)."""
+    from benchmarks.bench_real import peak_sentence
+
+    rows = [_row("equal", 8, 0.41), _row("equal", 32, 0.39), _row("mixed", 32, 0.43)]
+    text = peak_sentence(rows, 437.0, "bfloat16")
+    assert "equal row (32 concurrent) uses 39.0% of the bfloat16 peak (437 GFLOP/s)" in text
+    assert peak_sentence(rows, None, "bfloat16") == ""
+
+
+def test_the_share_column_names_the_peak_it_divides_by() -> None:
+    from benchmarks.bench_throughput import rows_table
+
+    header = rows_table([_row("equal", 1, 0.16)], digits=1, peak="bfloat16").splitlines()[0]
+    assert "of the bfloat16 peak" in header and "FMA" not in header
+    assert "transformers `generate, bfloat16, dynamic cache` tok/s" in header
+
+
+def test_a_row_with_two_transformers_bolds_the_faster_and_compares_with_it() -> None:
+    from benchmarks.bench_throughput import rows_table, transformers_curves
+
+    row = _row("mixed", 8, 0.2)
+    row["baselines"] = {
+        "generate, float32, dynamic cache": summary([50.0]),
+        "generate_batch, float32": row["baseline"],
+    }
+    row["baseline_label"] = "generate_batch, float32"
+    above = _row("mixed", 128, 0.2)  # continuous batching not run above the section's cap
+    above["baselines"] = {"generate, float32, dynamic cache": above["baseline"]}
+    above["baseline_label"] = "generate, float32, dynamic cache"
+    lines = rows_table([row, above], digits=1).splitlines()
+    assert "engine / the faster transformers" in lines[0]
+    assert "| 50.0 | **105.0 (100.0-110.0)** |" in lines[2]
+    assert "| **105.0 (100.0-110.0)** | not run |" in lines[3]
+    curves = transformers_curves([{**row, "kind": "equal"}, {**above, "kind": "equal"}])
+    assert [c for c, _ in curves["transformers generate_batch, float32"]] == [8]
+    assert [c for c, _ in curves["transformers generate, float32, dynamic cache"]] == [8, 128]
+
+
+def _git(root: Path, *command: str) -> bytes:
+    return subprocess.run(["git", *command], cwd=root, check=True, capture_output=True).stdout
+
+
+def test_a_runs_revision_records_its_uncommitted_diff_by_hash(tmp_path: Path) -> None:
+    import hashlib
+
+    from benchmarks.run import revision
+
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "sdk").mkdir()
+    (tmp_path / "sdk" / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    clean = revision(tmp_path)
+    assert clean["dirty"] is False and clean["diff_sha256"] is None and clean["changed"] == []
+    assert clean["commit"] == _git(tmp_path, "rev-parse", "--short", "HEAD").decode().strip()
+
+    (tmp_path / "sdk" / "a.py").write_text("x = 2\n")
+    (tmp_path / "sdk" / "new.py").write_text("y = 1\n")
+    dirty = revision(tmp_path)
+    assert dirty["dirty"] is True and dirty["changed"] == ["sdk/a.py"]
+    assert dirty["diff_sha256"] == hashlib.sha256(_git(tmp_path, "diff", "HEAD")).hexdigest()
+    assert dirty["untracked"] == ["sdk/new.py"]
+
+
+def test_the_page_names_a_dirty_runs_diff_hash() -> None:
+    result = _result({})
+    result.update(dirty=True, diff_sha256="ab" * 32, changed=["sdk/a.py"], untracked=[])
+    text = render_page(result, "r.json", {})
+    assert "from commit abc1234 (**with uncommitted changes** to 1 file (sdk/a.py)" in text
+    assert f"whose `git diff HEAD | sha256sum` is `{'ab' * 32}`" in text
+    result.update(diff_sha256=None, changed=[])  # a run from before the hash was recorded
+    assert "their diff not recorded: these figures are of no commit" in render_page(result, "r.json", {})
+    assert "uncommitted" not in render_page(_result({}), "r.json", {})
+
+
+def test_quantized_targets_are_against_the_ceiling_and_batched_llama_cpp_and_say_when_unmeasured() -> None:
+    """The concurrent target is the share of the workload's arithmetic ceiling and the ratio to llama.cpp batched
+    at the same concurrency; when llama.cpp crashed, its targets are listed as not measured, not left out."""
+    from benchmarks.bench_quantized import _targets, llama_cpp_note
+
+    runs = {name: {"rates": {}} for name in ("one", "concurrent", "prefill")}
+    figures = {
+        "sizes": {"decode": 128, "concurrent": 16, "prefill": 512},
+        "runs": runs,
+        "compute": {"share": summary([0.29, 0.31])},
+    }
+    runs["one"]["against_llama_cpp"] = summary([1.3])
+    targets = {t["name"]: t for t in _targets(figures)}
+    ceiling = targets["quantized, 16 concurrent: share of the workload's arithmetic ceiling"]
+    assert (ceiling["goal"], ceiling["unit"], ceiling["met"]) == (0.5, "%", False)
+    batched = targets["quantized, 16 concurrent: engine / llama.cpp batched"]
+    assert batched["goal"] == 2.5 and batched["measured"] != batched["measured"]  # NaN: not measured
+    section = {
+        "question": "Q?",
+        "runtime_s": 1.0,
+        "load_before": "0",
+        "figures": {"targets": list(targets.values())},
+    }
+    text = render_page(_result({"x": section}), "r.json", {})
+    assert (
+        "| quantized, 16 concurrent: engine / llama.cpp batched | >= 2.50x | n/a |  | not measured |" in text
+    )
+    assert "1 of 4 targets met (2 not measured: see their sections)." in text
+    note = llama_cpp_note({"version": "0.3.36", "crashed": "llama.cpp's process was killed by SIGSEGV"})
+    assert note.startswith("**llama.cpp crashed**") and "SIGSEGV" in note
+    assert llama_cpp_note({"version": "0.3.36"}) == ""
+
+
+def test_a_llama_cpp_child_that_crashes_at_start_raises_naming_the_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llama.cpp runs in a child process: a segmentation fault there (a real one: a read at address 0) is an
+    exception in the bench naming the signal, not the bench's death."""
+    from benchmarks import llama_cpp_runner
+
+    monkeypatch.setenv(llama_cpp_runner.FAULT_ENV, "start")
+    with pytest.raises(llama_cpp_runner.LlamaCppCrashed, match="killed by SIGSEGV while loading the model"):
+        llama_cpp_runner.LlamaCppProcess("unused.gguf", max_sequences=1, max_length=8, threads=1)
+
+
+def _default_gguf() -> str:
+    from benchmarks import llama_cpp_runner
+
+    if llama_cpp_runner.available() is not None:
+        pytest.skip("llama-cpp-python is not installed (the `llamacpp` dependency group)")
+    from enginekit.model.formats.source import default_model_file
+
+    try:
+        return str(default_model_file())
+    except Exception as error:  # the default model's file is not installed here
+        pytest.skip(f"the default model's GGUF file is not here: {error}")
+
+
+def test_llama_cpp_in_its_child_generates_every_sequences_tokens() -> None:
+    from benchmarks import llama_cpp_runner
+
+    with llama_cpp_runner.LlamaCppProcess(_default_gguf(), max_sequences=3, max_length=24, threads=1) as llm:
+        prompts = [[100 + i for i in range(8)], [200 + i for i in range(5)], [300 + i for i in range(12)]]
+        for batched in (True, False):
+            tokens, elapsed = llm.generate(prompts, 6, batched=batched)
+            assert tokens == 18 and elapsed > 0
+
+
+def test_a_llama_cpp_crash_at_its_first_decode_leaves_the_other_systems_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As on Intel AMX hosts, where llama-cpp-python 0.3.36 built from source segfaults at its first decode: the
+    interleave runs again without llama.cpp and says why."""
+    from benchmarks import llama_cpp_runner
+    from benchmarks.common import interleave
+
+    path = _default_gguf()
+    monkeypatch.setenv(llama_cpp_runner.FAULT_ENV, "decode")
+    with llama_cpp_runner.LlamaCppProcess(path, max_sequences=2, max_length=16, threads=1) as llm:
+        calls = []
+        runners = {
+            "engine": lambda: calls.append(1) or 1.0,
+            "llama.cpp": lambda: llm.generate([[100, 101, 102]], 4, batched=True)[0],
+        }
+        samples, crash = llama_cpp_runner.interleave_surviving(
+            runners, ["llama.cpp"], interleave, repeats=2, warmup=1
+        )
+    assert set(samples) == {"engine"} and samples["engine"] == [1.0, 1.0]
+    assert crash is not None and "killed by SIGSEGV while generating for 1 sequence(s)" in crash
+
+
+def test_transformers_continuous_batching_gives_each_request_its_own_length(tmp_path: Path) -> None:
+    """The generate_batch baseline: one manager started per checkpoint and dtype, each call's requests stopping at
+    their own lengths (the runner raises unless every request got exactly its tokens), a smaller batch served by
+    the same manager, and its thread stopped with the model cache."""
+    from benchmarks import baselines
+
+    from hf_checkpoints import build_checkpoint
+
+    build_checkpoint(tmp_path, "llama", vocab_size=512)
+    try:
+        mixed = baselines.hf_batch_runner(
+            tmp_path, [5, 17, 9], [3, 11, 6], capacity=baselines.BatchCapacity(4, 40)
+        )
+        assert mixed() > 0 and mixed() > 0
+        (manager,) = [entry[1] for entry in baselines._MANAGERS.values()]
+        one = baselines.hf_batch_runner(tmp_path, [7], [4])
+        assert one() > 0
+        assert [entry[1] for entry in baselines._MANAGERS.values()] == [manager]  # the same manager served it
+        assert manager.is_running()
+    finally:
+        baselines.clear_model_cache()
+    assert not manager.is_running() and not baselines._MANAGERS
+
+
+def test_the_real_models_llama_cpp_text_says_it_crashed() -> None:
+    from benchmarks.bench_real import _llama_cpp_text
+
+    figures = {
+        "llama_cpp": {"version": "0.3.36", "weights": 97e6, "crashed": "killed by SIGSEGV", "rows": []},
+        "streamed": {"weights": 97e6},
+        "threads": 2,
+        "sizes": {"llama_cpp_rounds": 2},
+    }
+    text = _llama_cpp_text(figures)
+    assert "**llama.cpp crashed**, so it has no rows (its targets say n/a): killed by SIGSEGV." in text
+    assert "| concurrent |" not in text
+    missing = _llama_cpp_text({**figures, "llama_cpp": {"why_not": "`llama-cpp-python` is not installed"}})
+    assert missing.startswith("**llama.cpp was not measured**: `llama-cpp-python` is not installed")

@@ -78,6 +78,17 @@ def test_utilities_go_to_one_rank_or_to_each(engine):
     assert [rank["num_kv_blocks"] for rank in stats["ranks"]] == [128, 128] and stats["num_kv_blocks"] == 256
 
 
+def test_merged_stats_sum_the_counts_and_name_no_rank(engine):
+    """A merged dict speaks for every rank: counts are summed, a rank's identity is only under ``ranks`` (summed, two
+    ranks' 0 + 1 read as rank 1), and what every rank says alike (the grammar backend) is kept."""
+    stats = engine.get_stats()
+    assert "data_parallel_rank" not in stats
+    assert [rank["data_parallel_rank"] for rank in stats["ranks"]] == [0, 1]
+    assert stats["num_free_kv_blocks"] == sum(rank["num_free_kv_blocks"] for rank in stats["ranks"])
+    assert stats["structured_outputs_backend"] == "llguidance"
+    assert stats["uptime_s"] == max(rank["uptime_s"] for rank in stats["ranks"])
+
+
 def test_facade_methods_return_the_same_type_as_with_one_rank(engine):
     assert engine.ping() is True
     assert engine.reset_prefix_cache() is True  # idle: both ranks forgot their prefix cache

@@ -195,6 +195,28 @@ def test_grandchildren_are_found(monkeypatch: pytest.MonkeyPatch, without_psutil
     assert final.new_child_pids == ()
 
 
+@pytest.mark.skipif(not LINUX, reason="reads process states through /proc or psutil")
+@pytest.mark.parametrize("without_psutil", [False, True], ids=["psutil", "proc"])
+def test_a_child_that_exited_unreaped_is_a_zombie_until_waited_for(
+    monkeypatch: pytest.MonkeyPatch, without_psutil: bool
+) -> None:
+    if without_psutil:
+        monkeypatch.setitem(sys.modules, "psutil", None)
+    before = snapshot()
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        # Wait for the exit without reaping it (WNOWAIT): the child stays a zombie until it is waited for.
+        os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+        diff = before.diff(snapshot())
+        assert process.pid in diff.after.zombie_pids and process.pid not in diff.after.child_pids
+        assert (diff.zombies, diff.new_zombie_pids, diff.children) == (1, (process.pid,), 0)
+        assert f"zombie processes (exited, never reaped): +1 (new pids: {process.pid})" in diff.leaks()
+        assert diff.as_row()["zombies"] == 1 and "zombies +1" in str(diff)
+    finally:
+        process.wait(timeout=10)
+    assert before.diff(snapshot()).leaks() == []
+
+
 def test_gc_freeze_grows_and_unfreeze_restores() -> None:
     before = snapshot()
     if before.gc_freeze_count != 0:

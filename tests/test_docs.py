@@ -14,7 +14,8 @@ from enginekit import Engine, EngineConfig, SamplingParams
 from enginekit.core.engine_core import EngineCore
 from enginekit.notebook import GenerationHandle, Viewer
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 GUIDES = ("getting_started.md", "notebook_guide.md", "api.md")
 
 
@@ -109,3 +110,37 @@ def test_links_between_the_docs_resolve(guide: str) -> None:
 def _anchors(path: Path) -> set[str]:
     headings = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.M)
     return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_notebook_is_in_the_getting_started_next_list() -> None:
+    text = (DOCS / "getting_started.md").read_text(encoding="utf-8")
+    next_list = text.split("## Next", 1)[1]
+    notebooks = sorted(path.name for path in (ROOT / "notebooks").glob("*.ipynb"))
+    assert notebooks and [name for name in notebooks if f"`{name}`" not in next_list] == []
+
+
+def _module_map() -> str:
+    """The rows of architecture.md's table of folders and files."""
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Folders", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(line for line in section.splitlines() if line.startswith("|"))
+
+
+def test_every_file_the_architecture_names_exists() -> None:
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    files = [
+        path.relative_to(ROOT).as_posix() for path in ROOT.rglob("*") if path.suffix in (".py", ".c", ".h")
+    ]
+    named = set(re.findall(r"`([\w/.]+\.(?:py|c|h))`", text))
+    missing = [name for name in sorted(named) if not any(f == name or f.endswith("/" + name) for f in files)]
+    assert named and missing == []
+
+
+def test_every_native_kernel_module_is_in_the_architectures_module_map() -> None:
+    # the kernels' folder: every file the library is built from or that binds it, named where the map tours it
+    folder = ROOT / "sdk" / "enginekit" / "model" / "kernels"
+    modules = [
+        p.name for p in folder.iterdir() if p.suffix in (".py", ".c", ".h") and p.name != "__init__.py"
+    ]
+    rows = _module_map()
+    assert modules and [name for name in sorted(modules) if f"`{name}`" not in rows] == []

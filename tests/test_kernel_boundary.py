@@ -3,14 +3,17 @@ dtypes, shapes, layouts and out-of-range table entries with a Python exception i
 
 from __future__ import annotations
 
+import ctypes
 import re
+import subprocess
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
 from enginekit.model.kernels import entry_points
-from enginekit.model.kernels.library import SOURCES
+from enginekit.model.kernels.boundary import MAX_THREADS
+from enginekit.model.kernels.library import FLAGS, SOURCES
 from enginekit.model.kernels.native import (
     native_layer_ops,
     native_library,
@@ -207,3 +210,49 @@ def test_quant_gemm_and_dequantize_refuse_rows_that_do_not_fit_their_type() -> N
     _refuses(lambda: gemm.dequantize(blocks[:, :20], QType.Q4_0, 4, 64))
     _refuses(lambda: gemm(x, blocks, QType.Q4_0, 4, 64, isa="scalar", path="panels"), match="no such path")
     _refuses(lambda: gemm(x, blocks.view(4, 4, 9), QType.Q4_0, 4, 64), match="dimensions")
+
+
+@pytest.mark.parametrize("threads", [0, -1, 2**32 + 1, MAX_THREADS + 1])
+def test_a_thread_count_out_of_range_is_refused_before_c_sees_it(threads: int) -> None:
+    # -1 reached quant_gemm.c's per-thread scratch (a negative size) and corrupted the heap; 2**32 + 1 reached C
+    # as 1 (ctypes wraps silently)
+    blocks, x = torch.zeros(4, 2 * 18, dtype=torch.uint8), torch.randn(2, 64)
+    _refuses(lambda: native_quant_gemm()(x, blocks, QType.Q4_0, 4, 64, threads=threads), match="threads")
+    _refuses(lambda: native_skinny_gemm()(x, torch.randn(3, 64), None, threads), match="threads")
+
+
+def test_scalars_and_sizes_of_the_wrong_type_are_refused() -> None:
+    x, w = torch.randn(2, 16), torch.randn(3, 16)
+    _refuses(lambda: native_skinny_gemm()(x, w, None, 1.5), TypeError, "threads must be an int")
+    _refuses(lambda: native_skinny_gemm()(x, w, None, True), TypeError, "threads must be an int")
+    ops = native_layer_ops()
+    _refuses(lambda: ops.rms_norm(x, torch.ones(16), "1e-5"), TypeError, "eps must be a float")
+    q, kv_cache, tables, lens, block_size = _attention_inputs()
+    _refuses(lambda: ops.paged_attention(q, kv_cache, tables, lens, 4.0, 0.3), TypeError, "block_size")
+    _refuses(
+        lambda: ops.paged_attention(q, kv_cache, tables, lens, block_size, 0.3, window=2**63), match="window"
+    )
+
+
+def test_the_attention_limits_are_the_librarys_own(tmp_path) -> None:
+    # layer_ops.c keeps a task's query heads on the stack: a limit Python wrote apart let a call past the C
+    # arrays through. Built with smaller limits, the checker and LayerOps follow them.
+    small = tmp_path / "layer_ops_small.so"
+    source = next(source for source in SOURCES if source.name == "layer_ops.c")
+    subprocess.run(
+        ["cc", *FLAGS, "-DMAX_GROUP=4", "-DMAX_GROUP_FLOATS=64", str(source), "-o", str(small)], check=True
+    )
+    lib = ctypes.CDLL(str(small))
+    assert entry_points.attention_limits(lib) == {"MAX_GROUP": 4, "MAX_GROUP_FLOATS": 64}
+    attention = entry_points.PAGED_ATTENTION.bind(lib)
+    q, kv_cache, tables, lens, block_size = _attention_inputs(
+        heads=8, kv_heads=2, dim=8
+    )  # 4 per KV head: fits
+    arguments = {"kv_cache": kv_cache, "block_tables": tables, "table_rows": None, "context_lens": lens}
+    arguments |= {"block_size": block_size, "scale": 0.3, "window": 0, "softcap": 0.0, "threads": 1}
+    attention(q=q, **arguments)
+    wide = torch.randn(2, 10, 8)  # 5 query heads per KV head
+    _refuses(lambda: attention(q=wide, **arguments), match=r"limits \(4 query heads per KV head, 64 of")
+    cache = torch.randn(2, 24, 1, 32)  # heads of 32 values: 2 per KV head are 64 values, 4 are 128
+    attention(q=torch.randn(2, 2, 32), **(arguments | {"kv_cache": cache}))
+    _refuses(lambda: attention(q=torch.randn(2, 4, 32), **(arguments | {"kv_cache": cache})), match="limits")

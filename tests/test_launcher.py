@@ -112,6 +112,25 @@ def test_closing_the_launcher_while_engines_run(engine):
         other.shutdown()
 
 
+def test_a_reply_left_unread_is_not_taken_as_the_next_calls_answer():
+    """A call that gave up (a timeout; a Ctrl-C lands the same way) leaves its reply in the socket: the next call
+    reads past it to its own."""
+    from enginekit.runtime.launcher import LauncherError
+    from enginekit.wire.messages import ExitStatus, StatusRequest
+
+    launcher = Launcher()
+    try:
+        os.kill(launcher.pid, signal.SIGSTOP)  # it cannot answer in time
+        try:
+            with pytest.raises(LauncherError, match="did not answer"):
+                launcher.exit_status(111111, timeout=0.2)
+        finally:
+            os.kill(launcher.pid, signal.SIGCONT)
+        assert launcher._call(StatusRequest(222222), [], 30.0) == ExitStatus(222222, None)
+    finally:
+        launcher.close()
+
+
 def test_a_launcher_that_cannot_start_raises_startup_error_with_its_output(monkeypatch):
     enginekit.shutdown_launcher()
     failing = [

@@ -501,6 +501,36 @@ def test_engine_process_exits_when_its_front_end_is_killed_during_model_load(fro
     assert wait_gone(pids) == []
 
 
+@pytest.mark.parametrize(
+    ("point", "mode"), [("launcher start", "mp"), ("model load", "mp"), ("model load", "async")]
+)
+def test_ctrl_c_during_the_first_engine_leaves_nothing_once_the_launcher_is_shut_down(front_end, point, mode):
+    """A Ctrl-C during a process's first ``Engine()``: while the launcher it starts imports torch, or once the
+    engine process reports the model loading. The exception is kept, as a notebook keeps the last traceback."""
+    script = front_end(f"""
+        import signal
+        import enginekit
+        from enginekit.diagnostics import snapshot, wait_until_clean
+        before = snapshot()
+        def reached():
+            if {point!r} == "launcher start":  # the launcher exists; it reports ready once torch is imported
+                return bool(psutil.Process().children())
+            return any(getattr(obj, "phase", None) == "model load"
+                       for obj in gc.get_objects() if type(obj) is EngineProcess)
+        when(reached, lambda: os.kill(os.getpid(), signal.SIGINT))
+        try:
+            Engine("builtin", mode={mode!r}, num_kv_blocks=64, debug_load_delay_s=60)
+        except KeyboardInterrupt as error:
+            kept = error
+            print("interrupted", flush=True)
+        enginekit.shutdown_launcher()
+        print("leaks", repr(wait_until_clean(before, timeout=15).leaks()), flush=True)
+    """)
+    script.expect("interrupted")
+    assert script.expect("leaks") == ["[]"], script.stderr
+    assert script.proc.wait(60) == 0, script.stderr
+
+
 def assert_exits_leaving_nothing(script: FrontEnd, pids: list[int]) -> None:
     assert script.proc.wait(60) == 0, script.stderr
     assert wait_gone(pids) == []

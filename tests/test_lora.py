@@ -129,6 +129,26 @@ def test_background_modes_and_a_restart_with_another_adapter(lora_case, mode):
             assert asyncio.run(manage()) == (True, True, True, {requests["qv"].lora_int_id})
 
 
+@pytest.mark.parametrize("mode", ["inproc", "mp"])
+def test_overlapped_steps_run_the_adapters(lora_case, mode):
+    """async_scheduling=True: each step's slots are set when it is launched, before the step before it is applied,
+    and its decodes (whose tokens are still on the device) run their adapters."""
+    names = [None, "all", "qv", "attn"]
+    prompts, adapters, expected = mixed_batch(lora_case, names)
+    options = {"enable_lora": True, "async_scheduling": True, **SMALL}
+    with Engine(str(lora_case["base"]), mode=mode, **options) as engine:
+        if mode == "inproc":
+            assert engine.client.core.async_scheduling is True
+        random.Random(2).shuffle(order := list(range(len(prompts))))
+        outputs = engine.generate(
+            [prompts[i] for i in order], GREEDY, lora_request=[adapters[i] for i in order]
+        )
+        assert tokens(outputs) == [expected[i] for i in order]
+        request = lora_case["requests"]["qv"]
+        outputs = engine.generate(lora_case["prompts"], GREEDY, lora_request=request)
+        assert tokens(outputs) == lora_case["expected"]["qv"]
+
+
 def test_chat_takes_an_adapter(lora_case):
     request = lora_case["requests"]["all"]
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -308,6 +328,7 @@ def test_lora_request_is_checked(lora_case):
         ({"max_loras": 0}, "max_loras must be at least 1"),
         ({"max_lora_rank": 0}, "max_lora_rank must be at least 1"),
         ({"max_loras": 4, "max_cpu_loras": 2}, r"max_cpu_loras must be at least max_loras \(4\), got 2"),
+        ({"batch_invariant": True}, "enable_lora=True cannot be used with batch_invariant=True"),
     ],
 )
 def test_the_options_are_checked(options, message):
@@ -369,13 +390,18 @@ def test_data_parallel_ranks_load_the_adapters_of_the_requests_they_serve(lora_c
 
 
 @pytest.mark.parametrize(
-    ("row_slots", "segments"),
+    ("chunk_slots", "counts", "segments"),
     [
-        ([1, -1, 3, 1, 3, -1, 3], [(1, None), (3, None)]),  # scattered: gathered with an index
-        ([3, 3, -1, 1, 1, 1, -1], [(3, (0, 2)), (1, (3, 6))]),  # together: slices of the batch
+        ([1, -1, 3, 1, 3, -1, 3], [1] * 7, [(1, None), (3, None)]),  # scattered: gathered with an index
+        ([3, -1, 1, -1], [2, 1, 3, 1], [(3, (0, 2)), (1, (3, 6))]),  # together: slices of the batch
+        (
+            [1, 1, -1, 3],
+            [1, 3, 2, 1],
+            [(1, (0, 4)), (3, (6, 7))],
+        ),  # one adapter's chunks side by side: one slice
     ],
 )
-def test_the_batched_product_equals_each_rows_own_adapter(row_slots, segments):
+def test_the_batched_product_equals_each_rows_own_adapter(chunk_slots, counts, segments):
     from enginekit.model.lora.slots import LoRASlots, LoRAStep
 
     torch.manual_seed(0)
@@ -386,8 +412,9 @@ def test_the_batched_product_equals_each_rows_own_adapter(row_slots, segments):
         a, b = torch.randn(3 * r, 5), torch.randn(14, r)
         slots.write(slot, a, b)
         weights[slot] = (a, b, r)
+    row_slots = [slot for slot, count in zip(chunk_slots, counts) for _ in range(count)]
     x, base = torch.randn(7, 5), torch.randn(7, 14)
-    step.begin(row_slots, cpu)
+    step.begin(chunk_slots, counts, cpu)
     found = [(s.slot, None if s.rows is not None else (s.start, s.end)) for s in step.segments]
     assert found == segments
     out = base.clone()

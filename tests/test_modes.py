@@ -136,6 +136,15 @@ def test_utility_timeout(engine):
     assert engine.ping()
 
 
+@pytest.mark.parametrize("mode", ["inproc", "mp", "async"])
+def test_ping_is_false_while_the_engine_cannot_answer_in_time_and_true_once_it_can(mode):
+    with Engine("builtin", mode=mode, num_kv_blocks=64) as engine:
+        with pytest.raises(TimeoutError):
+            engine.call_utility("sleep", 6.0, timeout=0.01)  # it reached the engine, which now sleeps 6 s
+        assert engine.ping(timeout=0.2) is False  # queued behind the sleep
+        assert engine.ping(timeout=120) is True  # the hang guard: it answers once the sleep is over
+
+
 def test_prompt_embeds_cross_the_process_boundary(engine):
     with Engine("builtin", mode="inproc") as local:
         ids = local.tokenizer.encode("Embeddings travel as tensor frames")

@@ -19,9 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from enginekit import Engine, SamplingParams
+from enginekit.model.kernels import library as library_module
 from enginekit.model.kernels import native as native_module
-from enginekit.model.kernels.library import DISABLE_ENV, native_kernels_status
-from enginekit.model.kernels.native import MAX_ROWS, native_layer_ops, native_skinny_gemm
+from enginekit.model.kernels.library import (
+    DISABLE_ENV,
+    NativeUnavailable,
+    elf_dynamic,
+    library_file,
+    native_kernels_status,
+    native_library,
+)
+from enginekit.model.kernels.native import MAX_ROWS, _openmp_runtimes, native_layer_ops, native_skinny_gemm
 from enginekit.model.layers.linear import SKINNY_MAX_ROWS, linear_kernel
 
 BUILDABLE = (
@@ -30,6 +38,8 @@ BUILDABLE = (
     and bool(shutil.which("cc") or shutil.which("gcc"))
     and "avx2" in Path("/proc/cpuinfo").read_text()
 )
+# A generous hang guard for runs that compile the library: about 20 s of CPU, minutes on a busy machine.
+HANG_GUARD_S = 900
 needs_native = pytest.mark.skipif(not BUILDABLE, reason="the native kernel is built on x86-64 Linux with gcc")
 
 # Each run in a fresh interpreter: native_skinny_gemm() is built and cached once per process.
@@ -55,7 +65,7 @@ def _probe(cache: Path, **env: str) -> dict:
         env=environment,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=HANG_GUARD_S,
         check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -166,6 +176,24 @@ def test_silu_mul_matches_torch(rows: int, inter: int, threads: int) -> None:
         result = ops.silu_mul(gate_up)
     expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (7, 37), (301, 200)])  # 301 x 200: the parallel path
+def test_gelu_tanh_mul_matches_torch_and_gives_a_row_the_same_values_whatever_the_rows(
+    rows: int, inter: int, threads: int
+) -> None:
+    ops = native_layer_ops()
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 4
+    with _threads(threads):
+        result = ops.gelu_tanh_mul(gate_up)
+        alone = torch.cat([ops.gelu_tanh_mul(gate_up[i : i + 1]) for i in range(rows)])
+    expected = F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(result, alone)
 
 
 ATTENTION_SHAPES = [  # heads, kv heads, head size, block size
@@ -311,7 +339,7 @@ def test_concurrent_first_builds_publish_one_library(tmp_path: Path) -> None:
         subprocess.Popen([sys.executable, "-c", PROBE], env=environment, stdout=subprocess.PIPE, text=True)
         for _ in range(3)
     ]
-    results = [json.loads(run.communicate(timeout=180)[0].strip().splitlines()[-1]) for run in runs]
+    results = [json.loads(run.communicate(timeout=HANG_GUARD_S)[0].strip().splitlines()[-1]) for run in runs]
     assert all(result["native"] for result in results), results
     assert [p.suffix for p in (tmp_path / "native").iterdir()] == [".so"], "leftover partial builds"
 
@@ -354,3 +382,121 @@ def test_get_stats_says_whether_the_native_kernels_run_and_why_not(monkeypatch: 
     with Engine("builtin", mode="mp", num_kv_blocks=16) as engine:
         engine.generate("warm", SamplingParams(max_tokens=2))
         assert engine.get_stats()["native_kernels"] == f"off: {DISABLE_ENV}=0"
+
+
+# A compiler that notes each call and writes the file SOURCE where it is asked to write the library.
+STUB_COMPILER = """#!/bin/sh
+echo call >> "{calls}"
+while [ "$#" -gt 1 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
+cp "{source}" "$out"
+"""
+
+
+@needs_native
+@pytest.mark.parametrize("rebuild_loads", [True, False])
+def test_a_corrupt_cached_library_is_built_again_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rebuild_loads: bool
+) -> None:
+    # A cached file that does not load used to turn the kernels off in every process that found it.
+    good = native_library()
+    assert good is not None
+    cache, calls = tmp_path / "cache", tmp_path / "calls"
+    monkeypatch.setenv("ENGINEKIT_CACHE", str(cache))
+    cached = library_file()
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"\x7fELF\x02\x01 cut short")
+    rebuilt = Path(good._name) if rebuild_loads else tmp_path / "also-corrupt.so"
+    if not rebuild_loads:
+        rebuilt.write_bytes(b"not a library at all")
+    compiler = tmp_path / "cc"
+    compiler.write_text(STUB_COMPILER.format(calls=calls, source=rebuilt))
+    compiler.chmod(0o755)
+    result = _probe(cache, CC=str(compiler))
+    assert calls.read_text().split() == ["call"], "built again more or less than once"
+    assert any("building it again" in line for line in result["log"]), result
+    assert result["native"] == rebuild_loads, result
+    if rebuild_loads:
+        assert cached.read_bytes() == rebuilt.read_bytes()
+    else:
+        assert any("not a readable shared library" in line for line in result["log"]), result
+
+
+SECOND_RUNTIME = textwrap.dedent(
+    """
+    import ctypes, json, sys, torch
+    ctypes.CDLL(sys.argv[1])  # a second OpenMP runtime, mapped before the kernels are asked for
+    from enginekit.model.kernels.library import native_kernels_status, native_library
+    lib = native_library()
+    with open("/proc/self/maps") as maps:
+        mapped = any("enginekit-native" in line for line in maps)
+    print(json.dumps({"native": lib is not None, "mapped": mapped, "status": native_kernels_status()}))
+    """
+)
+
+
+@needs_native
+def test_a_second_openmp_runtime_is_found_before_the_library_loads(tmp_path: Path) -> None:
+    # The check ran after ctypes had loaded the library: its constructors ran beside two thread pools.
+    assert native_library() is not None  # built: the child finds it in the cache and would load it
+    (runtime,) = _openmp_runtimes()
+    second = tmp_path / "libgomp-second.so.1"
+    shutil.copy(runtime, second)
+    done = subprocess.run(
+        [sys.executable, "-c", SECOND_RUNTIME, str(second)],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=True,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not result["native"] and "more than one OpenMP runtime" in result["status"], result
+    assert not result["mapped"], "the library was loaded before the check"
+
+
+@needs_native
+def test_a_library_that_needs_another_openmp_runtime_is_not_loaded(tmp_path: Path) -> None:
+    (runtime,) = _openmp_runtimes()
+    other = tmp_path / "libomp.so"  # stands for LLVM's runtime: only its name matters to the loader's choice
+    (tmp_path / "empty.c").write_text("int enginekit_other_runtime;\n")
+    (tmp_path / "needs.c").write_text("int enginekit_needs_other;\n")
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-Wl,-soname,libomp.so", str(tmp_path / "empty.c"), "-o", str(other)],
+        check=True,
+    )
+    library = tmp_path / "needs-libomp.so"
+    subprocess.run(
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            str(tmp_path / "needs.c"),
+            "-Wl,--no-as-needed",
+            f"-L{tmp_path}",
+            "-lomp",
+            "-o",
+            str(library),
+        ],
+        check=True,
+    )
+    assert "libomp.so" in elf_dynamic(library)[0]
+    assert elf_dynamic(library_file())[0].count(elf_dynamic(Path(runtime))[1]) == 1  # ours: torch's own
+    with pytest.raises(NativeUnavailable, match="second thread pool"):
+        library_module._open(library, runtime)
+    assert str(library) not in Path("/proc/self/maps").read_text()
+
+
+@needs_native
+@pytest.mark.parametrize(("out", "cols", "bias"), [(960, 576, False), (576, 1536, True), (13, 19, True)])
+def test_the_invariant_linear_gives_a_row_the_same_outputs_whatever_the_other_rows(out, cols, bias) -> None:
+    # linear_kernel's choice moves from the skinny GEMM to oneDNN or F.linear past 64 rows, which sum otherwise
+    _, kernel = linear_kernel(torch.device("cpu"), torch.float32, batch_invariant=True)
+    gen = torch.Generator().manual_seed(out)
+    x, w = torch.randn(300, cols, generator=gen), torch.randn(out, cols, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    alone = torch.cat([kernel(x[i : i + 1], w, b) for i in range(300)])
+    for rows in (2, 8, 9, 64, 65, 128, 129, 300):
+        with _threads(2):
+            assert torch.equal(kernel(x[:rows], w, b), alone[:rows]), rows
+    torch.testing.assert_close(alone, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * cols**0.5)
+    assert torch.equal(kernel(x[:6].T.contiguous().T, w, b), alone[:6])  # rows not contiguous: copied first
+    assert kernel(x[:0], w, b).shape == (0, out)

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from enginekit import StructuredOutputsParams
 from enginekit.core.validation import RequestLimits
-from enginekit.frontend.prompts import normalize_params, normalize_prompts, prepare_request
+from enginekit.frontend.prompts import RequestBuilder, normalize_params, normalize_prompts, prepare_request
+from enginekit.model.loader import load_model_spec
 from enginekit.model.text.tokenizer import ByteTokenizer
 from enginekit.sampling_params import SamplingParams
 
@@ -98,3 +100,18 @@ def test_prompt_embeds_are_copied_and_stand_for_placeholder_tokens():
 def test_bad_prompts_raise_before_anything_is_sent(prompt, exception, message):
     with pytest.raises(exception, match=message):
         prepare(prompt)
+
+
+def test_an_error_in_a_batch_names_the_prompt_and_its_constraint():
+    builder = RequestBuilder(load_model_spec("builtin"), LIMITS)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: prompt is an empty string$"):
+        builder.build(["fine", "", "fine"], PARAMS)
+    constrained = SamplingParams(
+        logit_bias={300: 1.0}, structured_outputs=StructuredOutputsParams(choice=["a"])
+    )
+    with pytest.raises(
+        ValueError, match=r"^prompts\[2\] \(choice='\[\"a\"\]'\): SamplingParams.logit_bias holds"
+    ):
+        builder.build(["fine", "fine", "biased"], [PARAMS, PARAMS, constrained])
+    with pytest.raises(ValueError, match=r"^prompt is an empty string$"):  # a single prompt: no index
+        builder.build("", PARAMS)

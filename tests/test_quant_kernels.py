@@ -328,3 +328,38 @@ def test_an_lm_head_computes_its_largest_outputs_from_the_unquantized_input(rows
         # the int8 or bf16 path: the other outputs keep its values, which differ from the exact ones
         rest = torch.ones_like(head, dtype=torch.bool).scatter_(1, top, False)
         assert torch.equal(head[rest], plain[rest]) and not torch.equal(plain[rest], exact[rest])
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_the_invariant_path_gives_a_row_the_same_outputs_whatever_the_other_rows(qtype: QType) -> None:
+    # path "auto" picks by the row count (int8 up to 5 rows, then bf16 with AVX-512 BF16; int8 up to 16, then
+    # panels without): a row's outputs then depend on how many rows share its call
+    blocks = stored(qtype, 40, 256, seed=5)
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(6))
+    for isa in NATIVE.isas():
+        alone = torch.cat(
+            [NATIVE(x[i : i + 1], blocks, qtype, 40, 256, isa=isa, path="invariant") for i in range(20)]
+        )
+        for rows in (*range(1, 21), 64, 300):
+            together = NATIVE(x[:rows], blocks, qtype, 40, 256, isa=isa, path="invariant", threads=2)
+            first = min(rows, 20)
+            assert torch.equal(together[:first], alone[:first]), (isa, rows)
+        taken = (
+            "bf16" if isa == "avx512_bf16" else "int8" if qtype not in (QType.F16, QType.BF16) else "float"
+        )
+        assert torch.equal(alone, NATIVE(x[:20], blocks, qtype, 40, 256, isa=isa, path=taken)), isa
+
+
+@needs_native
+def test_an_invariant_lm_head_gives_a_row_the_same_logits_whatever_the_other_rows() -> None:
+    from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
+
+    part = StoredWeight(stored(QType.Q8_0, 512, 256, seed=7), QType.Q8_0, 512, 256)
+    head = QuantizedWeight([part], NATIVE, exact_top=8, batch_invariant=True)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([head(x[i : i + 1]) for i in range(40)])
+    for rows in (2, 3, 16, 17, 40):
+        assert torch.equal(head(x[:rows]), alone[:rows]), rows
+    exact = (x.double() @ dequantized(part.blocks, QType.Q8_0, 512, 256).double().T).float()
+    assert torch.equal(alone.argmax(dim=1), exact.argmax(dim=1))

@@ -122,6 +122,27 @@ def leftovers():
     return live, groups
 
 
+def test_ranks_the_cluster_cannot_hold_are_refused_before_any_is_placed(cluster):
+    """Two ranks of two model ranks on a cluster too small for both bundles (the 4-CPU cluster here, as 2 threads per
+    model rank make each bundle 4 CPUs): refused at once, not after ``startup_timeout`` (here the default, 120 s)
+    spent waiting for a placement group that cannot fit."""
+    with pytest.raises(
+        ValueError,
+        match=r"2 ranks of tensor_parallel_size=2 \(a bundle of 4 CPU per rank: 2 model ranks x 2 CPU each\) "
+        r"need 8 CPUs, the cluster has 4; give Ray more",
+    ):
+        Engine(
+            "builtin",
+            mode="mp",
+            data_parallel_backend="ray",
+            data_parallel_size=2,
+            tensor_parallel_size=2,
+            num_threads=4,
+            num_kv_blocks=64,
+        )
+    assert leftovers() == ([], [])
+
+
 @pytest.mark.slow
 def test_ray_ranks_give_the_tokens_of_local_ranks_and_leave_nothing(cluster, reference):
     with Engine("builtin", mode="mp", data_parallel_backend="ray", **OPTIONS) as engine:

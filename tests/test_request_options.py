@@ -106,6 +106,25 @@ def test_min_p_keeps_only_tokens_near_the_most_likely(engine):
     assert only_top[0].outputs[0].token_ids == greedy
 
 
+# ---- min_tokens -----------------------------------------------------------------------------------------
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached_even_when_biased_to_the_top(engine):
+    eos, stop = engine.tokenizer.eos_token_id, ord("q") + 3
+    pushed = SamplingParams(max_tokens=12, temperature=0, min_tokens=5, logit_bias={eos: 100})
+    out = engine.generate("at least five", pushed)[0].outputs[0]
+    assert eos not in out.token_ids[:5] and out.token_ids[5:] == [eos]  # then EOS, the biased top, at once
+    assert out.finish_reason == "stop" and "\ufffd" not in out.text
+    seeded = SamplingParams(
+        max_tokens=12, temperature=0.8, seed=3, min_tokens=4, stop_token_ids=[stop], logit_bias={stop: 100}
+    )
+    out = engine.generate("at least four", seeded)[0].outputs[0]
+    assert out.token_ids[4:] == [stop] and stop not in out.token_ids[:4]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    ignoring = SamplingParams(
+        max_tokens=6, temperature=0, min_tokens=3, ignore_eos=True, logit_bias={eos: 100}
+    )
+    assert engine.generate("eos is a token", ignoring)[0].outputs[0].token_ids == [eos] * 6
+
+
 # ---- logprobs -------------------------------------------------------------------------------------------
 def test_logprobs_are_objects_with_rank_and_decoded_token(engine):
     out = engine.generate("Rank", SamplingParams(max_tokens=4, temperature=1.0, seed=5, logprobs=2))[0]

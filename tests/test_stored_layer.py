@@ -218,6 +218,8 @@ def test_the_fused_layer_refuses_bad_tables_weights_and_tensors() -> None:
     assert row_bytes(Q.Q8_0, 64) != row_bytes(Q.Q4_0, 64)
     refuses("no kernel", t_down=int(Q.Q2_K))
     refuses("w_gate_up", w_gate_up=arguments["w_gate_up"][:-1])
+    refuses("no such path", path=99)
+    refuses("path must be from", path=2**31)
     with pytest.raises(TypeError, match="float32"):
         ops.stored_layer(hidden.double(), **arguments)
     with pytest.raises(ValueError, match="contiguous"):

@@ -9,6 +9,10 @@ import threading
 import pytest
 
 from enginekit import Engine, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from enginekit.core.structured.manager import StructuredOutputManager
+from enginekit.frontend.output_processor import RequestState
+from enginekit.model.text.tokenizer import ByteTokenizer
+from enginekit.wire.messages import EngineCoreRequest
 
 BACKENDS = ["llguidance", "xgrammar"]
 SCHEMA = {
@@ -147,15 +151,40 @@ def test_a_request_waits_for_its_grammar_while_the_batch_goes_on():
         assert re.fullmatch(REGEX, list(waiting)[-1].outputs[0].text)
 
 
-def test_a_grammar_that_does_not_compile_fails_its_request_and_the_engine_goes_on():
-    # llguidance accepts an empty alternative; xgrammar does not: the engine finds out at submission.
+def test_a_grammar_xgrammar_does_not_take_is_refused_before_it_is_sent_and_by_the_engine():
+    # llguidance takes an empty alternative; xgrammar's reader does not.
     params = constrained(grammar='root ::= "yes" |')
+    message = r"StructuredOutputsParams.grammar is not taken by the xgrammar backend .*: EBNF parser error"
     with Engine("builtin", mode="inproc", structured_outputs_backend="xgrammar") as engine:
-        with pytest.raises(ValueError, match=r"the grammar constraint does not compile: .*EBNF parser error"):
+        with pytest.raises(ValueError, match=message):
             engine.generate("bad", params)
-        with pytest.raises(ValueError, match=r"does not compile"):  # the cached failure, at once
-            engine.generate("bad again", params)
+        assert engine.get_stats()["grammars_compiled"] == 0  # refused before anything was sent
+        # The same request from another front end (a raw message): the engine refuses it the same way.
+        engine.client.add_request(EngineCoreRequest("raw", [5, 6], params))
+        state = RequestState("raw", None, [], params)
+        engine._router.track(state)
+        with pytest.raises(ValueError, match=message):
+            engine._router.wait([state])
         assert engine.generate("fine", constrained(choice=["ok"]))[0].outputs[0].text == "ok"
+
+
+def test_a_constraint_that_does_not_compile_fails_at_once_the_second_time():
+    # A failed compile is cached: the same mistake fails at once, without compiling again. (Reached when a
+    # backend's compile with the tokenizer refuses what its reader took.)
+    tokenizer = ByteTokenizer()
+    manager = StructuredOutputManager("xgrammar", tokenizer, tokenizer.vocab_size, [tokenizer.eos_token_id])
+    params = StructuredOutputsParams(grammar='root ::= "yes" |')
+    try:
+        for _ in range(2):
+            grammar = manager.request_grammar(params)
+            manager.wait([grammar], timeout=30)
+            assert manager.resolve(grammar) and grammar.matcher is None
+            assert re.search(
+                r"the grammar constraint does not compile: .*EBNF parser error", str(grammar.error)
+            )
+        assert (manager.num_compiled, manager.num_cache_hits) == (0, 1)
+    finally:
+        manager.shutdown()
 
 
 def test_the_xgrammar_backend_needs_its_package(monkeypatch):

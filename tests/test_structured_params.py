@@ -67,6 +67,18 @@ def test_logit_bias_is_clamped_to_100():
 BAD = [
     ({}, ValueError, r"needs exactly one of json, regex, choice, grammar or json_object=True, got none"),
     ({"regex": "a", "choice": ["a"]}, ValueError, r"got regex and choice"),
+    # A field given a falsy value of the wrong type is named, not taken for "no constraint".
+    (
+        {"json": False},
+        TypeError,
+        r"^StructuredOutputsParams.json must be a JSON schema: a dict, its JSON text or a pydantic model class, "
+        r"got bool$",
+    ),
+    ({"json": 0}, TypeError, r"StructuredOutputsParams.json must be a JSON schema: .* got int$"),
+    ({"regex": False}, TypeError, r"^StructuredOutputsParams.regex must be a string, got bool$"),
+    ({"choice": False}, TypeError, r"^StructuredOutputsParams.choice must be a list of strings, got False$"),
+    ({"json_object": 0}, TypeError, r"^StructuredOutputsParams.json_object must be True or False, got 0$"),
+    ({"regex": "a", "json_object": False}, None, None),  # False is json_object's default: one constraint
     ({"choice": []}, ValueError, r"StructuredOutputsParams.choice is empty"),
     ({"choice": ["a", ""]}, ValueError, r"choice must hold non-empty strings"),
     ({"choice": "ab"}, TypeError, r"choice must be a list of strings"),
@@ -87,6 +99,9 @@ BAD = [
 
 @pytest.mark.parametrize(("options", "exception", "message"), BAD)
 def test_bad_constraints_fail_at_construction(options, exception, message):
+    if exception is None:
+        assert StructuredOutputsParams(**options).kind == next(iter(options))
+        return
     with pytest.raises(exception, match=message):
         StructuredOutputsParams(**options)
 

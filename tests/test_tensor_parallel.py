@@ -1,9 +1,12 @@
 """Tensor parallelism: N model ranks behind one engine core give the tokens of one; a worker's death is the
 engine's death; restarts leak nothing; it composes with data parallelism."""
 
+import contextlib
 import itertools
 import os
+import re
 import signal
+import threading
 import time
 
 import pytest
@@ -22,6 +25,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=
 SEEDED = [SamplingParams(max_tokens=8, temperature=0.8, seed=i, ignore_eos=True) for i in range(6)]
 LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
 DEADLINE_S = 5.0  # a worker's death reaches the caller well within this (the watch is immediate)
+HANG_GUARD_S = 120.0  # only keeps a hang from blocking the run: what the tests wait for is an event
+STALL_S = 2.0  # tensor_parallel_stall_timeout where a test stops a worker
 
 
 def tokens(outputs):
@@ -121,6 +126,120 @@ def test_a_killed_worker_is_the_engines_death_and_restart_works(checkpoints, mod
     assert not diff.leaks(), diff.leaks()
 
 
+@contextlib.contextmanager
+def stopped(pid):
+    """SIGSTOP ``pid``; on the way out it is resumed (if the engine has not killed it meanwhile)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("mode", ["mp", "async"])
+def test_a_stopped_worker_fails_the_step_naming_its_rank_and_restart_works(checkpoints, mode):
+    """A worker that is alive but stopped holds every collective: the watch finds it making no progress for
+    ``tensor_parallel_stall_timeout`` and kills it, and the call fails naming it instead of hanging."""
+    Launcher.shared()
+    before = snapshot()
+    engine = Engine(
+        str(checkpoints["llama"]),
+        mode=mode,
+        num_kv_blocks=256,
+        tensor_parallel_size=2,
+        tensor_parallel_stall_timeout=STALL_S,
+    )
+    try:
+        engine_pid = engine.client.engine_pids[0]
+        (worker_pid,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
+        caller, outcome = in_thread(lambda: engine.generate(PROMPTS[:2], LONG))
+        wait_until_generating(engine)
+        with stopped(worker_pid):
+            caller.join(HANG_GUARD_S)
+        assert not caller.is_alive(), "generate still waits on a stopped worker"
+        with pytest.raises(
+            EngineDeadError,
+            match=rf"tensor-parallel worker rank 1 \(pid {worker_pid}\) made no progress for 2 s in a step.*"
+            r"it is stopped \(SIGSTOP",
+        ):
+            raise outcome[0]
+        assert wait_gone([engine_pid, worker_pid], 10) == []
+        engine.restart()
+        assert len(tokens(engine.generate(PROMPTS[:2], GREEDY))) == 2
+    finally:
+        engine.shutdown()
+    diff = wait_until_clean(before, timeout=15)
+    assert not diff.leaks(), diff.leaks()
+
+
+@pytest.mark.parametrize("mode", ["mp", "async"])
+def test_while_a_worker_is_stopped_calls_keep_their_timeouts_and_resumed_the_step_goes_on(checkpoints, mode):
+    """With a stall timeout longer than the test, the engine waits for its stopped worker: meanwhile each call
+    answers within its own timeout (``ping`` with ``False``, a utility with ``TimeoutError``), and once the worker
+    resumes the generation finishes."""
+    with Engine(
+        str(checkpoints["llama"]),
+        mode=mode,
+        num_kv_blocks=256,
+        tensor_parallel_size=2,
+        tensor_parallel_stall_timeout=3600,
+    ) as engine:
+        (worker_pid,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
+        caller, outcome = in_thread(
+            lambda: engine.generate(PROMPTS[:2], SamplingParams(max_tokens=200, ignore_eos=True))
+        )
+        wait_until_generating(engine)
+
+        def while_stopped():
+            while engine.ping(timeout=0.5):  # answered between two steps: the engine is not held yet
+                pass
+            with pytest.raises(TimeoutError, match=r"utility 'ping' did not answer within 0\.5s"):
+                engine.call_utility("ping", timeout=0.5)
+            return "held"
+
+        checker, checked = in_thread(while_stopped)
+        with stopped(worker_pid):
+            checker.join(HANG_GUARD_S)
+        assert not checker.is_alive(), "a call waited past its timeout while a worker was stopped"
+        assert checked == ["held"], checked
+        caller.join(HANG_GUARD_S)
+        assert [len(output.outputs[0].token_ids) for output in outcome[0]] == [200, 200]
+        assert engine.ping()
+
+
+def test_a_step_that_does_not_end_once_its_stalled_worker_is_killed_hands_on_the_reason(checkpoints):
+    """NCCL's case, which gloo cannot show (it raises once the killed worker's connection closes): a step that
+    does not end when a peer is gone. A step that waits for an event stands in for it; the watch kills the stopped
+    worker, and when the step has still not ended ``ABORT_GRACE_S`` later, it hands ``on_stuck`` the reason (the
+    engine process then reports its death and exits)."""
+    from enginekit.config import EngineConfig
+    from enginekit.core.tp_executor import TensorParallelExecutor
+
+    config = EngineConfig.from_options(
+        str(checkpoints["llama"]), tensor_parallel_size=2, tensor_parallel_stall_timeout=0.5
+    )
+    threads = torch.get_num_threads()  # the executor sets this process's share
+    executor = TensorParallelExecutor(config, torch.device("cpu"))
+    heard, reasons = threading.Event(), []
+    executor.on_stuck = lambda reason: (reasons.append(reason), heard.set())
+    try:
+        (worker_pid,) = executor.worker_pids
+        with stopped(worker_pid):
+            executor._collective(lambda: heard.wait(HANG_GUARD_S))
+        assert wait_gone([worker_pid], 10) == []
+    finally:
+        executor.shutdown()
+        torch.set_num_threads(threads)
+    assert len(reasons) == 1
+    assert re.fullmatch(
+        rf"tensor-parallel worker rank 1 \(pid {worker_pid}\) made no progress for 0\.5 s in a step, holding "
+        r"the other ranks up \(tensor_parallel_stall_timeout=0\.5\): it is stopped \(SIGSTOP or a job-control "
+        r"stop\); the engine killed it",
+        reasons[0],
+    )
+
+
 def test_an_idle_worker_death_fails_the_next_call(checkpoints):
     with Engine(str(checkpoints["llama"]), mode="async", num_kv_blocks=64, tensor_parallel_size=2) as engine:
         (worker_pid,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
@@ -196,6 +315,10 @@ def test_in_process_mode_is_refused():
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1"),
         ({"tensor_parallel_size": 2, "cuda_graphs": True}, "cuda_graphs=True"),
+        (
+            {"tensor_parallel_size": 2, "tensor_parallel_stall_timeout": 0},
+            r"tensor_parallel_stall_timeout must be a positive number of seconds, got 0",
+        ),
         (
             {
                 "tensor_parallel_size": 2,

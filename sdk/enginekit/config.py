@@ -140,15 +140,37 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         evenly; float weights only (a GGUF file is dequantized at load under ``quantization="auto"``). On CPU the
         engine's threads are shared out between its ranks. With ``data_parallel_size`` each data-parallel rank has
         its own ``tensor_parallel_size`` model ranks, locally or in its Ray actor's placement group.
+    tensor_parallel_stall_timeout
+        Seconds a tensor-parallel worker may hold a step up without any progress before the engine kills it and
+        fails with ``EngineDeadError`` naming its rank: it has not reached the collective the other ranks wait in,
+        or it is stopped (SIGSTOP, a debugger), and meanwhile neither its collectives nor its CPU time moved and it
+        was neither running nor in disk IO. A slow step that computes is never cut short. A worker that exits fails
+        the engine at once, whatever this says.
     structured_outputs_backend
         The library that compiles ``StructuredOutputsParams`` and computes their token masks: ``"llguidance"``
         (the default; installed with enginekit) or ``"xgrammar"`` (``pip install 'enginekit[xgrammar]'``). Both
         take the same constraints; see the API reference for how they differ.
+    batch_invariant
+        A request's tokens and logprobs do not depend on what else is in its batch: each row of a step is computed
+        as it would be alone. The products take one path at every row count (with a GGUF's weights as stored: bf16
+        on CPUs with AVX-512 BF16, else int8 for the quantized types; float32 weights: the native skinny GEMM in
+        calls of up to 128 rows), the LM head's exact top logits are summed row by row, and every query attends
+        through the native attention. Off, a step's row count picks the fastest path, which rounds differently,
+        so a near tie can go either way in another batch. CPU in float32 with the native kernels only, at most
+        two tensor-parallel ranks: elsewhere the start fails saying why. Off by default: on CPUs with AVX-512 BF16
+        one request's decode runs the slower bf16 product (0.65-0.72x the tokens/s measured on the default model,
+        0.99-1.08x at 16 requests; ``benchmarks/bench_batch_invariant.py``).
     cuda_graphs
         Replay decode steps from captured CUDA graphs (one per padded batch size and context length, captured
         on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
         same padded path runs without graphs (slower; for testing it there). Off by default: not yet measured
         on a GPU.
+    async_scheduling
+        Overlap the engine's steps, as vLLM's option of that name does: step N+1 is scheduled and its inputs
+        prepared while the device runs step N, and its decodes read step N's sampled ids on the device; step N's
+        tokens are applied (stops, text, grammars) before step N+1 samples, so outputs are the same as without.
+        ``None``: on with CUDA, off on CPU (where the host runs the forward pass and nothing overlaps).
+        ``tensor_parallel_size`` above 1 runs without.
     enable_lora
         Serve LoRA adapters (peft folders): ``generate(..., lora_request=LoRARequest(name, id, path))``. Each
         request runs its own adapter or none, mixed in one batch; the adapters' product is added to the
@@ -196,8 +218,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     data_parallel_keys: str | None = None
     data_parallel_backend: Literal["mp", "ray"] = "mp"
     tensor_parallel_size: int = 1
+    tensor_parallel_stall_timeout: float = 10.0
     cuda_graphs: bool = False
+    batch_invariant: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
+    async_scheduling: bool | None = None
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -249,6 +274,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         check_data_parallel(self)
         check_tensor_parallel(self)
         _check_lora(self)
+        if self.batch_invariant and (
+            (self.device or "cpu").startswith("cuda") or self.dtype not in (None, "float32")
+        ):
+            raise ValueError(
+                "batch_invariant=True runs on CPU in float32 only (its kernels are the native CPU ones), got "
+                f"device={self.device!r}, dtype={self.dtype!r}; use device='cpu' and dtype='float32' or None"
+            )
+        _require(  # NOTE: gloo sums more than two ranks' parts in an order that follows its chunking of the step
+            not self.batch_invariant or self.tensor_parallel_size <= 2,
+            f"batch_invariant=True holds with at most two tensor-parallel ranks, got tensor_parallel_size="
+            f"{self.tensor_parallel_size}: over more, the row-parallel sums' order follows the size of the step",
+        )
+        _require(
+            not (self.async_scheduling and self.tensor_parallel_size > 1),
+            "async_scheduling=True cannot be used with tensor_parallel_size > 1 (the other model ranks get each "
+            "step's token ids from the host); leave async_scheduling None or False",
+        )
         if self.structured_outputs_backend != "llguidance" and importlib.util.find_spec("xgrammar") is None:
             raise ImportError(
                 "structured_outputs_backend='xgrammar' needs the xgrammar package, which is not installed: "
@@ -346,6 +388,11 @@ def _check_lora(config: EngineConfig) -> None:
     _require(
         config.max_cpu_loras is None or config.max_cpu_loras >= config.max_loras,
         f"max_cpu_loras must be at least max_loras ({config.max_loras}), got {config.max_cpu_loras}",
+    )
+    _require(  # NOTE: an adapter's rows are multiplied together, so their sums' shape follows how many share it
+        not (config.enable_lora and config.batch_invariant),
+        "enable_lora=True cannot be used with batch_invariant=True: the adapters' products take their rows "
+        "together, so a row's rounding would depend on the requests beside it; turn one of them off",
     )
 
 

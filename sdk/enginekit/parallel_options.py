@@ -40,10 +40,17 @@ def check_data_parallel(config: EngineConfig) -> None:
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
-    """Refuse a tensor-parallel size with what its workers do not support yet (CUDA graphs, remote ranks)."""
+    """Refuse a tensor-parallel size with what its workers do not support yet (CUDA graphs, remote ranks), and a
+    stall timeout that is not a positive number of seconds."""
     size = config.tensor_parallel_size
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    stall = config.tensor_parallel_stall_timeout
+    if not stall > 0:  # NOTE: also refuses nan
+        raise ValueError(
+            f"tensor_parallel_stall_timeout must be a positive number of seconds, got {stall}: how long a worker "
+            "may hold a step up without progress before the engine fails"
+        )
     if size == 1:
         return
     if config.cuda_graphs:

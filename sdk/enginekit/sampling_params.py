@@ -75,7 +75,9 @@ class SamplingParams(
     logprobs
         Return the log-probabilities of this many most likely tokens (plus the sampled one) per token.
     min_tokens
-        Tokens to generate before EOS or stop token ids may end the request.
+        Tokens to generate before EOS or stop token ids may end the request: until then EOS (unless
+        ``ignore_eos``) and ``stop_token_ids`` cannot be sampled (their logits are set to ``-inf``), as vLLM and
+        transformers' ``min_new_tokens`` do.
     n
         Independent samples of the prompt (``RequestOutput.outputs`` has ``n`` entries); they share the
         prompt's KV blocks. With a ``seed``, sample ``i`` uses ``seed + i``.

@@ -61,7 +61,7 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, array_l
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(
                 "StructuredOutputsParams needs exactly one of json, regex, choice, grammar or json_object=True, "
@@ -82,9 +82,16 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, kw_only=True, array_l
         if message:
             raise ValueError(f"StructuredOutputsParams.{kind} does not compile: {message}")
 
+    def _given(self) -> list[GrammarKind]:
+        """The constraints given: every field that is not its default (``json=False`` is a schema given
+        wrongly, not a schema left out)."""
+        return [
+            kind for kind in _KINDS if getattr(self, kind) is not (False if kind == "json_object" else None)
+        ]
+
     @property
     def kind(self) -> GrammarKind:
-        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+        return self._given()[0]
 
     @property
     def spec(self) -> tuple[GrammarKind, str, bool]:

@@ -81,18 +81,33 @@ class EngineCoreClient(ABC):
     def is_alive(self) -> bool: ...
 
 
+# What merging several ranks' statistics does with a key that is not a count to add up.
+RANK_KEYS = frozenset(
+    {"data_parallel_rank"}
+)  # one rank's identity: no merged value (each is under ``ranks``)
+DIFFERS = "differs by rank (see ranks)"
+
+
 def merge_stats(stats: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
-    """One engine's stats as they are; several ranks' summed (ratios recomputed), with ``ranks`` beside."""
+    """One engine's stats as they are; several ranks' merged, with ``ranks`` (each rank's own) beside.
+
+    Counts are summed, ratios recomputed from the sums, ``uptime_s`` is the longest; a text value is kept when
+    every rank has the same, else it says it differs; a rank's identity (``data_parallel_rank``) has no merged
+    value and is left out."""
     if isinstance(stats, dict):
         return stats
-    total: dict[str, Any] = {
-        key: sum(rank[key] for rank in stats) for key in stats[0] if isinstance(stats[0][key], (int, float))
-    }
+    total: dict[str, Any] = {}
+    for key, value in stats[0].items():
+        if key in RANK_KEYS:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            total[key] = sum(rank[key] for rank in stats)
+        else:
+            values = [rank.get(key) for rank in stats]
+            total[key] = value if all(other == value for other in values) else DIFFERS
     total["kv_cache_usage"] = 1.0 - total["num_free_kv_blocks"] / total["num_kv_blocks"]
     queries = total["prefix_cache_queries"]
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
     total["uptime_s"] = max(rank["uptime_s"] for rank in stats)
-    statuses = {rank.get("native_kernels") for rank in stats}
-    total["native_kernels"] = statuses.pop() if len(statuses) == 1 else "differs by rank (see ranks)"
     total["ranks"] = stats
     return total

@@ -26,7 +26,7 @@ from enginekit.client.balancer import LoadBalancer
 from enginekit.client.base import EngineCoreClient
 from enginekit.client.pending import PendingCalls
 from enginekit.client.ray_ranks import RayCluster, RayRank
-from enginekit.client.receiver import LoopReceiver, ThreadReceiver, WatchedProcess
+from enginekit.client.receiver import EXIT_DRAIN_S, LoopReceiver, ThreadReceiver, WatchedProcess
 from enginekit.client.remote import RankWatcher, RemoteRank
 from enginekit.client.resources import ClientResources
 from enginekit.client.sockets import EngineSockets
@@ -52,6 +52,7 @@ logger = logging.getLogger("enginekit.client")
 
 SHUTDOWN_GRACE_S = 5.0
 UNREACHABLE_GRACE_S = 1.0  # how long a peer whose socket is gone may take to finish exiting
+REPORT_GRACE_S = EXIT_DRAIN_S + 2.0  # how long a send that found it gone waits for its receiver's report
 
 
 class MPClient(EngineCoreClient):
@@ -67,6 +68,7 @@ class MPClient(EngineCoreClient):
         self._closed = False
         self._dead_error: EngineDeadError | None = None
         self._dead_lock = threading.Lock()
+        self._last_words: dict[int, str] = {}  # by rank: why its engine said it died (EngineDead)
         self._send_lock = threading.Lock()
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineOutput, copy_tensors=True)  # they reach the user
@@ -91,7 +93,7 @@ class MPClient(EngineCoreClient):
             wait_for_ready(config, sockets, self.engines, spec.config if spec is not None else None)
             processes = [engine.process for engine in self.engines]
             self.resources.receiver = self.receiver_type(
-                sockets.output, processes, self._handle_frames, self._on_process_exit
+                sockets.output, sockets.output_hang_ups, processes, self._handle_frames, self._on_process_exit
             )
         except BaseException:
             self._closed = True
@@ -156,15 +158,19 @@ class MPClient(EngineCoreClient):
                 self.sockets.input.send_multipart(frames, copy=False)
             except zmq.ZMQError as error:
                 self._check_usable()
-                # NOTE: nobody may have watched the engine meanwhile (an "async" engine with no loop running):
-                # say how it ended, as a receiver that saw it would have.
                 # An unreachable peer has closed its socket: it is exiting, and its threads may take a moment
                 # more to finish (the main one is a zombie before the others are gone).
                 gone = next(
                     (engine for engine in self.engines if engine.process.wait_dead(UNREACHABLE_GRACE_S)), None
                 )
                 if gone is not None:
-                    self._mark_dead(f"{self._who(gone)}the engine process died", gone)
+                    # NOTE: the receiver names the death once it has read what the engine sent before it (its
+                    # EngineDead): marking it here first would race that. Nobody may be reading meanwhile (an
+                    # "async" engine with no loop running): this thread then reads. Past the grace, say how
+                    # it ended, as the receiver would have.
+                    if self.receiver is not None:
+                        self.receiver.wait_reported(REPORT_GRACE_S)
+                    self._mark_dead(self._exit_reason(gone), gone)
                     self._check_usable()
                 raise EngineDeadError(f"cannot reach the engine process: {error}") from error
 
@@ -306,7 +312,10 @@ class MPClient(EngineCoreClient):
     # ---- death --------------------------------------------------------------------------------------
     def _on_process_exit(self, process: WatchedProcess) -> None:
         engine = next(engine for engine in self.engines if engine.process is process)
-        self._mark_dead(f"{self._who(engine)}the engine process died", engine)
+        self._mark_dead(self._exit_reason(engine), engine)
+
+    def _exit_reason(self, engine: EngineRank) -> str:
+        return self._last_words.get(engine.rank) or f"{self._who(engine)}the engine process died"
 
     def _on_engine_dead(self, message: EngineDead) -> None:
         engine = next((e for e in self.engines if e.rank == message.engine_index), self.engines[0])
@@ -317,6 +326,9 @@ class MPClient(EngineCoreClient):
             )
         else:
             reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
+        # NOTE: noted before any thread starts: the exit the receiver reports next (on another thread, which
+        # may take the death lock first) names this reason too
+        self._last_words[engine.rank] = reason
         if running_loop() is None:
             self._mark_dead(reason, engine)
         else:  # NOTE: describing the death waits for the exit (up to a second): never on a running loop

@@ -68,6 +68,7 @@ class RayCluster:
             self.started = True
         try:
             self.gpu = self._wants_gpu()
+            self.check_room()
             self.front_end_host = self._front_end_host()
         except BaseException:
             self.close()
@@ -79,6 +80,46 @@ class RayCluster:
             wanted = self.config.data_parallel_size * self.config.tensor_parallel_size
             return self.ray.cluster_resources().get("GPU", 0) >= wanted
         return device == "cuda"
+
+    def check_room(self) -> None:
+        """Refuse at once ranks whose bundles the cluster can never hold, as ``check_placement`` refuses more local
+        ranks than cores: every rank's bundle together within the cluster's resources, and each bundle within one
+        node's (a placement group's bundle is never split between nodes). Otherwise its placement group would wait
+        out ``startup_timeout``. A cluster that has the room but lends it to others now is still waited for."""
+        bundle = self.bundle()
+        ranks = self.config.data_parallel_size
+        size = self.config.tensor_parallel_size
+        total = self.ray.cluster_resources()
+        nodes = [node.get("Resources", {}) for node in self.ray.nodes() if node.get("Alive")]
+        short = [
+            f"{_amount(amount * ranks)} {name}s, the cluster has {_amount(total.get(name, 0))}"
+            for name, amount in bundle.items()
+            if amount * ranks > total.get(name, 0)
+        ]
+        fits_a_node = any(
+            all(node.get(name, 0) >= amount for name, amount in bundle.items()) for node in nodes
+        )
+        if not short and fits_a_node:
+            return
+        what = f"{ranks} rank{'s' if ranks > 1 else ''}" + (
+            f" of tensor_parallel_size={size}" if size > 1 else ""
+        )
+        per_rank = f"a bundle of {_describe_bundle(bundle)} per rank"
+        if size > 1:
+            per_rank += f": {size} model ranks x {self.threads_per_model_rank()} CPU each"
+        if short:
+            problem = f"need {'; '.join(short)}"
+        else:
+            largest = max(nodes, key=lambda node: node.get("CPU", 0), default={})
+            problem = (
+                "need each bundle on one node, and no node has that much "
+                f"(the largest: {_describe_bundle({name: largest.get(name, 0) for name in bundle})})"
+            )
+        raise ValueError(
+            f"data_parallel_backend='ray': {what} ({per_rank}) {problem}; give Ray more (ray.init(num_cpus=...) "
+            "before the engine starts, or more nodes), or ask for less: fewer ranks, a smaller "
+            "tensor_parallel_size or num_threads"
+        )
 
     def _front_end_host(self) -> str:
         """Where the ranks reach this front end: the host of ``address``, else loopback on a one-node
@@ -107,6 +148,14 @@ class RayCluster:
             self.started = False
             with contextlib.suppress(Exception):
                 self.ray.shutdown()
+
+
+def _amount(value: float) -> str:
+    return f"{value:g}"
+
+
+def _describe_bundle(bundle: dict[str, float]) -> str:
+    return ", ".join(f"{_amount(amount)} {name}" for name, amount in bundle.items())
 
 
 class RayRank(RemoteRank):

@@ -8,11 +8,14 @@ protects both sockets, and only the engine processes receive the client keys. Wi
 (``data_parallel_rank=r``) a TCP port is offset by ``2 * r``, so the ranks' front ends can share one address.
 With remote ranks (``data_parallel_size_local``) a third socket, the watch ROUTER, binds the port after the
 output's, and the keys come from the ``data_parallel_keys`` file (created on first use, kept afterwards, so a
-copy on another host stays valid across restarts); the file is rewritten with the ports bound.
+copy on another host stays valid across restarts); the file is rewritten with the ports bound. A monitor of the
+output socket (``output_hang_ups``) reports each connection's end, after what it carried is queued: the
+receivers read an engine's last message before they report its exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket as socket_module
@@ -39,6 +42,7 @@ class EngineSockets:
             socket.setsockopt(zmq.LINGER, 0)
         self.input.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.output.setsockopt(zmq.RCVHWM, config.max_pending_outputs)
+        self.output_hang_ups = self.output.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.curve_client_keys: tuple[bytes, bytes, bytes] = (b"", b"", b"")
         self.watch: zmq.Socket | None = None  # remote ranks join and are watched here
         self.remote_keys: RemoteRankKeys | None = None  # what a rank placed by Ray is handed
@@ -159,6 +163,9 @@ class EngineSockets:
         self.remote_keys = keys
 
     def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.output.disable_monitor()
+        self.output_hang_ups.close(linger=0)
         for socket in (self.input, self.output, self.watch):
             if socket is not None:
                 socket.close(linger=0)

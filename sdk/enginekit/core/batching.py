@@ -9,10 +9,12 @@ from enginekit.model.batch import ScheduledBatch, SequenceChunk
 
 
 def build_batch(
-    scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager
+    scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager, pending_rows: dict[str, int] | None = None
 ) -> tuple[ScheduledBatch, list[Request], list[Request]]:
     """The runner's plain view of this step (decodes first, then prefill chunks), the request of each chunk,
-    and the requests that sample, in the runner's order."""
+    and the requests that sample, in the runner's order. ``pending_rows``: the sampling rows of the step before,
+    by request, whose tokens are still on their way from the device (overlapped steps). The sampling side that
+    depends on the requests' latest tokens (banned stop tokens, the bitmask) is ``fill_sampling``'s."""
     ordered = [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
     block_ids = kv_cache.block_ids
     chunks, sampling = [], []
@@ -23,7 +25,11 @@ def build_batch(
             start,
             block_ids[request.request_id],
             rope_long=request.rope_long,
+            seq_id=request.request_id,
         )
+        if chunk.num_tokens < num_new:  # its token was sampled by the step before and is on its way
+            assert pending_rows is not None and num_new == 1  # a running request's next decode
+            chunk.token_ids, chunk.sampled_row = [0], pending_rows[request.request_id]
         if start < request.num_prompt_tokens:
             _prompt_chunk(chunk, request, start, num_new)
         if start + num_new == request.num_tokens:
@@ -33,7 +39,8 @@ def build_batch(
             chunk.bad_words = request.bad_words
             sampling.append(request)
         chunks.append(chunk)
-    return ScheduledBatch(chunks, kv_cache.pool.num_used_blocks), [r for r, _ in ordered], sampling
+    batch = ScheduledBatch(chunks, kv_cache.pool.num_used_blocks, freed_seq_ids=kv_cache.take_freed())
+    return batch, [r for r, _ in ordered], sampling
 
 
 def _prompt_chunk(chunk: SequenceChunk, request: Request, start: int, num_new: int) -> None:

@@ -26,16 +26,16 @@ from enginekit.config import EngineConfig
 from enginekit.core.batching import build_batch
 from enginekit.core.detokenizer import IncrementalDetokenizer
 from enginekit.core.kv_cache import KVCacheManager
+from enginekit.core.launched_step import LaunchedStep, fill_sampling
 from enginekit.core.lora import LoRAManager, adapter_order
 from enginekit.core.model_start import start_model
 from enginekit.core.request import Request
-from enginekit.core.resources import release_device_memory, resolve_device
+from enginekit.core.resources import release_device_memory, resolve_async_scheduling, resolve_device
 from enginekit.core.scheduler import Scheduler
 from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.core.tp_executor import TensorParallelExecutor
 from enginekit.core.validation import RequestLimits, validate_request
-from enginekit.model.batch import TokenBitmask
 from enginekit.model.kernels.library import native_kernels_status
 from enginekit.model.loader import ModelSpec
 from enginekit.model.runner import ModelRunner
@@ -116,6 +116,11 @@ class EngineCore:
         }
         self.num_steps = 0
         self.start_time = time.monotonic()
+        # Overlapped steps: schedule and launch step N+1 before step N's tokens are applied (on by default on CUDA,
+        # where the device runs step N meanwhile; see docs/architecture.md). Never under tensor parallelism: the
+        # other ranks get each step's token ids over their pipes.
+        self.async_scheduling = resolve_async_scheduling(config, self.device)
+        self._in_flight: LaunchedStep | None = None  # an overlapped step whose samples are on their way
 
     def _build(self, config: EngineConfig, spec: ModelSpec | None) -> None:
         started = start_model(config, spec, self.device, self.dtype, engine_index=self.engine_index)
@@ -125,8 +130,13 @@ class EngineCore:
         self.tokenizer = started.tokenizer
         self.kv_size = started.kv_size
         self.num_kv_blocks, self.max_model_len = self.kv_size.num_blocks, self.kv_size.max_model_len
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.limits = RequestLimits(
-            model_config.vocab_size, model_config.hidden_size, self.max_model_len, config.enable_lora
+            model_config.vocab_size,
+            model_config.hidden_size,
+            self.max_model_len,
+            config.structured_outputs_backend,
+            config.enable_lora,
         )
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -179,7 +189,7 @@ class EngineCore:
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
-        added = Request(request, detokenizer=detokenizer)
+        added = Request(request, detokenizer=detokenizer, device=self.device)
         if request.lora_request is not None:
             assert self.loras is not None  # validate_request refuses an adapter without enable_lora
             try:
@@ -187,6 +197,12 @@ class EngineCore:
             except ValueError as error:
                 self.outputs.refuse(request_id, error)
                 return
+        limit = (
+            added.num_prompt_tokens + params.max_tokens
+            if params.max_tokens is not None
+            else self.max_model_len
+        )
+        added.max_num_tokens = min(limit, self.max_model_len)
         if params.bad_words:
             added.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.structured_outputs is not None:
@@ -248,6 +264,7 @@ class EngineCore:
             self.outputs.pending
             or self._utility_outputs
             or self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
             or self._idle_waiters
             or self.shutdown_state is ShutdownState.REQUESTED
         )
@@ -260,13 +277,16 @@ class EngineCore:
             else:
                 self.shutdown_state = ShutdownState.DONE  # what still runs fails with the reported death
         ran_forward = False
-        if self.shutdown_state is not ShutdownState.DONE and self.scheduler.has_unfinished_requests():
+        if self.shutdown_state is not ShutdownState.DONE and (
+            self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        ):
             if self._compiling:
                 self._resolve_grammars()
             ran_forward = self._run_scheduled()
             if not ran_forward and self._compiling:
                 self.structured.wait([r.grammar for r in self._compiling if r.grammar], GRAMMAR_WAIT_S)
         if not self.scheduler.has_unfinished_requests():
+            self._drop_in_flight()
             if self._idle_waiters:
                 self._wake_idle_waiters()
             if self.shutdown_state is ShutdownState.REQUESTED:
@@ -278,40 +298,80 @@ class EngineCore:
         return EngineCoreOutputs(outputs, utility_outputs, self.engine_index), ran_forward
 
     def _run_scheduled(self) -> bool:
+        """Schedule and launch a step; apply the step before it (overlapped) or this one (serial)."""
         scheduled = self.scheduler.schedule()
         changes = status_changes(scheduled.started, scheduled.preempted)
-        if scheduled.is_empty:
+        previous, self._in_flight = self._in_flight, None
+        step = self._launch(scheduled.scheduled, changes, previous) if not scheduled.is_empty else None
+        if previous is not None:  # its tokens, while this step runs on the device
+            self._complete(previous)
+        if step is None:
             self.outputs.report_status(changes)
-            return False
+            return previous is not None
+        if step.forward is not None:  # overlapped: sample once the step before has been applied
+            fill_sampling(step, self.structured, self.eos_token_ids)
+            step.pending = self.runner.sample_step(step.batch, step.forward)
+            step.forward = None
+            self._in_flight = step
+        else:
+            self._complete(step)
+        return True
+
+    def _launch(
+        self, scheduled: list[tuple[Request, int]], changes: dict, previous: LaunchedStep | None
+    ) -> LaunchedStep:
+        """Hand the scheduled step to the model: whole (serial), or its forward pass alone (overlapped: its
+        decodes read the tokens the step before sampled where they are, on the device)."""
+        pending_rows = previous.sampling_rows() if previous is not None else None
         if self.loras is not None:
-            scheduled.scheduled.sort(
+            scheduled.sort(
                 key=adapter_order
-            )  # each adapter's rows side by side: slices, not gathers
-        batch, requests, sampling = build_batch(scheduled.scheduled, self.kv_cache)
+            )  # each adapter's chunks side by side: its rows a slice, not a gather
+        batch, requests, sampling = build_batch(scheduled, self.kv_cache, pending_rows)
         if self.loras is not None:
-            batch.lora_slots = self.loras.rows(requests, batch.chunks)
-        grammars = [
-            (row, request.grammar) for row, request in enumerate(sampling) if request.grammar is not None
-        ]
-        if grammars:
-            matchers = [grammar.ready_matcher for _, grammar in grammars]
-            batch.token_bitmask = TokenBitmask(
-                [row for row, _ in grammars], self.structured.bitmask(matchers)
+            self.loras.assign_slots(requests, batch.chunks)
+        step = LaunchedStep(batch, requests, sampling, changes)
+        if self.async_scheduling:
+            if previous is not None and previous.pending is not None:
+                batch.previous_token_ids = previous.pending.device_token_ids
+            step.forward = self.runner.forward_step(batch)
+        else:
+            fill_sampling(step, self.structured, self.eos_token_ids)
+            step.sampled = (
+                self.executor.execute(batch) if self.executor is not None else self.runner.execute(batch)
             )
-        sampled = self.executor.execute(batch) if self.executor is not None else self.runner.execute(batch)
         self.num_steps += 1
-        for request, num_new in scheduled.scheduled:
+        for request, num_new in scheduled:
             request.num_computed_tokens += num_new
             self.kv_cache.cache_full_blocks(request)
+        for request in sampling:
+            request.num_pending_tokens += 1
+        return step
+
+    def _complete(self, step: LaunchedStep) -> None:
+        """Apply a step's samples: prompt logprobs, then each token (stops, text, grammar), then status changes.
+        The tokens of requests that ended since the step was scheduled are dropped."""
+        sampled = step.result()
         for index, parts in (sampled.prompt_logprobs or {}).items():
-            unsent = requests[index].prompt_logprobs
-            assert unsent is not None  # build_batch asks for them only while unsent
-            unsent.append(parts)
-        for row, request in enumerate(sampling):
+            request = step.requests[index]
+            if not request.is_finished:
+                unsent = request.prompt_logprobs
+                assert unsent is not None  # build_batch asks for them only while unsent
+                unsent.append(parts)
+        changes = step.changes
+        for row, request in enumerate(step.sampling):
+            if request.is_finished:
+                request.num_pending_tokens = 0
+                continue
             self.outputs.token(request, sampled, row, changes.pop(request.request_id, None))
         self.outputs.report_status(changes)
         self.outputs.end_step()
-        return True
+
+    def _drop_in_flight(self) -> None:
+        """Forget the overlapped step on its way (its requests have all ended), once its copy back is done."""
+        if self._in_flight is not None:
+            self._in_flight.result()
+            self._in_flight = None
 
     def _resolve_grammars(self) -> None:
         """Hand each request whose grammar compiled its matcher; refuse those whose grammar does not compile."""
@@ -399,6 +459,7 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release the model, the KV cache and the scheduler's requests, and return device memory."""
         self.abort_all()
+        self._drop_in_flight()
         self.outputs.take()
         for future in self._idle_waiters:
             future.cancel()

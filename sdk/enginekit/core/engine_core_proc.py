@@ -99,6 +99,7 @@ class EngineCoreProc(EngineCore):
         # could tell anyone, at the first)
         if self.executor is not None:
             self.executor.on_death = lambda reason: self.input_queue.put_nowait(ExecutorFailed(reason))
+            self.executor.on_stuck = self._end_stuck
             reason = self.executor.death_reason()
             if reason is not None:
                 self.input_queue.put_nowait(ExecutorFailed(reason))
@@ -208,6 +209,16 @@ class EngineCoreProc(EngineCore):
         """Broadcast the engine's death and wait (bounded) for the output thread to send it."""
         self.output_queue.put_nowait(EngineDead(reason, self.engine_index, signal_name))
         self.output_thread.join(timeout=5.0)
+
+    def _end_stuck(self, reason: str) -> None:
+        """The loop is stuck in a tensor-parallel step that cannot end (NCCL, whose collectives never raise on a
+        dead peer, even once aborted): report the death as a step that raised would, and end the process."""
+        # NOTE: runs on the executor's watch thread; the main thread, blocked in the step, never runs cleanup.
+        self.send_engine_dead(f"RuntimeError: Executor failed. {reason}")
+        if self.executor is not None:
+            self.executor.kill_workers()
+        sys.stderr.flush()
+        os._exit(1)
 
     def close_io(self) -> None:
         """Flush pending outputs and stop the output thread; the input thread dies with the process."""

@@ -96,6 +96,9 @@ class KVCacheManager:
         self.block_ids: dict[str, list[int]] = {}  # request id -> block table
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self.freed: list[
+            str
+        ] = []  # requests whose blocks were freed since the runner last heard (take_freed)
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of them, found
 
@@ -139,7 +142,8 @@ class KVCacheManager:
         """Register the request's newly completed full blocks in the prefix cache."""
         if not (self.enable_prefix_caching and request.is_cacheable):
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # a token still on its way from the device (an overlapped step's) is computed but not known: not hashed yet
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         num_cached = self._num_cached_blocks[request.request_id]
         if num_full <= num_cached:
             return
@@ -155,6 +159,12 @@ class KVCacheManager:
             self.pool.release(blocks)
             del self.block_ids[request.request_id]
             del self._num_cached_blocks[request.request_id]
+            self.freed.append(request.request_id)
+
+    def take_freed(self) -> list[str]:
+        """The requests whose blocks were freed since the last call (the runner forgets their block tables)."""
+        freed, self.freed = self.freed, []
+        return freed
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_queries += num_tokens

@@ -3,7 +3,7 @@ slot of each row of a step.
 
 ``LoRAManager`` keeps up to ``max_cpu_loras`` adapters in host memory, least recently used first (one that live
 requests use, or that is pinned, is never dropped; a dropped one is read again from its folder when a request names
-it). A step's adapters go into the ``max_loras`` device slots before it runs (``rows``): an adapter already in a
+it). A step's adapters go into the ``max_loras`` device slots before it runs (``assign_slots``): an adapter already in a
 slot stays there; another takes the lowest free slot, else the least recently used slot whose adapter the step does
 not use (a pinned one last). The scheduler never runs more than ``max_loras`` adapters at once, so a slot is always
 found. Each load of an adapter gets its own ``key``, which seeds its requests' prefix-cache hashes: blocks are never
@@ -163,23 +163,20 @@ class LoRAManager:
             adapter.slot = None
 
     # ---- adapters in the device's slots -----------------------------------------------------------
-    def rows(self, requests: list[Request], chunks: list[SequenceChunk]) -> list[int] | None:
-        """The adapter slot of each token row of a step (``requests[i]`` owns ``chunks[i]``; ``-1``: no adapter),
-        with every adapter the step uses put in a slot first; ``None`` when no request uses one."""
+    def assign_slots(self, requests: list[Request], chunks: list[SequenceChunk]) -> None:
+        """Put every adapter a step uses in a device slot, and give each chunk its adapter's slot (``requests[i]``
+        owns ``chunks[i]``; a chunk of the base model keeps ``-1``)."""
         needed = {request.lora for request in requests if request.lora is not None}
         if not needed:
-            return None
+            return
         if len(self.adapters) > self.max_cpu_loras:  # held past the bound while requests used them
             self._drop_unused(keep=None)
         for adapter in needed:
             self._place(adapter, needed)
-        rows: list[int] = []
         for request, chunk in zip(requests, chunks):
-            adapter = request.lora
-            rows += [
-                adapter.slot if adapter is not None and adapter.slot is not None else -1
-            ] * chunk.num_tokens
-        return rows
+            if request.lora is not None:
+                assert request.lora.slot is not None  # placed just now
+                chunk.lora_slot = request.lora.slot
 
     def _place(self, adapter: Adapter, needed: set[Adapter]) -> None:
         if adapter.slot is not None:

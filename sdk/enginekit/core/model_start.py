@@ -65,6 +65,7 @@ def start_model(
             seed=config.seed,
             quantization=config.quantization,
             comm=executor.group if executor is not None else None,
+            batch_invariant=config.batch_invariant,
         )
         budget = kv_cache_budget(config, model_config, device, dtype)
         if cuda_at_start is not None:

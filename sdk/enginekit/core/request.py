@@ -36,8 +36,10 @@ class Request:
         "grammar",
         "held_output",
         "lora",
+        "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_pending_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "output_logprobs",
@@ -51,7 +53,9 @@ class Request:
         "stop_reason",
     )
 
-    def __init__(self, message: EngineCoreRequest, *, detokenizer) -> None:
+    def __init__(
+        self, message: EngineCoreRequest, *, detokenizer, device: torch.device | None = None
+    ) -> None:
         self.request_id = message.request_id
         self.sampling_params: SamplingParams = message.sampling_params
         self.arrival_time = message.arrival_time
@@ -59,6 +63,12 @@ class Request:
         self.all_token_ids: list[int] = list(message.prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled on the device whose ids have not reached the host yet (an overlapped step's): they count
+        # as tokens for the scheduler (the next step computes them) but are not in all_token_ids yet.
+        self.num_pending_tokens = 0
+        self.max_num_tokens = (
+            2**62
+        )  # where the request ends by length (the engine sets it: max_tokens, max_model_len)
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 until then
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
@@ -79,14 +89,16 @@ class Request:
         self.held_output: EngineCoreOutput | None = None
         self.output_logprobs: list[tuple[torch.Tensor, ...]] = []
         seed = self.sampling_params.seed
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        # on the device that samples (the engine's; rank 0's under tensor parallelism)
+        self.generator = torch.Generator(device or "cpu").manual_seed(seed) if seed is not None else None
         self.grammar: RequestGrammar | None = None  # its structured output's matcher (compiled off the loop)
         self.bad_words: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
         self.lora: Adapter | None = None  # its LoRA adapter (``core/lora.py``), if it runs one
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Known tokens and those on their way from the device (``num_pending_tokens``)."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -39,6 +39,17 @@ def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     return device, getattr(torch, config.dtype or default)
 
 
+def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the engine core overlaps its steps: ``async_scheduling`` as given, else on CUDA (the device runs one
+    step while the host schedules and prepares the next) and not on CPU (the host runs the forward pass itself:
+    there is nothing to overlap). Never under tensor parallelism (the config refuses ``True`` there)."""
+    if config.tensor_parallel_size > 1:
+        return False
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    return device.type == "cuda"
+
+
 def check_startup(config: EngineConfig, model_config) -> None:
     """Refuse what an engine core would refuse as it starts — a device that is not there, a ``max_model_len``
     the model or the KV cache cannot hold — without starting anything (a restart checks before it stops the

@@ -8,6 +8,10 @@ prompt's blocks in the prefix cache instead of computing them again. A request w
 compiling waits (the requests behind it may start first), and so does a request of a LoRA adapter that is not
 running while the running requests use ``max_loras`` adapters already.
 
+With overlapped steps (``EngineConfig.async_scheduling``) a running request may have a token on its way from the
+device (``Request.num_pending_tokens``): it counts as a token to compute, so the request is scheduled for its next
+decode before its last token is known, unless that token ends it by length.
+
 A model with ``longrope`` rotary embeddings (``long_rope_from``: its original length) rotates a sequence with the
 short factors while it holds at most that many tokens and with the long ones for all its tokens beyond, as
 transformers' Phi-3 does: a sequence that grows past the length while generating has its cache recomputed (its
@@ -79,6 +83,9 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 self.waiting.appendleft(request)
                 continue
+            if request.num_pending_tokens and request.num_tokens >= request.max_num_tokens:
+                index += 1  # its token on the way is its last (by length): nothing more to compute
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -99,7 +106,8 @@ class Scheduler:
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
-            if request.is_waiting_for_grammar:
+            if request.is_waiting_for_grammar or request.num_pending_tokens:
+                # NOTE: a request preempted while its last token is on its way joins once the token is known
                 index += 1
                 continue
             if request.parent_request_id is not None:

@@ -24,6 +24,7 @@ import torch
 
 from enginekit.core.request import Request
 from enginekit.core.scheduler import Scheduler
+from enginekit.core.structured.dead_ends import is_banned, no_token_left
 from enginekit.model.sampler import SamplerOutput
 from enginekit.wire.messages import EngineCoreOutput, FinishReason, InvalidRequest, RequestError
 from enginekit.wire.messages import RequestStatus as WireStatus
@@ -31,10 +32,6 @@ from enginekit.wire.messages import RequestStatus as WireStatus
 logger = logging.getLogger("enginekit.core")
 
 SHUTTING_DOWN = "engine shutting down"
-NO_ALLOWED_TOKEN = (
-    "was sampled although the structured output does not allow it: allowed_token_ids, bad_words or logit_bias "
-    "left no token the structured output allows"
-)
 
 
 class StepOutputs:
@@ -91,9 +88,10 @@ class StepOutputs:
         stops the request; ``status`` is the request's status change this step, if any."""
         token_id = sampled.token_ids[row]
         request.all_token_ids.append(token_id)
+        request.num_pending_tokens = max(request.num_pending_tokens - 1, 0)
         self.num_generated_tokens += 1
-        if request.grammar is not None and not request.grammar.ready_matcher.accept(token_id):
-            self.fail(request, ValueError(f"token {token_id} {NO_ALLOWED_TOKEN}"))
+        if request.grammar is not None and not _grammar_takes(request, token_id):
+            self.fail(request, ValueError(_no_token_left(request, token_id)))
             return
         finish_reason, stop_reason = self._check_stop(request, token_id)
         if request.final_only or (self.stream_interval > 1 and request.num_output_tokens > 1):
@@ -163,9 +161,9 @@ class StepOutputs:
             return FinishReason.STOP, token_id
         if request.grammar is not None and request.grammar.ready_matcher.is_terminated():
             return FinishReason.STOP, None  # the structured output is complete: nothing more can follow
-        if (
-            params.max_tokens is not None and num_output >= params.max_tokens
-        ) or request.num_tokens >= self.max_model_len:
+        if (params.max_tokens is not None and num_output >= params.max_tokens) or len(
+            request.all_token_ids
+        ) >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 
@@ -205,6 +203,26 @@ class StepOutputs:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
                 self.pending.append(_stamp(EngineCoreOutput(request_id, []), request, status))
+
+
+def _grammar_takes(request: Request, token_id: int) -> bool:
+    """Whether the structured output takes the sampled token, and the token controls allowed it (the sampler
+    draws some token from a row its masks left empty: the grammar may take it, but it is banned)."""
+    assert request.grammar is not None
+    if not request.grammar.ready_matcher.accept(token_id):
+        return False
+    params = request.sampling_params
+    if not (params.allowed_token_ids or request.bad_words):
+        return True
+    ids, longest = request.all_token_ids, max((len(word) for word in request.bad_words or ()), default=0)
+    output = ids[max(request.num_prompt_tokens, len(ids) - longest) : -1]
+    return not is_banned(params, request.bad_words, output, token_id)
+
+
+def _no_token_left(request: Request, token_id: int) -> str:
+    """Why the request gets no token: its structured output and token controls together left none."""
+    message = no_token_left(request.sampling_params, request.detokenizer.text)
+    return message or f"token {token_id} was sampled although the structured output does not allow it"
 
 
 def status_changes(started: list[Request], preempted: list[Request]) -> dict[str, WireStatus]:

@@ -7,10 +7,12 @@ free localhost port; each worker gets its ``TensorParallelWorkerArgs`` on its st
 step rank 0 writes a 64-byte header there (``enginekit.model.parallel.HEADER``) and then broadcasts the step's
 tensors; EOF means rank 0 died, and the worker exits (so does a worker whose parent dies: ``PR_SET_PDEATHSIG``).
 
-A worker's death is the engine's death: a thread watches every worker's pidfd and reports the first death
-(``on_death``; the engine process queues ``ExecutorFailed``, which fails the engine with ``EngineDeadError``
-within a loop iteration); a step that was running fails at once, since gloo raises when a peer's connection
-closes, and the executor names the worker that died.
+A worker's death is the engine's death, and so is a worker that holds a step up without progress (stopped, hung):
+``WorkerWatch`` (``core/tp_watch.py``) watches the workers' processes, kills a stalled one, and reports the first
+failure (``on_death``; the engine process queues ``ExecutorFailed``, which fails the engine with
+``EngineDeadError`` within a loop iteration); a step that was running fails at once, since gloo raises when a
+peer's connection closes, and the executor names the worker. On NCCL, whose collectives never raise on a dead peer,
+the watch aborts the group, and past ``ABORT_GRACE_S`` hands the engine process ``on_stuck`` to end itself.
 """
 
 from __future__ import annotations
@@ -19,10 +21,8 @@ import contextlib
 import datetime
 import logging
 import os
-import select
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -30,11 +30,13 @@ from typing import Any, TypeVar
 import torch
 
 from enginekit.config import EngineConfig
+from enginekit.core.tp_watch import WorkerWatch
 from enginekit.errors import EngineStartupError
 from enginekit.model.batch import ScheduledBatch
 from enginekit.model.lora.weights import LoRAWeights
 from enginekit.model.parallel import (
     ProcessGroup,
+    ProgressBoard,
     broadcast_batch,
     broadcast_lora,
     host_store,
@@ -60,32 +62,48 @@ class TensorParallelExecutor:
         self.size = config.tensor_parallel_size
         self.device = device
         self.on_death: Callable[[str], None] | None = None
+        # a step that cannot be ended from here (NCCL, after a worker's failure): the process must end itself
+        self.on_stuck: Callable[[str], None] | None = None
         self.runner: ModelRunner | None = None
         self.group: ProcessGroup | None = None
         self._workers: list[subprocess.Popen[bytes]] = []
         self._pipes: list[int] = []  # write ends of the workers' stdin
-        self._pidfds: list[int] = []
         self._stopping = False
-        self._wake_r, self._wake_w = os.pipe()
-        self._watcher: threading.Thread | None = None
+        self.watch: WorkerWatch | None = None
         store = host_store(self.size)
         self._store: object = store
+        self.progress, progress_fd = ProgressBoard.create(self.size)
         threads = max(1, torch.get_num_threads() // self.size)
         torch.set_num_threads(threads)  # this rank's share; each worker gets as many
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
-            for rank in range(1, self.size):
-                worker_device = device
-                if device.type == "cuda":
-                    worker_device = torch.device("cuda", (device.index or 0) + rank)
-                args = TensorParallelWorkerArgs(
-                    config, rank, self.size, store.port, str(worker_device), threads, engine_index
-                )
-                self._spawn(args, env)
-            self._watcher = threading.Thread(target=self._watch, name="enginekit-tp-watch", daemon=True)
-            self._watcher.start()
+            try:
+                for rank in range(1, self.size):
+                    worker_device = device
+                    if device.type == "cuda":
+                        worker_device = torch.device("cuda", (device.index or 0) + rank)
+                    args = TensorParallelWorkerArgs(
+                        config,
+                        rank,
+                        self.size,
+                        store.port,
+                        str(worker_device),
+                        threads,
+                        engine_index,
+                        progress_fd,
+                    )
+                    self._spawn(args, env)
+            finally:
+                os.close(progress_fd)  # every worker has its own copy
+            self.watch = WorkerWatch(
+                self._workers,
+                self.progress,
+                config.tensor_parallel_stall_timeout,
+                on_failure=self._on_failure,
+                on_stuck=self._on_stuck,
+            )
             self._wait_for_workers(store)
-            self.group = ProcessGroup(0, self.size, device, store=store)
+            self.group = ProcessGroup(0, self.size, device, store=store, progress=self.progress)
         except BaseException:
             self.shutdown()
             raise
@@ -93,7 +111,10 @@ class TensorParallelExecutor:
     def _spawn(self, args: TensorParallelWorkerArgs, env: dict[str, str]) -> None:
         try:
             worker = subprocess.Popen(
-                [sys.executable, "-m", "enginekit.core.tp_worker"], stdin=subprocess.PIPE, env=env
+                [sys.executable, "-m", "enginekit.core.tp_worker"],
+                stdin=subprocess.PIPE,
+                env=env,
+                pass_fds=[args.progress_fd],
             )
         except OSError as error:
             raise EngineStartupError(
@@ -103,7 +124,6 @@ class TensorParallelExecutor:
         self._workers.append(worker)
         fd = worker.stdin.fileno()
         self._pipes.append(fd)
-        self._pidfds.append(os.pidfd_open(worker.pid))
         write_frame(fd, args)
 
     def _wait_for_workers(self, store: Any) -> None:
@@ -120,41 +140,38 @@ class TensorParallelExecutor:
                         raise EngineStartupError(f"{reason} while starting", phase="model load") from None
 
     # ---- liveness -----------------------------------------------------------------------------------
-    def _watch(self) -> None:
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        for fd in self._pidfds:
-            poller.register(fd, select.POLLIN)
-        while True:
-            events = poller.poll()
-            if self._stopping or any(fd == self._wake_r for fd, _ in events):
-                return
-            reason = self.death_reason()
-            if reason is not None:
-                logger.error("%s", reason)
-                if self.on_death is not None:
-                    self.on_death(reason)
-                return
+    def _on_failure(self, reason: str) -> None:
+        """The watch found a worker dead or stalled (on its thread): fail the engine; unblock a running step."""
+        if self.watch is not None and self.watch.step_started is not None and self.group is not None:
+            self.group.abort()  # NOTE: NCCL only; gloo raises by itself once the dead peer's connection closes
+        if self.on_death is not None:
+            self.on_death(reason)
+
+    def _on_stuck(self, reason: str) -> None:
+        if self.on_stuck is not None:
+            self.on_stuck(reason)
 
     @property
     def worker_pids(self) -> list[int]:
         return [worker.pid for worker in self._workers]
 
     def death_reason(self) -> str | None:
-        """The first worker found dead, as a sentence; ``None`` while all live."""
-        for rank, worker in enumerate(self._workers, start=1):
-            code = worker.poll()
-            if code is not None:
-                how = f"signal {-code}" if code < 0 else f"code {code}"
-                return f"tensor-parallel worker rank {rank} (pid {worker.pid}) exited with {how}"
-        return None
+        """The first worker found dead or stalled, as a sentence; ``None`` while all live."""
+        return self.watch.death_reason() if self.watch is not None else None
+
+    def kill_workers(self) -> None:
+        """SIGKILL every worker now (the engine process is about to end without a shutdown)."""
+        for worker in self._workers:
+            with contextlib.suppress(OSError):
+                worker.kill()
 
     # ---- the step -----------------------------------------------------------------------------------
     def attach(self, runner: ModelRunner, num_blocks: int) -> None:
         """Hand the workers the KV cache's size (rank 0 sized it) and keep the runner for ``execute``."""
-        assert self.group is not None
+        group = self.group
+        assert group is not None
         sizes = torch.tensor([num_blocks], dtype=torch.long, device=self.device)
-        self._collective(lambda: self.group.broadcast(sizes) if self.group else None)
+        self._collective(lambda: group.broadcast(sizes))
         self.runner = runner
 
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
@@ -183,7 +200,11 @@ class TensorParallelExecutor:
         self._collective(run)
 
     def _collective(self, run: Callable[[], _T]) -> _T:
-        """``run`` with a worker's death (a closed pipe, gloo's closed connection) named as an ``ExecutorError``."""
+        """``run`` with a worker's death (a closed pipe, gloo's closed connection) named as an ``ExecutorError``;
+        the watch looks for a stalled worker meanwhile."""
+        watch = self.watch
+        assert watch is not None
+        watch.step_started = time.monotonic()
         try:
             return run()
         except (OSError, RuntimeError) as error:
@@ -192,17 +213,17 @@ class TensorParallelExecutor:
             time.sleep(0.05)  # NOTE: a worker that just died may not have been reaped yet
             reason = self.death_reason()
             raise ExecutorError(reason or f"tensor-parallel collective failed: {error}") from error
+        finally:
+            watch.step_started = None
 
     # ---- teardown -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the workers (a stop header, EOF, then SIGKILL past ``STOP_TIMEOUT_S``), the watcher and the group."""
+        """Stop the workers (a stop header, EOF, then SIGKILL past ``STOP_TIMEOUT_S``), the watch and the group."""
         if self._stopping:
             return
         self._stopping = True
-        os.write(self._wake_w, b"x")
-        if self._watcher is not None:
-            self._watcher.join(timeout=5.0)
-            self._watcher = None
+        if self.watch is not None:
+            self.watch.close()
         for fd in self._pipes:
             with contextlib.suppress(OSError):
                 os.write(fd, stop_header())
@@ -218,14 +239,10 @@ class TensorParallelExecutor:
                 logger.warning("tensor-parallel worker %d did not stop; killing it", worker.pid)
                 worker.kill()
                 worker.wait()
-        for fd in self._pidfds:
-            os.close(fd)
-        self._workers, self._pipes, self._pidfds = [], [], []
+        self._workers, self._pipes = [], []
         if self.group is not None:
             self.group.close()
             self.group = None
         self.runner = None
         self._store = None  # closes the store's socket
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self.progress.close()

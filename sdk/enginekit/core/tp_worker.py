@@ -21,7 +21,15 @@ import torch
 from enginekit.core.resources import resolve_device
 from enginekit.model.loader import load_model, load_model_spec
 from enginekit.model.lora.model import lora_spec
-from enginekit.model.parallel import HEADER, OP_LORA, ProcessGroup, join_store, receive_batch, receive_lora
+from enginekit.model.parallel import (
+    HEADER,
+    OP_LORA,
+    ProcessGroup,
+    ProgressBoard,
+    join_store,
+    receive_batch,
+    receive_lora,
+)
 from enginekit.model.runner import ModelRunner
 from enginekit.wire.messages import TensorParallelWorkerArgs
 
@@ -56,13 +64,25 @@ def run_worker(args: TensorParallelWorkerArgs, stdin_fd: int) -> None:
         torch.cuda.set_device(device)
     torch.set_num_threads(args.num_threads)
     spec = load_model_spec(config.model, config.revision)
+    progress = ProgressBoard(args.progress_fd, args.size)  # rank 0's watch reads our count there
+    os.close(args.progress_fd)
     group = ProcessGroup(
-        args.rank, args.size, device, store=join_store(args.rank, args.size, args.store_port)
+        args.rank,
+        args.size,
+        device,
+        store=join_store(args.rank, args.size, args.store_port),
+        progress=progress,
     )
     runner = None
     try:
         model = load_model(
-            spec, device=device, dtype=dtype, seed=config.seed, quantization=config.quantization, comm=group
+            spec,
+            device=device,
+            dtype=dtype,
+            seed=config.seed,
+            quantization=config.quantization,
+            comm=group,
+            batch_invariant=config.batch_invariant,
         )
         sizes = group.broadcast(torch.zeros(1, dtype=torch.long, device=device))
         runner = ModelRunner(

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import torch
 
+from enginekit.core.structured.xgrammar_form import xgrammar_refusal
 from enginekit.sampling_params import SamplingParams
 from enginekit.wire.messages import EngineCoreRequest
 
@@ -22,6 +23,7 @@ class RequestLimits(msgspec.Struct, frozen=True):
     vocab_size: int
     hidden_size: int
     max_model_len: int
+    structured_outputs_backend: str = "llguidance"
     enable_lora: bool = False
 
 
@@ -43,6 +45,7 @@ def validate_request(request: EngineCoreRequest, limits: RequestLimits) -> None:
     if embeds is not None:
         check_prompt_embeds(embeds, limits.hidden_size, num_tokens=len(token_ids))
     _check_token_ids(request.sampling_params, limits.vocab_size)
+    _check_structured_outputs(request.sampling_params, limits.structured_outputs_backend)
     if request.lora_request is not None and not limits.enable_lora:
         raise ValueError(
             f"lora_request names adapter {request.lora_request.lora_name!r}, but LoRA is off in this engine: start "
@@ -57,6 +60,16 @@ def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
             raise ValueError(
                 f"SamplingParams.{name} holds token id {max(ids)}, outside the vocabulary (size {vocab_size})"
             )
+
+
+def _check_structured_outputs(params: SamplingParams, backend: str) -> None:
+    """The engine's grammar backend follows the request's structured output as llguidance does (the reference:
+    ``StructuredOutputsParams`` checked it with llguidance's compiler), or refuses it by name."""
+    structured = params.structured_outputs
+    if structured is not None and backend == "xgrammar":
+        refusal = xgrammar_refusal(*structured.spec)
+        if refusal is not None:
+            raise ValueError(refusal)
 
 
 def check_prompt_embeds(embeds: Any, hidden_size: int, *, num_tokens: int | None = None) -> None:

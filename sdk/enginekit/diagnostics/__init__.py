@@ -2,8 +2,8 @@
 
 Take a :func:`snapshot` before starting an engine, another after shutting it down, and compare
 them with :meth:`ProcessSnapshot.diff`. The resulting :class:`SnapshotDiff` lists everything
-that grew (threads, file descriptors, child processes, frozen objects, signal handlers, tensors,
-CUDA memory, resident memory beyond a tolerance). Because teardown of threads and child
+that grew (threads, file descriptors, child processes, zombie processes (exited, never reaped),
+frozen objects, signal handlers, tensors, CUDA memory, resident memory beyond a tolerance). Because teardown of threads and child
 processes takes a moment, :func:`wait_until_clean` polls until the process is back to its
 baseline or a timeout passes.
 

@@ -35,34 +35,38 @@ def count_fds() -> int:
         return -1
 
 
-def child_pids() -> tuple[int, ...]:
+def descendant_pids() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The live descendant processes, children of children included, and the zombies among them."""
     try:
         import psutil
     except ImportError:
-        return _child_pids_from_proc()
-    pids: list[int] = []
+        return _descendants_from_proc()
+    live: list[int] = []
+    zombies: list[int] = []
     try:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:
-        return _child_pids_from_proc()
+        return _descendants_from_proc()
     for child in children:
         try:
             if child.status() == psutil.STATUS_ZOMBIE:
+                zombies.append(child.pid)
                 continue
         except psutil.NoSuchProcess:
             continue
         except psutil.Error:
             pass  # Alive but unreadable: still a child.
-        pids.append(child.pid)
-    return tuple(sorted(pids))
+        live.append(child.pid)
+    return tuple(sorted(live)), tuple(sorted(zombies))
 
 
-def _child_pids_from_proc() -> tuple[int, ...]:
+def _descendants_from_proc() -> tuple[tuple[int, ...], tuple[int, ...]]:
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return ()
+        return (), ()
     children_of: dict[int, list[int]] = {}
+    zombie = set()
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -73,16 +77,19 @@ def _child_pids_from_proc() -> tuple[int, ...]:
             continue
         # The command name is in parentheses and may itself contain spaces or parentheses.
         fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) < 2 or fields[0] in ("Z", "X", "x"):
+        if len(fields) < 2 or fields[0] in ("X", "x"):
             continue
+        if fields[0] == "Z":
+            zombie.add(int(entry))
         children_of.setdefault(int(fields[1]), []).append(int(entry))
     found: list[int] = []
     pending = [os.getpid()]
     while pending:
         kids = children_of.get(pending.pop(), [])
         found.extend(kids)
-        pending.extend(kids)
-    return tuple(sorted(found))
+        pending.extend(kid for kid in kids if kid not in zombie)
+    live = tuple(sorted(pid for pid in found if pid not in zombie))
+    return live, tuple(sorted(pid for pid in found if pid in zombie))
 
 
 def rss_bytes() -> int:

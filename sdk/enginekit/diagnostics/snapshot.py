@@ -10,10 +10,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .probes import (
-    child_pids,
     count_fds,
     count_tensors,
     cuda_allocated_bytes,
+    descendant_pids,
     describe_handler,
     rss_bytes,
 )
@@ -39,6 +39,10 @@ class ProcessSnapshot:
         Open file descriptors, or ``-1`` when they cannot be counted on this platform.
     child_pids : tuple of int
         Sorted ids of live (non-zombie) descendant processes, children of children included.
+    zombie_pids : tuple of int
+        Sorted ids of descendant processes that have exited but were never reaped (waited for) by their parent:
+        each holds a process-table slot and its exit status until it is. A child of this process stays one until
+        this process waits for it (``Popen.wait``, ``os.waitpid``).
     rss_bytes : int
         Resident set size in bytes. Without ``/proc`` and without psutil this falls back to the
         peak resident size reported by :mod:`resource`.
@@ -63,6 +67,7 @@ class ProcessSnapshot:
     thread_names: tuple[str, ...]
     num_fds: int
     child_pids: tuple[int, ...]
+    zombie_pids: tuple[int, ...]
     rss_bytes: int
     gc_freeze_count: int
     sigint_handler: str
@@ -91,6 +96,7 @@ class ProcessSnapshot:
             threads=later.num_threads - self.num_threads,
             fds=later.num_fds - self.num_fds,
             children=len(later.child_pids) - len(self.child_pids),
+            zombies=len(later.zombie_pids) - len(self.zombie_pids),
             rss_bytes=later.rss_bytes - self.rss_bytes,
             gc_freeze_count=later.gc_freeze_count - self.gc_freeze_count,
             tensors=later.num_tensors - self.num_tensors,
@@ -98,6 +104,7 @@ class ProcessSnapshot:
             cuda_allocated_bytes=later.cuda_allocated_bytes - self.cuda_allocated_bytes,
             new_thread_names=tuple(sorted(new_names.elements())),
             new_child_pids=tuple(sorted(set(later.child_pids) - set(self.child_pids))),
+            new_zombie_pids=tuple(sorted(set(later.zombie_pids) - set(self.zombie_pids))),
             handlers_changed=(
                 later.sigint_handler != self.sigint_handler or later.sigterm_handler != self.sigterm_handler
             ),
@@ -116,6 +123,8 @@ class SnapshotDiff:
         The two snapshots compared.
     threads, fds, children : int
         Change in live threads, open file descriptors and live descendant processes.
+    zombies : int
+        Change in descendant processes that exited and were never reaped.
     rss_bytes : int
         Change in resident set size.
     gc_freeze_count : int
@@ -128,6 +137,8 @@ class SnapshotDiff:
         Names of threads alive in ``after`` but not in ``before`` (as a multiset).
     new_child_pids : tuple of int
         Descendant processes alive in ``after`` but not in ``before``.
+    new_zombie_pids : tuple of int
+        Unreaped descendant processes in ``after`` that were not unreaped in ``before``.
     handlers_changed : bool
         Whether the ``SIGINT`` or ``SIGTERM`` handler differs.
     """
@@ -137,6 +148,7 @@ class SnapshotDiff:
     threads: int
     fds: int
     children: int
+    zombies: int
     rss_bytes: int
     gc_freeze_count: int
     tensors: int
@@ -144,6 +156,7 @@ class SnapshotDiff:
     cuda_allocated_bytes: int
     new_thread_names: tuple[str, ...]
     new_child_pids: tuple[int, ...]
+    new_zombie_pids: tuple[int, ...]
     handlers_changed: bool
 
     def leaks(self, *, rss_tolerance_bytes: int = _DEFAULT_RSS_TOLERANCE) -> list[str]:
@@ -171,6 +184,11 @@ class SnapshotDiff:
         if self.children > 0 or self.new_child_pids:
             pids = ", ".join(str(pid) for pid in self.new_child_pids)
             found.append(f"child processes: {self.children:+d} (new pids: {pids or 'none'})")
+        if self.zombies > 0 or self.new_zombie_pids:
+            pids = ", ".join(str(pid) for pid in self.new_zombie_pids)
+            found.append(
+                f"zombie processes (exited, never reaped): {self.zombies:+d} (new pids: {pids or 'none'})"
+            )
         if self.gc_freeze_count > 0:
             found.append(f"gc frozen objects: {self.gc_freeze_count:+d}")
         if self.handlers_changed:
@@ -199,7 +217,7 @@ class SnapshotDiff:
         Returns
         -------
         dict of str to object
-            Keys ``threads``, ``fds``, ``children``, ``gc_freeze``, ``tensors`` (ints),
+            Keys ``threads``, ``fds``, ``children``, ``zombies``, ``gc_freeze``, ``tensors`` (ints),
             ``rss_mib``, ``tensor_mib``, ``cuda_mib`` (floats rounded to 0.01 MiB),
             ``handlers_changed`` and ``clean`` (bools, ``clean`` with the default tolerance).
             Suitable for :func:`format_table`.
@@ -208,6 +226,7 @@ class SnapshotDiff:
             "threads": self.threads,
             "fds": self.fds,
             "children": self.children,
+            "zombies": self.zombies,
             "rss_mib": round(self.rss_bytes / _MIB, 2),
             "gc_freeze": self.gc_freeze_count,
             "tensors": self.tensors,
@@ -223,6 +242,7 @@ class SnapshotDiff:
         verdict = "clean" if not leaks else f"{len(leaks)} leak(s): " + "; ".join(leaks)
         return (
             f"threads {self.threads:+d}, fds {self.fds:+d}, children {self.children:+d}, "
+            f"zombies {self.zombies:+d}, "
             f"rss {format_mib(self.rss_bytes)}, gc freeze {self.gc_freeze_count:+d}, "
             f"tensors {self.tensors:+d} ({format_mib(self.tensor_bytes)}), "
             f"cuda {format_mib(self.cuda_allocated_bytes)}, "
@@ -252,11 +272,13 @@ def snapshot(*, collect: bool = True) -> ProcessSnapshot:
     thread_names = tuple(sorted(thread.name for thread in threads))
     del threads
     num_tensors, tensor_bytes = count_tensors()
+    live, zombies = descendant_pids()
     return ProcessSnapshot(
         num_threads=len(thread_names),
         thread_names=thread_names,
         num_fds=count_fds(),
-        child_pids=child_pids(),
+        child_pids=live,
+        zombie_pids=zombies,
         rss_bytes=rss_bytes(),
         gc_freeze_count=gc.get_freeze_count(),
         sigint_handler=describe_handler(signal.getsignal(signal.SIGINT)),

@@ -88,7 +88,11 @@ class Engine(LoRAMethods):
         self.max_model_len = self._client.max_model_len
         model = self._spec.config
         limits = RequestLimits(
-            model.vocab_size, model.hidden_size, self.max_model_len, self.config.enable_lora
+            model.vocab_size,
+            model.hidden_size,
+            self.max_model_len,
+            self.config.structured_outputs_backend,
+            self.config.enable_lora,
         )
         lora_rank = self.config.max_lora_rank if self.config.enable_lora else 0
         self._requests = RequestBuilder(self._spec, limits, lora_rank)
@@ -324,9 +328,15 @@ class Engine(LoRAMethods):
         """Async ``get_stats``."""
         return {**await self.client.get_stats_async(), "mode": self.mode, "engine_pid": self.engine_pid}
 
-    def ping(self) -> bool:
-        """A cheap liveness check through the whole request path (of every data-parallel rank)."""
-        return all(answer == "pong" for answer in self.client.call_utility_on_each_rank("ping", timeout=30.0))
+    def ping(self, *, timeout: float = 10.0) -> bool:
+        """A cheap liveness check through the whole request path (of every data-parallel rank): ``True`` when each
+        answers within ``timeout`` seconds, ``False`` when one does not (the engine is busy between two steps, or
+        stuck). Raises ``EngineDeadError`` once the engine is dead."""
+        try:
+            answers = self.client.call_utility_on_each_rank("ping", timeout=timeout)
+        except TimeoutError:
+            return False
+        return all(answer == "pong" for answer in answers)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (only possible while no request runs); returns whether it did (on every

@@ -39,6 +39,7 @@ class RequestState:
         "engine_ids",
         "error",
         "finished",
+        "label",
         "listener",
         "output",
         "output_kind",
@@ -58,6 +59,7 @@ class RequestState:
         decode: Decode = str,
         messages: list | None = None,
         lora_request: LoRARequest | None = None,
+        label: str = "",
     ) -> None:
         completions = [
             CompletionOutput(
@@ -84,6 +86,7 @@ class RequestState:
         self.output_kind = params.output_kind
         self.finished = False  # no more updates will come: it finished, or failed (then ``error`` is set)
         self.error: BaseException | None = None
+        self.label = label  # what starts the message of an error the engine sends (which prompt of a batch)
         self.version = 0  # bumped on every update; consumers remember the last one they saw
         self.listener: Callable[[], None] | None = None
         self._decode = decode
@@ -104,6 +107,7 @@ class RequestState:
             decode=decode,
             messages=p.messages,
             lora_request=p.lora_request,
+            label=p.label,
         )
 
     @property
@@ -141,7 +145,7 @@ class RequestState:
         output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
         if delta.error is not None:
             kind = TypeError if delta.error.kind == "TypeError" else ValueError
-            self.fail(kind(delta.error.message))
+            self.fail(kind(self.label + delta.error.message))
             return
         if delta.finish_reason is not None:
             completion.finish_reason = delta.finish_reason.value

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import torch
 
+from enginekit.core.structured.dead_ends import DeadEnds, has_token_controls
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
 from enginekit.lora_request import LoRARequest
 from enginekit.model.loader import ModelSpec
@@ -31,6 +32,7 @@ class ChatPrompt:
 
 
 PromptInput = str | list[int] | dict[str, Any] | ChatPrompt
+MAX_LABEL_TEXT = 60  # characters of a constraint an error message shows
 
 
 def normalize_prompts(prompts: Any) -> list[PromptInput]:
@@ -169,6 +171,7 @@ class PreparedRequest:
     engine_requests: list[EngineCoreRequest]
     messages: list[dict[str, Any]] | None = None
     lora_request: LoRARequest | None = None
+    label: str = ""  # in a batch: which prompt, for the message of an error it gets
 
 
 class RequestBuilder:
@@ -178,6 +181,7 @@ class RequestBuilder:
         self.spec = spec
         self.limits = limits
         self.max_lora_rank = max_lora_rank
+        self._dead_ends: DeadEnds | None = None  # built at the first request that needs it
         self._prefix = uuid.uuid4().hex[:6]
         self._counter = itertools.count()
 
@@ -202,8 +206,16 @@ class RequestBuilder:
         ids = self._request_ids(request_id, len(items))
         self._check_adapters(adapters)
         tokenizer, now, prepared = self.spec.tokenizer, time.time(), []
-        for item, item_params, rid, adapter in zip(items, all_params, ids, adapters):
-            request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now, adapter)
+        for index, (item, item_params, rid, adapter) in enumerate(zip(items, all_params, ids, adapters)):
+            label = _label(index, len(items), item_params)
+            try:
+                request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now, adapter)
+                if has_token_controls(request.sampling_params):
+                    self._dead_end_search().check(request.sampling_params)
+            except (TypeError, ValueError) as error:
+                if not label:
+                    raise
+                raise type(error)(label + str(error)) from None
             if item_params.max_tokens is None:  # the output shows the limit the request got
                 item_params = request.sampling_params
             only_end = item_params.output_kind is RequestOutputKind.FINAL_ONLY
@@ -212,7 +224,14 @@ class RequestBuilder:
             samples = _samples(request) if item_params.n > 1 else [request]
             prepared.append(
                 PreparedRequest(
-                    rid, text, request.prompt_token_ids, item_params, samples, conversation, adapter
+                    rid,
+                    text,
+                    request.prompt_token_ids,
+                    item_params,
+                    samples,
+                    conversation,
+                    adapter,
+                    label,
                 )
             )
         return prepared
@@ -223,6 +242,17 @@ class RequestBuilder:
         if self.max_lora_rank:  # else validate_request refuses them: LoRA is off
             for adapter in dict.fromkeys(a for a in adapters if a is not None):
                 inspect_adapter(adapter, self.spec.config, self.max_lora_rank)
+
+    def _dead_end_search(self) -> DeadEnds:
+        if self._dead_ends is None:
+            limits = self.limits
+            self._dead_ends = DeadEnds(
+                limits.structured_outputs_backend,
+                self.spec.tokenizer,
+                limits.vocab_size,
+                self.spec.config.eos_token_ids,
+            )
+        return self._dead_ends
 
     def _request_ids(self, request_id: Any, count: int) -> list[str]:
         if request_id is None:
@@ -237,6 +267,19 @@ class RequestBuilder:
         if len(set(ids)) != len(ids):
             raise ValueError(f"request ids must be unique, got {list(ids)!r}")
         return list(ids)
+
+
+def _label(index: int, count: int, params: SamplingParams) -> str:
+    """How an error names the prompt it concerns in a batch (``""`` for a single prompt): its index, and its
+    structured output if it has one (what most often fails there)."""
+    if count == 1:
+        return ""
+    structured = params.structured_outputs
+    if structured is None:
+        return f"prompts[{index}]: "
+    kind, text, _ = structured.spec
+    shown = text if len(text) <= MAX_LABEL_TEXT else text[: MAX_LABEL_TEXT - 3] + "..."
+    return f"prompts[{index}] ({kind}={shown!r}): "
 
 
 def _samples(request: EngineCoreRequest) -> list[EngineCoreRequest]:

@@ -31,6 +31,8 @@ class SequenceChunk:
         The sequence's token ids and how many are the prompt's, when its penalties or bad words need them.
     bad_words
         Token sequences the sample must not complete (``SamplingParams.bad_words``, tokenized).
+    banned_stop_ids
+        EOS and stop token ids the sample may not take yet: the request has fewer than ``min_tokens`` output tokens.
     prompt_embeds
         Embeddings that replace the token embeddings of the chunk's first rows (embedding prompts).
     prompt_logprobs, prompt_targets
@@ -38,6 +40,15 @@ class SequenceChunk:
         predicts (the next one; the last prompt token predicts nothing of the prompt).
     rope_long
         ``longrope``: the sequence is rotated with the long factors (``Request.rope_long``).
+    sampled_row
+        Set when the chunk's one token was sampled by the step before and is not on the host yet (overlapped
+        steps): its row of that step's sampled ids (``ScheduledBatch.previous_token_ids``); ``token_ids`` holds a
+        placeholder.
+    seq_id
+        The sequence's id while it holds its blocks (its request's), so the runner keeps its block table from step to
+        step and writes only the new block ids; ``None``: a sequence of this step only.
+    lora_slot
+        The LoRA adapter slot its rows run (``enable_lora``), ``-1`` for none: the base model's.
     """
 
     token_ids: list[int]
@@ -47,10 +58,14 @@ class SequenceChunk:
     generator: torch.Generator | None = None
     history: tuple[list[int], int] | None = None
     bad_words: list[list[int]] | None = None
+    banned_stop_ids: tuple[int, ...] = ()
     prompt_embeds: torch.Tensor | None = None
     prompt_logprobs: int | None = None
     prompt_targets: list[int] | None = None
     rope_long: bool = False
+    sampled_row: int | None = None
+    seq_id: str | None = None
+    lora_slot: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -80,11 +95,14 @@ class ScheduledBatch:
 
     ``num_used_blocks``: blocks ``[0, num_used_blocks)`` may hold data (the pool hands out fresh blocks in id
     order), so the runner zeroes any of them it has not zeroed yet before the forward pass. ``token_bitmask``:
-    the structured outputs' masks of the chunks that sample (rows in sampling order). ``lora_slots``: the LoRA
-    adapter slot of each token row, ``-1`` for none (``None``: no row uses an adapter).
+    the structured outputs' masks of the chunks that sample (rows in sampling order). ``freed_seq_ids``: the
+    sequences whose blocks were freed since the last batch (finished, aborted or preempted): the runner forgets
+    their block tables. ``previous_token_ids``: the ids the step before sampled, still on the device (overlapped
+    steps), which the chunks with a ``sampled_row`` take their token from.
     """
 
     chunks: list[SequenceChunk] = field(default_factory=list)
     num_used_blocks: int = 0
     token_bitmask: TokenBitmask | None = None
-    lora_slots: list[int] | None = None
+    freed_seq_ids: list[str] = field(default_factory=list)
+    previous_token_ids: torch.Tensor | None = None

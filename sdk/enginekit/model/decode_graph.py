@@ -27,6 +27,7 @@ import torch
 
 from enginekit.model.batch import SequenceChunk
 from enginekit.model.decoder import Decoder
+from enginekit.model.input_batch import StepInputs
 from enginekit.model.layers.paged_attention import AttentionMetadata
 
 
@@ -90,12 +91,13 @@ class DecodeGraphs:
         largest = self.batch_sizes[-1]
 
         # NOTE: the graphs read these addresses: fill them in place, never rebind them. The four per-row
-        # inputs are the rows of one tensor, so a step's inputs cross to the device in one copy (two with
-        # the block tables).
+        # inputs are the rows of one tensor, filled from the step's prepared inputs (already on the device) in
+        # one copy.
         self.inputs = torch.zeros(4, largest, dtype=torch.long, device=device)
         self.token_ids, self.positions, self.slot_mapping, self.context_lens = self.inputs
         self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.long, device=device)
         self.rows = torch.arange(largest, device=device)
+        self.padding = torch.tensor([[0], [0], [pad_slot], [1]], device=device)  # attending to one slot
         self.offsets = torch.arange(max_blocks * block_size, device=device)
         self.steps: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (batch, blocks) -> step
         self._pool = None
@@ -107,26 +109,19 @@ class DecodeGraphs:
             for chunk in chunks
         )
 
-    def __call__(self, chunks: list[SequenceChunk]) -> torch.Tensor:
-        """Logits of the step, one row per chunk (a view of a static tensor: use it before the next step)."""
-        count, size = len(chunks), self.block_size
+    def __call__(self, inputs: StepInputs, tables: torch.Tensor) -> torch.Tensor:
+        """Logits of the step, one row per chunk (a view of a static tensor: use it before the next step).
+        ``inputs``: the step's prepared inputs (``InputBatch``), ``tables``: the block tables they index."""
+        count = len(inputs.counts)
         batch = _bucket(count, self.batch_sizes)
-        context_lens = [chunk.start + 1 for chunk in chunks]
-        blocks = _bucket(-(-max(context_lens) // size), self.block_buckets)
-        tables = [chunk.block_table[:blocks] for chunk in chunks]
-        pad = batch - count
-        rows = (
-            [chunk.token_ids[0] for chunk in chunks],
-            [self.model.rotary.rows(chunk.start, chunk.start + 1, chunk.rope_long)[0] for chunk in chunks],
-            [table[chunk.start // size] * size + chunk.start % size for chunk, table in zip(chunks, tables)],
-            context_lens,
-        )
-        # Padding rows: token 0 at position 0, written to the scratch slot, attending to one slot.
-        padding = (0, 0, self.pad_slot, 1)
-        host = torch.tensor([row + [fill] * pad for row, fill in zip(rows, padding)], dtype=torch.long)
-        self.inputs[:, :batch].copy_(host, non_blocking=True)
-        padded = [table + [0] * (blocks - len(table)) for table in tables] + [[0] * blocks] * pad
-        self.block_tables[:batch, :blocks].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=True)
+        blocks = _bucket(-(-(int(inputs.starts.max()) + 1) // self.block_size), self.block_buckets)
+        # token ids, rotary rows, cache slots and context lengths: the first four of the step's rows, in one copy
+        self.inputs[:, :count].copy_(inputs.per_token[:4])
+        self.inputs[:, count:batch] = (
+            self.padding
+        )  # padding rows: token 0 at position 0, into the scratch slot
+        self.block_tables[:count, :blocks] = tables[:, :blocks].index_select(0, inputs.chunk_rows)
+        self.block_tables[count:batch, :blocks] = 0
         step = self.steps.get((batch, blocks))
         if step is None:
             step = self.steps[batch, blocks] = self._prepare(batch, blocks)

@@ -14,7 +14,7 @@ from torch import nn
 
 from enginekit.model.config import ModelConfig
 from enginekit.model.kernels.native import LayerOps, native_layer_ops
-from enginekit.model.kernels.quant_gemm import NativeQuantGemm
+from enginekit.model.kernels.quant_gemm import PATHS, NativeQuantGemm
 from enginekit.model.layers.attention import Attention
 from enginekit.model.layers.embedding import Embedding
 from enginekit.model.layers.linear import Linear, LinearKernel
@@ -74,6 +74,7 @@ class DecoderLayer(nn.Module):
             self.fused = None
             return False
         (qkv, o, gate_up, down) = (weight.parts[0] for weight in weights if weight is not None)
+        invariant = any(weight.batch_invariant for weight in weights if weight is not None)
         static = {
             "norm1": self.input_layernorm.weight,
             "norm2": self.post_attention_layernorm.weight,
@@ -92,6 +93,7 @@ class DecoderLayer(nn.Module):
             "scale": attn.scale,
             "window": attn.window,
             "softcap": attn.softcap or 0.0,
+            "path": PATHS["invariant" if invariant else "auto"],
         }
         layer = ops.stored_layer
 
@@ -165,6 +167,9 @@ class Decoder(nn.Module):
         self.layer_ops: LayerOps | None = None  # see use_layer_ops
         self.fused_layers = 0  # layers run in one native call each (DecoderLayer.fuse)
         self.lora_active = False  # this step's rows use LoRA adapters, which the fused layers do not run
+        # a row's arithmetic does not depend on the step's other rows (load_model's batch_invariant): every query
+        # attends natively, whatever its chunk's length (the runner reads this), and the kernels are the invariant ones
+        self.batch_invariant = False
 
     def _layers(self) -> Sequence[DecoderLayer]:
         return cast("Sequence[DecoderLayer]", self.layers)
@@ -182,6 +187,8 @@ class Decoder(nn.Module):
         modules = [module for module in self.modules() if isinstance(module, (RMSNorm, Attention, MLP))]
         for module in modules:
             module.ops = ops
+            if isinstance(module, MLP):  # torch's GeLU rounds a row's last values by the batch's size
+                module.gelu_ops = ops if self.batch_invariant else None
         self.layer_ops = ops
         self.fused_layers = sum(layer.fuse(ops) for layer in self._layers())
         return len(modules) if ops is not None else 0

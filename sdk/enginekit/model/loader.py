@@ -29,6 +29,8 @@ from enginekit.model.formats.gguf_tokenizer import tokenizer_from_gguf
 from enginekit.model.formats.gguf_weights import read_gguf_weights
 from enginekit.model.formats.hf import read_hf_config, read_hf_weights
 from enginekit.model.formats.source import ModelSource, resolve_model
+from enginekit.model.kernels.library import native_kernels_status
+from enginekit.model.kernels.native import native_layer_ops, native_skinny_gemm
 from enginekit.model.layers.linear import linear_kernel
 from enginekit.model.layers.parallel_linear import Collectives
 from enginekit.model.layers.quant_linear import QuantizedWeight, StoredWeight
@@ -93,11 +95,16 @@ def load_model(
     seed: int = 0,
     quantization: Quantization = "auto",
     comm: Collectives | None = None,
+    batch_invariant: bool = False,
 ) -> Decoder:
     """Build the model on ``device`` in ``dtype`` with its weights (seeded random ones for the built-in model).
 
     ``quantization`` applies to GGUF files (see ``stored_tensor_names``): ``"auto"`` keeps the quantized
     matrices as stored where a kernel computes with them, ``"gguf"`` requires it, ``"none"`` dequantizes all.
+
+    ``batch_invariant``: every row of a step computed as it would be alone (the engine option of that name): the
+    invariant products (``invariant_linear``, ``QuantizedWeight``'s), and native attention for every query. On CPU
+    in float32 with the native kernels only: elsewhere an ``EngineStartupError`` says why.
 
     ``comm``: this rank's tensor-parallel group; the model keeps this rank's slice of each split weight
     (``shard_state``), float weights only: a GGUF file is dequantized at load under ``"auto"`` (logged), and
@@ -120,6 +127,10 @@ def load_model(
                 comm.size,
             )
             quantization = "none"
+    if batch_invariant:
+        check_batch_invariant(
+            config, device, dtype, tensor_parallel_size=comm.size if comm is not None else 1
+        )
     with torch.device("meta"):
         module = Decoder(config, comm)
     stored: dict[str, StoredWeight | QuantizedWeight] = {}
@@ -156,12 +167,13 @@ def load_model(
     if comm is not None:
         state = shard_state(module, state)
     module.load_state_dict(state, strict=False, assign=True)
-    use_stored(module, stored, config)
+    use_stored(module, stored, config, batch_invariant=batch_invariant)
     if config.tie_word_embeddings and module.embed_tokens.weight is not None:
         module.lm_head.weight = module.embed_tokens.weight
     module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    kernel_name, kernel = linear_kernel(device, dtype)
+    kernel_name, kernel = linear_kernel(device, dtype, batch_invariant=batch_invariant)
     count = module.use_linear_kernel(kernel)
+    module.batch_invariant = batch_invariant
     native = module.use_layer_ops(layer_ops(config, device, dtype, module.tensor_parallel_size))
     logger.info(
         "model loaded on %s in %s%s; its %d projections run %s%s; norms and attention: %s",
@@ -174,6 +186,23 @@ def load_model(
         "native layer operations" if native else "torch",
     )
     return module
+
+
+def check_batch_invariant(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, *, tensor_parallel_size: int
+) -> None:
+    """Refuse ``batch_invariant=True`` where a row's arithmetic would still depend on the batch, naming why."""
+    why = None
+    if device.type != "cpu" or dtype != torch.float32:
+        why = f"it runs on CPU in float32 only, and this engine runs on {device} in {str(dtype).removeprefix('torch.')}"
+    elif native_skinny_gemm() is None or native_layer_ops() is None:
+        why = f"it needs the native kernels, and they cannot be used here ({native_kernels_status()})"
+    elif layer_ops(config, device, dtype, tensor_parallel_size) is None:
+        why = "it needs the native attention, and this model's attention shapes are past its limits"
+    if why is not None:
+        raise EngineStartupError(
+            f"batch_invariant=True cannot hold here: {why}. Use batch_invariant=False.", phase="model load"
+        )
 
 
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:

@@ -3,21 +3,24 @@
 ``ProcessGroup`` is torch.distributed over a localhost TCP store: gloo on CPU, NCCL on CUDA. Rank 0 (the engine
 core's process) hosts the store on a free port (``host_store``) before it starts the other ranks, which connect to
 it. Every collective has a deadline (``COLLECTIVE_TIMEOUT_S``), and gloo raises at once when a peer's connection
-closes (a rank that died), so no rank waits on a dead one for long.
+closes (a rank that died); NCCL does not, and a rank that is alive but stopped holds every other one under either.
+So each rank also counts its collectives on a ``ProgressBoard``, memory the group's processes share, which rank 0's
+watch reads (``enginekit.core.tp_watch``) to find the rank that holds a step up.
 
 A step's batch travels without pickle: ``pack_batch`` turns the runner's ``ScheduledBatch`` into a header of
 eight integers (sent by the executor over each worker's pipe, see ``enginekit.core.tp_executor``) and one int64
 tensor (every chunk's numbers, tokens and block table), plus the prompt embeddings if any, which rank 0
 broadcasts (``broadcast_batch``); ``receive_batch`` rebuilds the chunks on the other ranks. They need what shapes
 the forward pass: the tokens, positions, cache slots and tables, and which rows are sampled or scored; never the
-sampling parameters (only rank 0 samples). Each token row's LoRA adapter slot, if any, follows the tables in the
-payload. A LoRA adapter written into a slot travels the same way (``OP_LORA``: ``broadcast_lora`` /
-``receive_lora``): its whole weights as one float32 tensor, of which each rank keeps its slice.
+sampling parameters (only rank 0 samples). A chunk's numbers end with its LoRA adapter slot (-1: none). A LoRA
+adapter written into a slot travels the same way (``OP_LORA``: ``broadcast_lora`` / ``receive_lora``): its whole
+weights as one float32 tensor, of which each rank keeps its slice.
 """
 
 from __future__ import annotations
 
 import datetime
+import mmap
 import os
 import struct
 
@@ -32,12 +35,34 @@ from enginekit.sampling_params import SamplingParams
 
 COLLECTIVE_TIMEOUT_S = 300.0  # the longest a rank waits for the others in one collective (a long prefill)
 STORE_HOST = "127.0.0.1"
-HEADER = struct.Struct(
-    "<8q"
-)  # op, chunks, tokens, table entries, used blocks, embedding rows, payload, LoRA rows
+HEADER = struct.Struct("<8q")  # op, chunks, tokens, table entries, used blocks, embedding rows, payload, 0
 OP_STEP, OP_STOP, OP_LORA = 1, 0, 2  # OP_LORA: op, slot, rank, values, then 0s
-CHUNK_FIELDS = 7  # start, tokens, samples, prompt targets, rope_long, table length, embedding rows
+CHUNK_FIELDS = 8  # start, tokens, samples, prompt targets, rope_long, table length, embedding rows, LoRA slot
 _SAMPLES = SamplingParams(max_tokens=1)  # what marks a worker's chunk as sampled (only its presence counts)
+
+
+class ProgressBoard:
+    """One int64 per rank, in a memfd every rank of the group maps: a rank adds 1 as it enters a collective, so a
+    rank whose count is below another's has not reached the collective that one waits in. Rank 0 creates it
+    (``create``) and hands each worker the fd; reading another process's aligned int64 is atomic."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._map = mmap.mmap(fd, size * 8)
+        self.counts = memoryview(self._map).cast("q")
+
+    @classmethod
+    def create(cls, size: int) -> tuple[ProgressBoard, int]:
+        """A zeroed board for ``size`` ranks, and its fd (close it once every worker has it)."""
+        fd = os.memfd_create("enginekit-tp-progress")
+        os.ftruncate(fd, size * 8)
+        return cls(fd, size), fd
+
+    def snapshot(self) -> list[int]:
+        return self.counts.tolist()
+
+    def close(self) -> None:
+        self.counts.release()
+        self._map.close()
 
 
 def host_store(world_size: int) -> TCPStore:
@@ -77,8 +102,11 @@ class ProcessGroup:
         store: TCPStore | None = None,
         port: int = 0,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        progress: ProgressBoard | None = None,
     ) -> None:
         self.rank, self.size, self.device = rank, size, device
+        # NOTE: the board's counts themselves, not the board: one attribute read and an add per collective.
+        self._progress = progress.counts if progress is not None else None
         if store is None:
             store = TCPStore(STORE_HOST, port, size, False, timeout=datetime.timedelta(seconds=timeout_s))
         self.store = store
@@ -91,10 +119,17 @@ class ProcessGroup:
         )
         self.closed = False
 
+    def _enter(self) -> None:
+        """Count a collective this rank enters on the progress board."""
+        if self._progress is not None:
+            self._progress[self.rank] += 1
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._enter()
         dist.all_reduce(tensor)
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        self._enter()
         if self.rank == 0:
             parts = [torch.empty_like(tensor) for _ in range(self.size)]
             dist.gather(tensor, parts, dst=0)
@@ -103,8 +138,18 @@ class ProcessGroup:
         return None
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._enter()
         dist.broadcast(tensor, 0)
         return tensor
+
+    def abort(self) -> None:
+        """Abort the group's communicators from any thread, so that a collective blocked on a dead or stopped peer
+        returns (NCCL: it never raises on its own; gloo raises once the peer's connection closes, and has no abort).
+        """
+        if self.closed or self.device.type != "cuda":
+            return
+        self.closed = True  # destroy_process_group has nothing left to destroy
+        dist.distributed_c10d._abort_process_group()
 
     def close(self) -> None:
         if not self.closed:
@@ -128,13 +173,13 @@ def pack_batch(batch: ScheduledBatch) -> tuple[bytes, torch.Tensor, torch.Tensor
             int(chunk.rope_long),
             len(chunk.block_table),
             rows,
+            chunk.lora_slot,
         ]
         tokens += chunk.token_ids
         tables += chunk.block_table
         if chunk.prompt_embeds is not None:
             embeds.append(chunk.prompt_embeds)
-    lora_slots = batch.lora_slots or []
-    payload = torch.tensor(fields + tokens + tables + lora_slots, dtype=torch.long)
+    payload = torch.tensor(fields + tokens + tables, dtype=torch.long)
     embeddings = torch.cat(embeds) if embeds else None
     header = HEADER.pack(
         OP_STEP,
@@ -144,7 +189,7 @@ def pack_batch(batch: ScheduledBatch) -> tuple[bytes, torch.Tensor, torch.Tensor
         batch.num_used_blocks,
         embeddings.shape[0] if embeddings is not None else 0,
         payload.numel(),
-        len(lora_slots),
+        0,
     )
     return header, payload, embeddings
 
@@ -164,7 +209,7 @@ def receive_batch(
     group: ProcessGroup, header: bytes, hidden_size: int, dtype: torch.dtype
 ) -> ScheduledBatch | None:
     """A worker's side: the batch ``header`` announces (``None`` for a stop)."""
-    op, num_chunks, _, _, used_blocks, embed_rows, payload_len, lora_rows = HEADER.unpack(header)
+    op, num_chunks, _, _, used_blocks, embed_rows, payload_len, _ = HEADER.unpack(header)
     if op == OP_STOP:
         return None
     payload = group.broadcast(torch.empty(payload_len, dtype=torch.long, device=group.device)).tolist()
@@ -178,7 +223,7 @@ def receive_batch(
     embed_at = 0
     chunks = []
     for i in range(num_chunks):
-        start, count, samples, targets, rope_long, table_len, rows = fields[
+        start, count, samples, targets, rope_long, table_len, rows, lora_slot = fields[
             i * CHUNK_FIELDS : (i + 1) * CHUNK_FIELDS
         ]
         chunk = SequenceChunk(
@@ -189,6 +234,7 @@ def receive_batch(
             prompt_targets=[0] * targets if targets else None,
             prompt_logprobs=1 if targets else None,
             rope_long=bool(rope_long),
+            lora_slot=lora_slot,
         )
         if rows:
             assert embeddings is not None
@@ -197,8 +243,7 @@ def receive_batch(
         token_at += count
         table_at += table_len
         chunks.append(chunk)
-    lora_slots = payload[payload_len - lora_rows :] if lora_rows else None
-    return ScheduledBatch(chunks, used_blocks, lora_slots=lora_slots)
+    return ScheduledBatch(chunks, used_blocks)
 
 
 def broadcast_lora(group: ProcessGroup, pipes: list[int], slot: int, weights: LoRAWeights) -> None:

@@ -1,23 +1,27 @@
 """ModelRunner: owns the model and the KV-cache tensors; turns a scheduled batch into one forward pass.
 
-``execute`` is the whole story of a step: prepare the flat inputs, describe the attention layout, run the
-model, sample. Decodes come first in the flat batch so that they attend in one batched call.
+``execute`` is the whole story of a step: prepare the flat inputs (``InputBatch``: persistent host buffers, copied
+to the device without blocking), describe the attention layout, run the model, sample on the device, copy back the
+sampled ids. Decodes come first in the flat batch so that they attend in one batched call.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
+from enginekit.model import transfer
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
 from enginekit.model.decode_graph import DecodeGraphs
 from enginekit.model.decoder import Decoder
+from enginekit.model.input_batch import InputBatch, StepInputs
 from enginekit.model.layers.paged_attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
 from enginekit.model.lora.model import LoRAModel, LoRASpec
 from enginekit.model.lora.weights import LoRAWeights
-from enginekit.model.sampler import Sampler, SamplerOutput, top_logprobs
+from enginekit.model.sampler import DeviceSample, PendingSample, Sampler, SamplerOutput, top_logprobs
 
 
 class ExecutorError(RuntimeError):
@@ -25,13 +29,12 @@ class ExecutorError(RuntimeError):
 
 
 @dataclass
-class ModelInputs:
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    logits_indices: torch.Tensor  # the sampling rows first, then every prompt row whose logprobs are wanted
-    embeds: list[tuple[int, torch.Tensor]]
-    prompt_rows: dict[int, slice]  # chunk index -> its prompt rows among the logits
+class StepForward:
+    """A step's forward pass, queued on the device: the logits of its sampled rows, then of its scored prompt rows
+    (chunk index -> their slice)."""
+
+    logits: torch.Tensor
+    prompt_rows: dict[int, slice]
 
 
 class ModelRunner:
@@ -79,7 +82,15 @@ class ModelRunner:
                 device=device,
                 capture=device.type == "cuda",
             )
+        rotary = model.rotary
+        self.inputs = InputBatch(
+            block_size=block_size,
+            device=device,
+            rope_offset=rotary.max_positions if rotary.long_from is not None else 0,
+            min_table_width=max_blocks_per_seq if decode_graphs else 1,
+        )
         self.sampler = Sampler(seed=seed)
+        self.copy_stream = transfer.CopyStream(device)
         self.fail_at_step = fail_at_step
         self.num_steps = 0
 
@@ -89,29 +100,40 @@ class ModelRunner:
         The batch lists its single-token decodes first: they attend in one batched call. A pure decode step
         replays a captured CUDA graph when decode graphs are on (``DecodeGraphs``).
         """
+        return self.sample_step(batch, self.forward_step(batch)).result()
+
+    def forward_step(self, batch: ScheduledBatch) -> StepForward:
+        """Prepare the step's inputs and queue its forward pass on the device (on CPU: run it)."""
         self.num_steps += 1
         if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
             raise ExecutorError(f"injected executor failure at step {self.num_steps} (fail_at_step)")
-        chunks = batch.chunks
-        if self.decode_graphs is not None and batch.lora_slots is None and self.decode_graphs.accepts(chunks):
-            if self.lora is not None:
-                self.lora.begin_step(None)  # a graph captured now runs no adapter
-            self._zero_new_blocks(batch.num_used_blocks)
-            with torch.inference_mode():
-                return self._sample(batch, self.decode_graphs(chunks), {})
         with torch.inference_mode():
-            logits, prompt_rows = self.forward(batch)
-            return self._sample(batch, logits, prompt_rows)
+            return StepForward(*self.forward(batch))
+
+    def sample_step(self, batch: ScheduledBatch, forward: StepForward) -> PendingSample:
+        """Sample the step on the device and start copying its ids (and the logprobs asked for) back. The batch's
+        sampling side (parameters, bitmask, banned stop tokens) may have been filled in after ``forward_step``."""
+        with torch.inference_mode():
+            sample = self.sample_on_device(batch, forward.logits, forward.prompt_rows)
+            return sample.to_host(self.copy_stream)
 
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, dict[int, slice]]:
         """The forward pass of ``batch`` (in inference mode): the logits of its sampled rows, then of its scored
         prompt rows (under tensor parallelism: on rank 0, empty on the others, which call this alone)."""
         chunks = batch.chunks
-        inputs = self._prepare_inputs(chunks)
-        meta = self._attention_metadata(chunks, inputs.slot_mapping)
+        self.inputs.release(batch.freed_seq_ids)
+        native = self.model.layer_ops is not None
+        lora = self.lora is not None and any(chunk.lora_slot >= 0 for chunk in chunks)
+        # a captured graph runs no adapter: a step with adapters runs eagerly
+        graphs = self.decode_graphs is not None and not lora and self.decode_graphs.accepts(chunks)
+        native_until = self._native_until if native and not graphs else 0
+        inputs = self.inputs.prepare(chunks, native_until, batch.previous_token_ids)
         self._zero_new_blocks(batch.num_used_blocks)
-        if self.lora is not None:
-            self.lora.begin_step(batch.lora_slots)
+        if self.lora is not None:  # each adapter's rows, laid out as the inputs lay out the chunks' rows
+            self.lora.begin_step([chunk.lora_slot for chunk in chunks] if lora else None, inputs.counts)
+        if self.decode_graphs is not None and graphs:
+            return self.decode_graphs(inputs, self.inputs.tables), {}
+        meta = self._attention_metadata(chunks, inputs, native)
         logits = self.model(
             inputs.token_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices, inputs.embeds
         )
@@ -120,76 +142,56 @@ class ModelRunner:
     def _sample(
         self, batch: ScheduledBatch, logits: torch.Tensor, prompt_rows: dict[int, slice]
     ) -> SamplerOutput:
-        """Sample the chunks that end their known tokens; score the prompt rows whose logprobs were asked for."""
+        return self.sample_step(batch, StepForward(logits, prompt_rows)).result()
+
+    def sample_on_device(
+        self, batch: ScheduledBatch, logits: torch.Tensor, prompt_rows: dict[int, slice]
+    ) -> DeviceSample:
+        """Sample the chunks that end their known tokens; score the prompt rows whose logprobs were asked for; all
+        on the logits' device."""
         chunks = batch.chunks
         sampling = [chunk for chunk in chunks if chunk.samples]
         histories = [chunk.history for chunk in sampling] if any(c.history for c in sampling) else None
         bad_words = [chunk.bad_words for chunk in sampling] if any(c.bad_words for c in sampling) else None
-        output = self.sampler(
+        bans = [c.banned_stop_ids for c in sampling] if any(c.banned_stop_ids for c in sampling) else None
+        sample = self.sampler.sample(
             logits[: len(sampling)],
             [c.sampling_params for c in sampling if c.sampling_params is not None],  # all of them
             [c.generator for c in sampling],
             histories,
             bad_words=bad_words,
             bitmask=batch.token_bitmask,
+            banned_stop_ids=bans,
         )
         if prompt_rows:
-            output.prompt_logprobs = {}
+            sample.prompt_logprobs = {}
             for index, rows in prompt_rows.items():
                 chunk = chunks[index]
-                assert chunk.prompt_logprobs is not None  # prompt_rows holds the chunks that want them
-                targets = torch.tensor(chunk.prompt_targets)
-                output.prompt_logprobs[index] = top_logprobs(logits[rows], targets, chunk.prompt_logprobs)
-        return output
-
-    def _prepare_inputs(self, chunks: list[SequenceChunk]) -> ModelInputs:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        embeds: list[tuple[int, torch.Tensor]] = []
-        prompt_rows: list[tuple[int, int, int]] = []  # chunk index, first row, number of rows
-        size = self.block_size
-        rotary = self.model.rotary
-        for index, chunk in enumerate(chunks):
-            row, start, end = len(token_ids), chunk.start, chunk.start + chunk.num_tokens
-            table = chunk.block_table
-            token_ids.extend(chunk.token_ids)
-            positions.extend(rotary.rows(start, end, chunk.rope_long))
-            slots.extend(table[p // size] * size + p % size for p in range(start, end))
-            if chunk.prompt_embeds is not None:
-                embeds.append((row, chunk.prompt_embeds.to(self.device)))
-            if chunk.samples:
-                logits_rows.append(row + chunk.num_tokens - 1)
-            if chunk.prompt_targets:
-                prompt_rows.append((index, row, len(chunk.prompt_targets)))
-        rows_by_chunk = {}
-        for index, row, count in prompt_rows:
-            rows_by_chunk[index] = slice(len(logits_rows), len(logits_rows) + count)
-            logits_rows.extend(range(row, row + count))
-        return ModelInputs(
-            self._tensor(token_ids),
-            self._tensor(positions),
-            self._tensor(slots),
-            self._tensor(logits_rows),
-            embeds,
-            rows_by_chunk,
-        )
+                assert (
+                    chunk.prompt_logprobs is not None and chunk.prompt_targets is not None
+                )  # wanted, scored
+                targets = transfer.upload(chunk.prompt_targets, torch.long, logits.device)
+                sample.prompt_logprobs[index] = top_logprobs(logits[rows], targets, chunk.prompt_logprobs)
+        return sample
 
     def _attention_metadata(
-        self, chunks: list[SequenceChunk], slot_mapping: torch.Tensor
+        self, chunks: list[SequenceChunk], inputs: StepInputs, native: bool
     ) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping, self.block_size)
-        native = self.model.layer_ops is not None
-        decodes = [chunk for chunk in chunks if chunk.is_decode]
-        row = meta.num_decode = len(decodes)
-        for chunk in chunks[row:]:
-            meta.prefills.append(self._prefill_chunk(chunk, row, native))
-            row += chunk.num_tokens
-        if native:  # one native call attends the decodes and the short chunks
-            self._query_metadata(meta, chunks)
-        elif decodes:
-            self._decode_metadata(meta, decodes)
+        meta = AttentionMetadata(inputs.slot_mapping, self.block_size)
+        row = meta.num_decode = next(
+            (i for i, chunk in enumerate(chunks) if not chunk.is_decode), len(chunks)
+        )
+        for index in range(meta.num_decode, len(chunks)):
+            meta.prefills.append(self._prefill_chunk(chunks[index], row, native, int(inputs.rows[index])))
+            row += chunks[index].num_tokens
+        if (
+            native
+        ):  # one native call attends the decodes and the short chunks, each row over its own table row
+            meta.query_tables = self.inputs.tables
+            meta.query_table_rows = inputs.table_rows
+            meta.query_lens = inputs.context_lens
+        elif meta.num_decode:
+            self._decode_metadata(meta, inputs)
         # The contexts gathered for SDPA: prefill chunks after a context, and the decodes without native attention.
         tables = [chunk.block_table for chunk in meta.prefills if not chunk.native]
         if not native:
@@ -207,47 +209,37 @@ class ModelRunner:
             self._gather_buffer = self._gather_buffer.new_empty((2, size, self._gather_buffer.shape[2]))
         return self._gather_buffer
 
-    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[SequenceChunk]) -> None:
-        context_lens = [chunk.start + 1 for chunk in decodes]
-        max_len = max(context_lens)
+    def _decode_metadata(self, meta: AttentionMetadata, inputs: StepInputs) -> None:
+        count = meta.num_decode
+        context_lens = inputs.starts[:count] + 1
+        max_len = int(context_lens.max())
         max_blocks = -(-max_len // self.block_size)
-        tables = [chunk.block_table[:max_blocks] for chunk in decodes]
         meta.decode_len = max_len
-        meta.decode_block_tables = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-        if min(context_lens) != max_len:
-            lens = torch.tensor(context_lens).unsqueeze(1)
-            mask = torch.arange(max_len).unsqueeze(0) < lens
-            meta.decode_mask = mask[:, None, None, :].to(self.device)
+        # each decode's table row, cut to the longest context (entries past a sequence's blocks are 0)
+        meta.decode_block_tables = self.inputs.tables[:, :max_blocks].index_select(
+            0, inputs.chunk_rows[:count]
+        )
+        if int(context_lens.min()) != max_len:
+            positions = torch.arange(max_len, device=self.device).unsqueeze(0)
+            meta.decode_mask = (positions < inputs.context_lens[:count].unsqueeze(1))[:, None, None, :]
 
-    def _query_metadata(self, meta: AttentionMetadata, chunks: list[SequenceChunk]) -> None:
-        """Every row of the step, for the native attention call: a table per chunk (decodes included), each row's
-        table (when the step has prefill chunks) and context length (a prefill token's: up to its own; 0 where SDPA
-        attends)."""
-        size, tables, table_rows, lens = self.block_size, [], [], []
-        for index, chunk in enumerate(chunks):
-            start, end = chunk.start, chunk.start + chunk.num_tokens
-            native = index < meta.num_decode or meta.prefills[index - meta.num_decode].native
-            tables.append(chunk.block_table[: -(-end // size)] if native else [])  # SDPA reads its own
-            table_rows.extend([index] * chunk.num_tokens)
-            lens.extend(range(start + 1, end + 1) if native else [0] * chunk.num_tokens)
-        width = max(map(len, tables))
-        meta.query_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
-        meta.query_table_rows = self._tensor(table_rows) if meta.prefills else None
-        meta.query_lens = self._tensor(lens)
-
-    def _prefill_chunk(self, chunk: SequenceChunk, row: int, native: bool) -> PrefillChunk:
+    def _prefill_chunk(self, chunk: SequenceChunk, row: int, native: bool, table_row: int) -> PrefillChunk:
         start, end = chunk.start, chunk.start + chunk.num_tokens
         prefill = PrefillChunk(token_start=row, num_tokens=chunk.num_tokens, context_start=start)
-        if native and end <= NATIVE_PREFILL_TOKENS:  # attends in place, in the step's native call
+        if native and end <= self._native_until:  # attends in place, in the step's native call
             prefill.native = True
         elif start:
-            prefill.block_table = self._tensor(chunk.block_table[: -(-end // self.block_size)])
-            query_pos = torch.arange(start, end).unsqueeze(1)
-            prefill.mask = (torch.arange(end).unsqueeze(0) <= query_pos).to(self.device)
+            prefill.block_table = self.inputs.tables[table_row, : -(-end // self.block_size)]
+            query_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
+            prefill.mask = torch.arange(end, device=self.device).unsqueeze(0) <= query_pos
         return prefill
 
-    def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    @property
+    def _native_until(self) -> int:
+        """The prefill chunks the native call attends: those that end within this many tokens of their sequence's
+        start (the others attend through SDPA); every chunk under batch invariance, since SDPA's sums follow the
+        chunk's shape."""
+        return sys.maxsize if self.model.batch_invariant else NATIVE_PREFILL_TOKENS
 
     def _zero_new_blocks(self, num_used_blocks: int) -> None:
         """Zero blocks on their first use (the cache is allocated uninitialised, so startup is instant)."""
@@ -271,5 +263,6 @@ class ModelRunner:
             self.decode_graphs.release()
             self.decode_graphs = None
         self.kv_caches = []
+        self.inputs.clear()
         self._gather_buffer = self._gather_buffer.new_empty((2, 0, 0))
         self.model = None  # pyright: ignore[reportAttributeAccessIssue]  # released: never used again

@@ -126,9 +126,14 @@ def stored_tensor_names(
 
 
 def use_stored(
-    module: Decoder, stored: dict[str, StoredWeight | QuantizedWeight], config: ModelConfig
+    module: Decoder,
+    stored: dict[str, StoredWeight | QuantizedWeight],
+    config: ModelConfig,
+    *,
+    batch_invariant: bool = False,
 ) -> None:
-    """Hand each layer its weight kept as stored (the tied LM head: the embedding's rows)."""
+    """Hand each layer its weight kept as stored (the tied LM head: the embedding's rows); ``batch_invariant``:
+    products whose rows do not depend on each other (``QuantizedWeight``)."""
     for name, weight in stored.items():
         layer = module.get_submodule(name.removesuffix(".weight"))
         if isinstance(layer, Embedding):
@@ -136,12 +141,17 @@ def use_stored(
             layer.use_stored(weight)
         else:
             assert isinstance(layer, Linear) and isinstance(weight, QuantizedWeight)
-            if name == "lm_head.weight":  # see QuantizedWeight
-                weight = QuantizedWeight(weight.parts, exact_top=LM_HEAD_EXACT_TOP)
+            exact_top = LM_HEAD_EXACT_TOP if name == "lm_head.weight" else 0  # see QuantizedWeight
+            if exact_top or batch_invariant:
+                weight = QuantizedWeight(
+                    weight.parts, weight.gemm, exact_top=exact_top, batch_invariant=batch_invariant
+                )
             layer.use_stored(weight)
     embedding = stored.get("embed_tokens.weight")
     if config.tie_word_embeddings and isinstance(embedding, StoredWeight):
-        module.lm_head.use_stored(QuantizedWeight([embedding], exact_top=LM_HEAD_EXACT_TOP))
+        module.lm_head.use_stored(
+            QuantizedWeight([embedding], exact_top=LM_HEAD_EXACT_TOP, batch_invariant=batch_invariant)
+        )
 
 
 def describe_stored(stored: dict[str, StoredWeight | QuantizedWeight]) -> str:

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from enginekit.interrupts import deferred_interrupts
 from enginekit.wire.messages import (
     ExitStatus,
     ForgetRequest,
@@ -135,25 +136,38 @@ class Launcher:
         self._lock = threading.Lock()
         self.environ = import_time_environ()
         self.num_engines = 0
+        self._unanswered = (
+            0  # requests whose reply was never read (a timeout, a Ctrl-C): read before the next
+        )
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._socket = ours
         try:
-            self.proc = subprocess.Popen(
-                [*self.command, str(theirs.fileno()), str(IDLE_TIMEOUT_S)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                pass_fds=[theirs.fileno()],
-                env=engine_environ(dict(os.environ)),
-                start_new_session=True,
-                close_fds=True,
-            )
+            # NOTE: a Ctrl-C inside Popen (while it waits for the exec) would leave a child nobody reaps.
+            with deferred_interrupts():
+                self.proc = subprocess.Popen(
+                    [*self.command, str(theirs.fileno()), str(IDLE_TIMEOUT_S)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    pass_fds=[theirs.fileno()],
+                    env=engine_environ(dict(os.environ)),
+                    start_new_session=True,
+                    close_fds=True,
+                )
         except OSError as error:
             ours.close()
             raise LauncherError(f"the engine launcher could not be started: {error}") from error
+        except BaseException:  # a Ctrl-C, raised once Popen returned
+            ours.close()
+            self._abandon()
+            raise
         finally:
             theirs.close()
-        reply = self._receive(STARTUP_TIMEOUT_S)
+        try:
+            reply = self._receive(STARTUP_TIMEOUT_S)
+        except BaseException:  # a Ctrl-C while the launcher imports torch: nobody will use it
+            self._abandon()
+            raise
         if not isinstance(reply, LauncherReady):
             tail = self._stderr_tail(wait=True)
             self.close()
@@ -190,11 +204,22 @@ class Launcher:
 
     def _call(self, request: Any, fds: list[int], timeout: float) -> LauncherReply:
         with self._lock:
+            # NOTE: the launcher answers every request in order; a reply left unread (a call that timed out or
+            # was interrupted) would otherwise be taken as the answer to this one.
+            while self._unanswered:
+                if self._receive(timeout) is None:
+                    raise LauncherError(
+                        f"the engine launcher did not answer: {self._stderr_tail(wait=False)}"
+                    )
+                self._unanswered -= 1
             try:
                 socket.send_fds(self._socket, [msgspec.msgpack.encode(request)], fds)
             except OSError as error:
                 raise LauncherError(f"the engine launcher is gone: {error}") from error
+            self._unanswered += 1
             reply = self._receive(timeout)
+            if reply is not None:
+                self._unanswered -= 1
         if reply is None:
             raise LauncherError(f"the engine launcher did not answer: {self._stderr_tail(wait=False)}")
         return reply
@@ -220,6 +245,19 @@ class Launcher:
             return "no answer (the launcher is still running)"
         text = self.proc.stderr.read().decode(errors="replace").strip()
         return text[-2000:] or f"it exited with code {self.proc.returncode} and no error output"
+
+    def _abandon(self) -> None:
+        """Kill and reap a launcher whose start was interrupted (it has forked nothing yet), and close its pipes."""
+        with contextlib.suppress(OSError):
+            self._socket.close()
+        proc = getattr(self, "proc", None)
+        if proc is None:
+            return
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stderr):
+            if stream is not None:
+                stream.close()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

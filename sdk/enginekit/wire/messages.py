@@ -268,6 +268,7 @@ class TensorParallelWorkerArgs(msgspec.Struct, **_MESSAGE):
     device: str
     num_threads: int
     engine_index: int = 0
+    progress_fd: int = -1  # the ``ProgressBoard``'s memfd, inherited: the worker counts its collectives there
 
 
 def engine_identity(engine_index: int) -> bytes:

@@ -26,6 +26,10 @@ class GrammarMatcher(Protocol):
         """The grammar has ended: it took the end-of-sequence token, or no token can follow."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last ``num_tokens`` accepted tokens (a search of the ways a grammar goes on)."""
+        ...
+
 
 MatcherT = TypeVar("MatcherT", bound=GrammarMatcher)
 

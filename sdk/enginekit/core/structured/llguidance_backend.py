@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import torch
 
+from enginekit.core.structured.backend import bitmask_words
 from enginekit.model.text.tokenizer import HFTokenizer, Tokenizer
 from enginekit.model.text.vocabulary import Vocabulary, build_vocabulary
 from enginekit.structured_outputs import MAX_JSON_WHITESPACE, GrammarKind
@@ -57,6 +58,9 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self.inner.is_stopped()
 
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
 
 class LLGuidanceBackend:
     name = "llguidance"
@@ -69,6 +73,7 @@ class LLGuidanceBackend:
             vocabulary = build_vocabulary(tokenizer, vocab_size)
             described = llguidance.TokenizerWrapper(_Tokens(vocabulary, eos_token_ids, encode))
         self._tokenizer = llguidance.LLTokenizer(described, n_vocab=vocab_size, eos_token=eos_token_ids)
+        self._words = bitmask_words(vocab_size)
         self._executor = llguidance.LLExecutor()
 
     def compile(self, kind: GrammarKind, text: str, any_whitespace: bool) -> llguidance.LLMatcher:
@@ -90,10 +95,38 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(compiled.deep_copy())
 
     def fill_bitmask(self, matchers: Sequence[LLGuidanceMatcher], bitmask: torch.Tensor) -> None:
-        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
-        pairs = [(matcher.inner, row) for row, matcher in enumerate(matchers)]
+        check_bitmask(bitmask, len(matchers), self._words)
+        pairs = []
+        for row, matcher in enumerate(matchers):
+            if not isinstance(matcher, LLGuidanceMatcher):
+                raise TypeError(f"matcher {row} is a {type(matcher).__name__}, not one this backend made")
+            pairs.append((matcher.inner, row))
         rows, words = bitmask.shape
+        # NOTE: llguidance writes row K at data_ptr + K * words * 4 bytes, through the raw pointer.
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, rows)
+
+
+def check_bitmask(bitmask: Any, num_rows: int, num_words: int) -> None:
+    """Raise unless llguidance may write ``num_rows`` masks of ``num_words`` int32 words into ``bitmask``
+    through its pointer: a CPU tensor of int32, rows of exactly ``num_words`` words one after another, at least
+    ``num_rows`` of them. (Real exceptions, not asserts: ``python -O`` removes those, and the pointer would go
+    unchecked.)"""
+    if not isinstance(bitmask, torch.Tensor):
+        raise TypeError(f"the bitmask must be a torch.Tensor, got {type(bitmask).__name__}")
+    if bitmask.dtype != torch.int32:
+        raise TypeError(f"the bitmask must hold int32 words, got {bitmask.dtype}")
+    if bitmask.device.type != "cpu":
+        raise ValueError(
+            f"the bitmask must be in CPU memory (llguidance writes it there), got {bitmask.device}"
+        )
+    if bitmask.dim() != 2 or bitmask.shape[1] != num_words:
+        raise ValueError(
+            f"the bitmask must be [rows, {num_words}] (one row of words per matcher), got {list(bitmask.shape)}"
+        )
+    if bitmask.shape[0] < num_rows:
+        raise ValueError(f"the bitmask has {bitmask.shape[0]} rows for {num_rows} matchers")
+    if not bitmask.is_contiguous():
+        raise ValueError("the bitmask must be contiguous (its rows one after another in memory)")
 
 
 def json_options(any_whitespace: bool) -> JsonCompileOptions:

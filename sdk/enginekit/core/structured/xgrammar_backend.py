@@ -1,5 +1,8 @@
 """The xgrammar backend (optional: ``pip install 'enginekit[xgrammar]'``).
 
+It compiles each constraint in its xgrammar form (``xgrammar_form.py``), which makes xgrammar follow it as
+llguidance does, and refuses by name what it cannot.
+
 Its tokenizer info is our vocabulary as raw bytes, special tokens empty (xgrammar never allows an empty token).
 xgrammar ends a matcher only when it takes a stop token; to end a request as soon as nothing can follow (as the
 llguidance backend does), a matcher computes its next mask right after each token, and is terminated when that
@@ -8,8 +11,6 @@ mask allows stop tokens only. The mask is kept for the step that samples next.
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,10 +18,9 @@ import torch
 import xgrammar
 
 from enginekit.core.structured.backend import bitmask_words
+from enginekit.core.structured.xgrammar_form import NotFollowed, clean_message, json_grammar, xgrammar_form
 from enginekit.model.text.vocabulary import Vocabulary
-from enginekit.structured_outputs import MAX_JSON_WHITESPACE, GrammarKind
-
-_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+\.(cc|h):\d+:\s*")  # "[20:17:05] /project/cpp/x.cc:94: "
+from enginekit.structured_outputs import GrammarKind
 
 
 class XGrammarMatcher:
@@ -45,6 +45,11 @@ class XGrammarMatcher:
 
     def is_terminated(self) -> bool:
         return self._terminated
+
+    def rollback(self, num_tokens: int) -> None:
+        self._inner.rollback(num_tokens)
+        self._next_mask = None
+        self._terminated = False  # a matcher that took a token after this state had not ended there
 
     def next_mask(self) -> torch.Tensor:
         if self._next_mask is None:
@@ -73,24 +78,23 @@ class XGrammarBackend:
         )
 
     def compile(self, kind: GrammarKind, text: str, any_whitespace: bool) -> xgrammar.CompiledGrammar:
+        """The constraint in xgrammar's form (``xgrammar_form.py``): what makes it follow the constraint as
+        llguidance does. The facade refused at submission what it cannot follow; the engine refuses it again
+        here for a request that came another way."""
         compiler = self._compiler
         try:
             if kind in ("json", "json_object"):
-                return compiler.compile_json_schema(
-                    text,
-                    any_whitespace=any_whitespace,
-                    separators=(",", ":"),
-                    max_whitespace_cnt=MAX_JSON_WHITESPACE,
-                )
+                return compiler.compile_grammar(json_grammar(text, any_whitespace))
+            form = xgrammar_form(kind, text)
             if kind == "regex":
-                return compiler.compile_regex(text)
-            if kind == "choice":
-                choices = json.loads(text)
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
-            return compiler.compile_grammar(text)
+                return compiler.compile_regex(form)
+            return compiler.compile_grammar(form)  # a grammar, or a choice written as one
+        except NotFollowed as difference:
+            raise ValueError(
+                f"the {kind} constraint uses {difference}, which xgrammar does not follow"
+            ) from None
         except RuntimeError as error:
-            message = _LOCATION.sub("", str(error).strip())
-            raise ValueError(f"the {kind} constraint does not compile: {message}") from None
+            raise ValueError(f"the {kind} constraint does not compile: {clean_message(error)}") from None
 
     def matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(xgrammar.GrammarMatcher(compiled), self._only_stop)

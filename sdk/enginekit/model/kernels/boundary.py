@@ -8,7 +8,11 @@ table would cost more than the whole check.
 
 A spec, e.g. ``Tensor("x", ("M", "K"))``: each dimension is a number, a name (bound to the size the first time it is
 seen, then compared), or an expression of names (``"2 * inter"``), compared once every name is bound. Names can
-also be given by the caller (``heads=...``). ``requires`` adds conditions on the names, each with its message.
+also be given by the caller (``heads=...``, an ``int``). ``requires`` adds conditions on the names, each with its
+message; they may name the library's own constants (``Entry.constants``: read from the library when the entry is
+bound, so a limit is written once, in C). Every scalar is checked too: an integer must be an ``int`` within its C
+type (ctypes would wrap it silently) and within its declared range (the thread count: 1 to ``MAX_THREADS``), a float
+an ``int`` or ``float``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ import torch
 
 F32, I64, U8 = torch.float32, torch.int64, torch.uint8
 Layout = Literal["contiguous", "rows"]
+# The most threads a native call takes: the kernels size their scratch per thread, and OpenMP starts as many threads
+# as asked; a count past this is a mistake, not a machine (the wrappers cap torch's own count at it).
+MAX_THREADS = 1024
+_C_INTEGERS = {ctypes.c_int: 32, ctypes.c_long: 64}  # bits of the integer ctypes the entry points use
 
 
 @dataclass(frozen=True)
@@ -73,10 +81,21 @@ class Size:
 
 @dataclass(frozen=True)
 class Scalar:
-    """A value the caller gives, as ``ctype``."""
+    """A value the caller gives, as ``ctype``; an integer one within ``low`` to ``high`` (default: the C type's
+    range)."""
 
     name: str
     ctype: type = ctypes.c_int
+    low: int | None = None
+    high: int | None = None
+
+    def bounds(self) -> tuple[int, int] | None:
+        """The range an integer scalar must lie in (``None`` for a float one)."""
+        bits = _C_INTEGERS.get(self.ctype)
+        if bits is None:
+            return None
+        low = -(2 ** (bits - 1)) if self.low is None else self.low
+        return low, 2 ** (bits - 1) - 1 if self.high is None else self.high
 
 
 Argument = Tensor | Output | Part | Stride | Size | Scalar
@@ -85,13 +104,15 @@ Argument = Tensor | Output | Part | Stride | Size | Scalar
 @dataclass(frozen=True)
 class Entry:
     """A native entry point: its symbol, its arguments in C order, its return type (``ctypes.c_int``: an error code,
-    0 for success, looked up in ``errors``), and conditions on its sizes (``requires``: expression, message)."""
+    0 for success, looked up in ``errors``), conditions on its sizes (``requires``: expression, message), and the
+    library's constants those name (``constants``: reads them from a loaded library, by name)."""
 
     symbol: str
     arguments: tuple[Argument, ...]
     restype: type | None = None
     errors: dict[int, str] = field(default_factory=dict)
     requires: tuple[tuple[str, str], ...] = ()
+    constants: Callable[[ctypes.CDLL], dict[str, int]] | None = None
 
     def argtypes(self) -> list[type]:
         types = {
@@ -111,15 +132,17 @@ class Entry:
         arguments (the tensors, scalars and sizes by name) that returns the outputs (one, or a tuple)."""
         function = getattr(lib, self.symbol)
         function.argtypes, function.restype = self.argtypes(), self.restype
-        return _checked(self, function)
+        return _checked(self, function, self.constants(lib) if self.constants is not None else {})
 
 
-def _checked(entry: Entry, function: Callable[..., Any]) -> Callable[..., Any]:
+def _checked(entry: Entry, function: Callable[..., Any], constants: dict[str, int]) -> Callable[..., Any]:
     """The checker of ``entry`` as straight-line Python, generated once: a loop over the table on every call
-    cost several microseconds; this costs about one per tensor (see docs/architecture.md)."""
+    cost several microseconds; this costs about one per tensor (see docs/architecture.md). ``constants``: the
+    library's values of the names ``requires`` uses besides the sizes."""
     tensors = [argument for argument in entry.arguments if isinstance(argument, Tensor)]
     outputs = [argument for argument in entry.arguments if isinstance(argument, Output)]
-    scalars = [argument.name for argument in entry.arguments if isinstance(argument, Scalar)]
+    scalar_specs = [argument for argument in entry.arguments if isinstance(argument, Scalar)]
+    scalars = [argument.name for argument in scalar_specs]
     sizes: dict[str, None] = {}  # every size name, in order of appearance
     for spec in [*tensors, *outputs]:
         for size in spec.shape:
@@ -128,9 +151,10 @@ def _checked(entry: Entry, function: Callable[..., Any]) -> Callable[..., Any]:
     for test, _ in entry.requires:
         sizes.update(dict.fromkeys(_names(test)))
     sizes.update(dict.fromkeys(argument.name for argument in entry.arguments if isinstance(argument, Size)))
-    for name in scalars:
+    for name in [*scalars, *constants]:
         sizes.pop(name, None)
     namespace: dict[str, Any] = {"Tensor": torch.Tensor, "empty": torch.empty, "function": function}
+    namespace.update(constants)
     namespace.update(_helpers(entry.symbol))
     params = [f"{t.name}=None" if t.optional else t.name for t in tensors] + scalars
     lines = [f"def call(*, {', '.join([*params, *(f'{name}=None' for name in sizes)])}):"]
@@ -142,9 +166,14 @@ def _checked(entry: Entry, function: Callable[..., Any]) -> Callable[..., Any]:
             [f"    if {spec.name} is not None:", *("    " + line for line in body)] if spec.optional else body
         )
     required = {size for t in tensors if not t.optional for size in t.shape if isinstance(size, str)}
-    lines += [f"    if {name} is None: missing({name!r})" for name in sizes if name not in required]
+    for name in sizes:  # given by the caller: an int, or missing
+        if name not in required:
+            lines += [f"    if type({name}) is not int: not_an_int({name!r}, {name})"]
+    lines += [_scalar_check(spec) for spec in scalar_specs]
     lines += later
     for number, (test, message) in enumerate(entry.requires):
+        for name, value in constants.items():  # the library's values, in the message once and for all
+            message = message.replace(f"{{{name}}}", str(value))
         namespace[f"message{number}"] = message
         lines.append(f"    if not ({test}): refuse(message{number}.format(**locals()))")
     for index, output in enumerate(outputs):
@@ -163,6 +192,18 @@ def _checked(entry: Entry, function: Callable[..., Any]) -> Callable[..., Any]:
     call = namespace["call"]
     call.entry, call.source = entry, "\n".join(lines)
     return call
+
+
+def _scalar_check(spec: Scalar) -> str:
+    """The check of one scalar argument: an ``int`` within its bounds, or a real number."""
+    name, bounds = spec.name, spec.bounds()
+    if bounds is None:
+        return f"    if type({name}) is not float and type({name}) is not int: not_a_number({name!r}, {name})"
+    low, high = bounds
+    return (
+        f"    if type({name}) is not int or not {low} <= {name} <= {high}: "
+        f"out_of_range({name!r}, {name}, {low}, {high})"
+    )
 
 
 def _tensor_checks(spec: Tensor, dtype: str, later: list[str]) -> list[str]:
@@ -242,8 +283,18 @@ def _helpers(symbol: str) -> dict[str, Callable[..., Any]]:
             refuse(f"{name} has {actual} along dimension {dim}, not {size}")
         refuse(f"{name} has {actual} along dimension {dim}, where {size} is {expected}")
 
-    def missing(name: str) -> None:
-        raise TypeError(f"{symbol}: the size {name} is not given")
+    def not_an_int(name: str, value: Any) -> None:
+        if value is None:
+            raise TypeError(f"{symbol}: the size {name} is not given")
+        raise TypeError(f"{symbol}: the size {name} must be an int, not {type(value).__name__}")
+
+    def not_a_number(name: str, value: Any) -> None:
+        raise TypeError(f"{symbol}: {name} must be a float or an int, not {type(value).__name__}")
+
+    def out_of_range(name: str, value: Any, low: int, high: int) -> None:
+        if type(value) is not int:
+            raise TypeError(f"{symbol}: {name} must be an int, not {type(value).__name__}")
+        refuse(f"{name} must be from {low} to {high}, got {value}")
 
     def error_code(code: int, errors: dict[int, str]) -> None:
         refuse(errors.get(code, f"refused its arguments (error {code})"))
@@ -257,7 +308,9 @@ def _helpers(symbol: str) -> dict[str, Callable[..., Any]]:
             wrong_rank,
             not_rows,
             wrong_size,
-            missing,
+            not_an_int,
+            not_a_number,
+            out_of_range,
             error_code,
         )
     } | {"rows_ok": _rows_ok}

@@ -6,16 +6,44 @@ from __future__ import annotations
 
 import ctypes
 
-from enginekit.model.kernels.boundary import I64, U8, Entry, Output, Part, Scalar, Size, Stride, Tensor
+import torch
 
-THREADS = Scalar("threads", ctypes.c_int)
+from enginekit.model.kernels.boundary import (
+    I64,
+    MAX_THREADS,
+    U8,
+    Entry,
+    Output,
+    Part,
+    Scalar,
+    Size,
+    Stride,
+    Tensor,
+)
+
+THREADS = Scalar("threads", ctypes.c_int, low=1, high=MAX_THREADS)
 KV_CACHE = Tensor("kv_cache", (2, "num_slots", "kv_heads", "D"))
-# layer_ops.c keeps a task's query heads on the stack: MAX_GROUP and MAX_GROUP_FLOATS there
+
+
+def threads() -> int:
+    """The calling thread's torch thread count, the native calls' own, capped at ``MAX_THREADS``."""
+    return min(torch.get_num_threads(), MAX_THREADS)
+
+
+def attention_limits(lib: ctypes.CDLL) -> dict[str, int]:
+    """The native attention's limits, as ``layer_ops.c`` defines them (it keeps a task's query heads on the stack):
+    query heads per KV head (``MAX_GROUP``), and those heads' values (``MAX_GROUP_FLOATS``). Written there alone."""
+    limits = [ctypes.c_long() for _ in range(2)]
+    lib.enginekit_layer_ops_limits(*(ctypes.byref(limit) for limit in limits))
+    return {"MAX_GROUP": limits[0].value, "MAX_GROUP_FLOATS": limits[1].value}
+
+
 ATTENTION_SHAPES = (
     ("heads % kv_heads == 0", "{heads} query heads are not a multiple of {kv_heads} KV heads"),
     (
-        "heads // kv_heads <= 64 and heads // kv_heads * D <= 4096",
-        "{heads} query heads per {kv_heads} KV heads of size {D} are past the native attention's limits",
+        "heads // kv_heads <= MAX_GROUP and heads // kv_heads * D <= MAX_GROUP_FLOATS",
+        "{heads} query heads per {kv_heads} KV heads of size {D} are past the native attention's limits "
+        "({MAX_GROUP} query heads per KV head, {MAX_GROUP_FLOATS} of their values)",
     ),
 )
 
@@ -73,6 +101,17 @@ SILU_MUL = Entry(
         THREADS,
     ),
 )
+GELU_TANH_MUL = Entry(
+    "enginekit_gelu_tanh_mul",
+    (
+        Tensor("gate_up", ("rows", "2 * inter"), layout="rows"),
+        Stride("gate_up"),
+        Output("out", ("rows", "inter")),
+        Size("rows"),
+        Size("inter"),
+        THREADS,
+    ),
+)
 ROPE_WRITE_CACHE = Entry(
     "enginekit_rope_write_cache",
     (
@@ -94,6 +133,7 @@ ROPE_WRITE_CACHE = Entry(
     ctypes.c_int,
     {-1: "a slot is outside the KV cache"},
     requires=(*ATTENTION_SHAPES, ("D % 2 == 0", "the head size {D} is odd")),
+    constants=attention_limits,
 )
 PAGED_ATTENTION = Entry(
     "enginekit_paged_attention",
@@ -129,6 +169,7 @@ PAGED_ATTENTION = Entry(
         ),
         ("num_slots % block_size == 0", "the cache's {num_slots} slots are not whole blocks of {block_size}"),
     ),
+    constants=attention_limits,
 )
 QUANT_GEMM = Entry(
     "enginekit_quant_gemm",
@@ -214,6 +255,7 @@ STORED_LAYER = Entry(
         *SCORES,
         THREADS,
         Scalar("isa"),
+        Scalar("path"),
     ),
     ctypes.c_int,
     {
@@ -221,6 +263,7 @@ STORED_LAYER = Entry(
         -2: "got a weight whose rows are not whole blocks",
         -3: "is out of memory",
         -4: "this CPU lacks that instruction set",
+        -5: "has no such path for a weight's type or this instruction set",
         -10: "got a weight whose rows do not hold its input features' blocks",
         -11: "got a slot outside the KV cache",
         -12: "got a table row outside the block tables",
@@ -228,12 +271,14 @@ STORED_LAYER = Entry(
         -14: "got a block id outside the KV cache",
     },
     requires=(*PAGED_ATTENTION.requires, ("D % 2 == 0", "the head size {D} is odd")),
+    constants=attention_limits,
 )
 
 ENTRY_POINTS = (
     SKINNY_GEMM,
     RMS_NORM,
     SILU_MUL,
+    GELU_TANH_MUL,
     ROPE_WRITE_CACHE,
     PAGED_ATTENTION,
     QUANT_GEMM,

@@ -5,14 +5,20 @@
  * At a decode step of a few sequences each of these is a handful of microseconds of arithmetic wrapped in
  * several torch ops (RMS norm alone is five, about 20 us at one row); at a step of many sequences, decode
  * attention through torch first copies every sequence's whole context out of the paged cache. Built together
- * with skinny_gemm.c into one library by enginekit/model/native.py, on torch's OpenMP thread pool.
+ * with the other kernels into one library by enginekit/model/kernels/library.py, on torch's OpenMP thread pool.
  */
 #include <math.h>
 
 #include "common.h"
 
+/* The attention's limits, written here alone: Python reads them (enginekit_layer_ops_limits) to check every call
+ * and to choose torch's attention for a model past them. Overridable at build time, for tests. */
+#ifndef MAX_GROUP
 #define MAX_GROUP 64           /* query heads per KV head */
+#endif
+#ifndef MAX_GROUP_FLOATS
 #define MAX_GROUP_FLOATS 4096  /* query heads per KV head x head_dim, kept on the stack per task */
+#endif
 #define MAX_SPAN 256           /* tokens scored at once (a power of two: all or part of a block), kept on the stack */
 #define PARALLEL_MIN_WORK 4096  /* context tokens x query heads below which attention runs on one thread */
 
@@ -83,6 +89,34 @@ AVX2 void enginekit_silu_mul(const float *x, long stride, float *out, long rows,
       _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + j)));
     }
     for (long j = vec_end; j < inter; j++) y[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+  }
+}
+
+/* out[i, j] = gelu_tanh(x[i, j]) * x[i, inter + j] for `rows` rows of [gate | up] (rows `stride` apart in x): the
+ * MLP's activation of the models with GeLU-tanh (Gemma), used where a row's values must not depend on the other
+ * rows (torch's vector loop rounds a row's last values by where the whole tensor's tail falls). gelu_tanh(g) =
+ * 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3); the sigmoid as in silu_mul. */
+AVX2 void enginekit_gelu_tanh_mul(const float *x, long stride, float *out, long rows, long inter, int threads) {
+  long vec_end = inter - inter % 8;
+  const float scale = 2.0f * 0.7978845608028654f, cube = 0.044715f;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), vscale = _mm256_set1_ps(scale),
+               vcube = _mm256_set1_ps(cube);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter >= 65536)
+  for (long i = 0; i < rows; i++) {
+    const float *gate = x + i * stride, *up = gate + inter;
+    float *y = out + i * inter;
+    for (long j = 0; j < vec_end; j += 8) {
+      __m256 g = _mm256_loadu_ps(gate + j);
+      __m256 inner = _mm256_add_ps(g, _mm256_mul_ps(vcube, _mm256_mul_ps(g, _mm256_mul_ps(g, g))));
+      __m256 u = _mm256_mul_ps(vscale, inner);
+      __m256 e = exp8(_mm256_or_ps(u, sign)); /* e^-|u| */
+      __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, u), _mm256_add_ps(one, e));
+      _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + j)));
+    }
+    for (long j = vec_end; j < inter; j++) {
+      float g = gate[j], u = scale * (g + cube * (g * (g * g)));
+      y[j] = g / (1.0f + expf(-u)) * up[j];
+    }
   }
 }
 

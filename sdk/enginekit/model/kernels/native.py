@@ -18,7 +18,7 @@ process (``library.py``), each entry point called through one checked boundary (
 They are accelerators, never requirements: each returns ``None``, and the model keeps its torch code, whenever
 they cannot be used here (not x86-64 Linux, no AVX2/FMA, no C compiler, torch without OpenMP, a failed probe,
 or ``ENGINEKIT_NATIVE_KERNELS=0``), and the ``enginekit.model`` log says why. Their thread count is the calling
-thread's ``torch.get_num_threads()``.
+thread's ``torch.get_num_threads()`` (at most ``MAX_THREADS``, 1024).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from enginekit.model.kernels.library import (
     native_library,
 )
 from enginekit.model.kernels.probes import probe_gemm, probe_layer_ops
-from enginekit.model.kernels.quant_gemm import QuantGemm, native_quant_gemm, quant_gemm
+from enginekit.model.kernels.quant_gemm import PATHS, QuantGemm, native_quant_gemm, quant_gemm
 
 __all__ = [
     "MAX_ROWS",
@@ -73,12 +73,12 @@ def native_skinny_gemm() -> SkinnyGemm | None:
     if lib is None:
         return None
     kernel = entries.SKINNY_GEMM.bind(lib)
-    get_threads = torch.get_num_threads
+    get_threads = entries.threads
 
     def gemm(
         x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
     ) -> torch.Tensor:
-        return kernel(weight=weight, x=x, bias=bias, threads=threads or get_threads())
+        return kernel(weight=weight, x=x, bias=bias, threads=get_threads() if threads is None else threads)
 
     try:
         probe_gemm(gemm)
@@ -102,14 +102,14 @@ class LayerOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._rms_norm = entries.RMS_NORM.bind(lib)
         self._silu_mul = entries.SILU_MUL.bind(lib)
+        self._gelu_tanh_mul = entries.GELU_TANH_MUL.bind(lib)
         self._rope = entries.ROPE_WRITE_CACHE.bind(lib)
         self._attention = entries.PAGED_ATTENTION.bind(lib)
         self._stored_layer = entries.STORED_LAYER.bind(lib)
         self._quant_isa = lib.enginekit_quant_isa()
-        limits = [ctypes.c_long() for _ in range(2)]
-        lib.enginekit_layer_ops_limits(*(ctypes.byref(limit) for limit in limits))
-        self.max_group, self.max_group_floats = (limit.value for limit in limits)
-        self._threads = torch.get_num_threads
+        limits = entries.attention_limits(lib)
+        self.max_group, self.max_group_floats = limits["MAX_GROUP"], limits["MAX_GROUP_FLOATS"]
+        self._threads = entries.threads
 
     def supports(self, heads: int, kv_heads: int, head_dim: int) -> bool:
         """Whether a model of these attention shapes fits the library's limits (query heads per KV head)."""
@@ -124,6 +124,12 @@ class LayerOps:
         """``silu(gate) * up`` of a 2-D ``[gate | up]`` whose rows are contiguous, into a new tensor."""
         inter = gate_up.shape[-1] // 2 if isinstance(gate_up, torch.Tensor) else 0
         return self._silu_mul(gate_up=gate_up, inter=inter, threads=self._threads())
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` of a 2-D ``[gate | up]`` whose rows are contiguous, into a new
+        tensor; each row's values computed from that row alone (torch's are not: see ``layer_ops.c``)."""
+        inter = gate_up.shape[-1] // 2 if isinstance(gate_up, torch.Tensor) else 0
+        return self._gelu_tanh_mul(gate_up=gate_up, inter=inter, threads=self._threads())
 
     def rope_write_cache(
         self,
@@ -183,11 +189,14 @@ class LayerOps:
             threads=self._threads(),
         )
 
-    def stored_layer(self, hidden: torch.Tensor, **arguments) -> None:
+    def stored_layer(self, hidden: torch.Tensor, path: int = PATHS["auto"], **arguments) -> None:
         """A whole plain decoder layer with its four projections' weights kept as stored (``stored_layer.c``),
-        ``hidden`` ``[T, H]`` (contiguous) updated in place to the layer's output. ``arguments``: the entry point's
-        (``entry_points.STORED_LAYER``) but ``threads`` and ``isa``; every one checked as the other calls'."""
-        self._stored_layer(hidden=hidden, threads=self._threads(), isa=self._quant_isa, **arguments)
+        ``hidden`` ``[T, H]`` (contiguous) updated in place to the layer's output; ``path``: the products'
+        (``quant_gemm.PATHS``). ``arguments``: the entry point's (``entry_points.STORED_LAYER``) but ``threads``
+        and ``isa``; every one checked as the other calls'."""
+        self._stored_layer(
+            hidden=hidden, threads=self._threads(), isa=self._quant_isa, path=path, **arguments
+        )
 
 
 @functools.cache

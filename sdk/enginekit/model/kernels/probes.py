@@ -45,6 +45,9 @@ def probe_layer_ops(ops: LayerOps) -> None:
         ops.silu_mul(gate_up), F.silu(gate_up[:, :21]) * gate_up[:, 21:], rtol=1e-5, atol=1e-5
     ):
         raise NativeUnavailable("its SiLU-and-multiply disagrees with torch's on a probe")
+    expected = F.gelu(gate_up[:, :21], approximate="tanh") * gate_up[:, 21:]
+    if not torch.allclose(ops.gelu_tanh_mul(gate_up), expected, rtol=1e-5, atol=1e-5):
+        raise NativeUnavailable("its GeLU-tanh-and-multiply disagrees with torch's on a probe")
     for heads, kv_heads, dim, block_size in [(6, 2, 24, 4), (4, 4, 32, 16), (2, 1, 16, 512)]:
         lens = torch.tensor([1, 3, 17, 40, 300])
         blocks = -(-int(lens.max()) // block_size)

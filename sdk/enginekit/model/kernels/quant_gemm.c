@@ -22,9 +22,13 @@
  *   cache and multiplied into every input row with float multiply-adds, no quantization of the input;
  * - the panel path (many rows): the weight dequantized panel by panel into panel_gemm.c's panels, and its 6x16
  *   micro-kernel: a prefill step is bound by arithmetic, and the dequantization is paid once for all the rows.
+ * Each path computes a row's outputs from that row alone, the same whatever the other rows, but the paths differ: so
+ * PATH_AUTO's choice by the row count makes a row's result depend on how many rows share its call. PATH_INVARIANT
+ * takes one path at every row count (the engine's batch_invariant mode): the bf16 path on CPUs with AVX-512 BF16
+ * (every type), else the int8 path for the block types and the float path for F16 and BF16.
  * Dequantization is bit-exact with gguf-py's (the same float products, in the same order, never fused).
  * Weight rows are split over OpenMP threads (torch's pool). Built with the other kernels into one library by
- * enginekit/model/kernels/native.py.
+ * enginekit/model/kernels/library.py.
  */
 #include <math.h>
 #include <omp.h>
@@ -36,7 +40,7 @@
 
 enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2, ISA_AVX512_BF16 = 3 };
-enum { PATH_AUTO = 0, PATH_INT8 = 1, PATH_FLOAT = 2, PATH_PANELS = 3, PATH_BF16 = 4 };
+enum { PATH_AUTO = 0, PATH_INT8 = 1, PATH_FLOAT = 2, PATH_PANELS = 3, PATH_BF16 = 4, PATH_INVARIANT = 5 };
 enum { OK = 0, BAD_TYPE = -1, BAD_SHAPE = -2, NO_MEMORY = -3, BAD_ISA = -4, BAD_PATH = -5 };
 
 #define QK 32                         /* values per unpacked block (and per quantized input block) */
@@ -775,7 +779,7 @@ static int gemm_panels(const float *x, const uint8_t *w, int type, float *y, lon
 
 /* y[m, n] = x[m, k] W^T for a contiguous float32 x and W [n, k] of `type` stored as n contiguous rows of blocks, on
  * `threads` threads, with instruction set `isa` (at most enginekit_quant_isa()) and `path` (PATH_AUTO: by the
- * rows and the type). Returns OK, or (nothing written) BAD_TYPE, BAD_SHAPE (k not a whole number of blocks),
+ * rows and the type; PATH_INVARIANT: by the type and `isa` alone). Returns OK, or (nothing written) BAD_TYPE, BAD_SHAPE (k not a whole number of blocks),
  * BAD_ISA, BAD_PATH (the int8 path of F16/BF16, the panel path without AVX2) or NO_MEMORY. */
 int enginekit_quant_gemm(const float *x, const uint8_t *w, int type, float *y, long m, long n, long k, int threads,
                          int isa, int path) {
@@ -789,6 +793,8 @@ int enginekit_quant_gemm(const float *x, const uint8_t *w, int type, float *y, l
     return OK;
   }
   int blocks = f.block > 1;
+  if (path == PATH_INVARIANT) /* one path at every row count: see the top of this file */
+    path = isa >= ISA_AVX512_BF16 ? PATH_BF16 : blocks ? PATH_INT8 : PATH_FLOAT;
   if (path == PATH_AUTO)
     path = blocks && isa >= ISA_AVX512_BF16 && m >= (type == Q6_K ? BF16_MIN_ROWS_Q6_K : BF16_MIN_ROWS) ? PATH_BF16
            : m > (blocks ? INT8_MAX_ROWS : FLOAT_MAX_ROWS) && isa != ISA_SCALAR  ? PATH_PANELS

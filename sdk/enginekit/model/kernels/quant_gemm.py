@@ -45,7 +45,7 @@ NATIVE_TYPES = frozenset(
     }
 )
 Isa = Literal["scalar", "avx2", "avx512_vnni", "avx512_bf16"]
-Path = Literal["auto", "int8", "float", "panels", "bf16"]
+Path = Literal["auto", "int8", "float", "panels", "bf16", "invariant"]
 # enginekit_quant_isa in quant_gemm.c; "avx512_bf16": AVX-512 VNNI and BF16 both
 ISAS: dict[Isa, int] = {"scalar": 0, "avx2": 1, "avx512_vnni": 2, "avx512_bf16": 3}
 INT8_MAX_ROWS = 16  # as in quant_gemm.c: up to this many rows the input is quantized to int8, past it not
@@ -53,7 +53,9 @@ BF16_MIN_ROWS = 6  # as in quant_gemm.c: with AVX-512 BF16, the bf16 path from t
 BF16_MIN_ROWS_Q6_K = 8  # as in quant_gemm.c: Q6_K's (its values converted, not looked up)
 INPUT_GROUP = 4  # as in quant_gemm.c: input values per int8 scale
 ISA_NAMES: dict[int, Isa] = {code: name for name, code in ISAS.items()}
-PATHS = {"auto": 0, "int8": 1, "float": 2, "panels": 3, "bf16": 4}
+# as in quant_gemm.c; "invariant": one path at every row count (a row's result then never depends on its call's other
+# rows): bf16 with AVX-512 BF16, else int8 for the block types and float for F16 and BF16
+PATHS: dict[Path, int] = {"auto": 0, "int8": 1, "float": 2, "panels": 3, "bf16": 4, "invariant": 5}
 
 
 def row_bytes(qtype: int, in_features: int) -> int:
@@ -101,11 +103,11 @@ class QuantGemm:
         return F.linear(x, self.dequantize(blocks, qtype, out_features, in_features))
 
     def bind(
-        self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int
+        self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int, *, path: Path = "auto"
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """``product(x)``: this object's product of ``x`` with one weight, its description looked up once (a
         decode step calls each weight's product once per layer, where the lookups would cost as much as the
-        call's checks)."""
+        call's checks). ``path``: the native kernels' (``PATHS``); the portable form has one."""
         _check_blocks(blocks, qtype, out_features, in_features)
         return functools.partial(
             self.__call__, blocks=blocks, qtype=qtype, out_features=out_features, in_features=in_features
@@ -122,7 +124,7 @@ class NativeQuantGemm(QuantGemm):
         self._dequantize = entries.DEQUANTIZE.bind(lib)
         self.best_isa: Isa = ISA_NAMES[lib.enginekit_quant_isa()]
         self.name = f"native ({self.best_isa})"
-        self._threads = torch.get_num_threads
+        self._threads = entries.threads
 
     def supports(self, qtype: int) -> bool:
         return int(qtype) in NATIVE_TYPES
@@ -148,7 +150,7 @@ class NativeQuantGemm(QuantGemm):
         )
 
     def bind(
-        self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int
+        self, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int, *, path: Path = "auto"
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         if not self.supports(qtype):
             return super().bind(blocks, qtype, out_features, in_features)
@@ -163,7 +165,7 @@ class NativeQuantGemm(QuantGemm):
             "block_size": block_size,
             "type_size": type_size,
             "isa": ISAS[self.best_isa],
-            "path": PATHS["auto"],
+            "path": PATHS[path],
         }
 
         def product(x: torch.Tensor) -> torch.Tensor:  # every argument still checked by the entry point
@@ -194,7 +196,7 @@ class NativeQuantGemm(QuantGemm):
             K=in_features,
             block_size=block_size,
             type_size=type_size,
-            threads=threads or self._threads(),
+            threads=self._threads() if threads is None else threads,
             isa=ISAS[isa or self.best_isa],
             path=PATHS[path],
         )

@@ -10,8 +10,8 @@
  * rows by three weight rows keep twelve sums in registers, seven loads for twelve multiply-adds, the weight
  * tile staying in the L1 cache while every input row passes it (faster than torch's kernels up to 128 rows on
  * an AVX2 CPU, slower past that: docs/benchmarks_gemm.md). Weight rows are split over OpenMP threads. Built by
- * enginekit/model/native.py with the C compiler found at run time and linked against the OpenMP runtime torch
- * already loaded, so it runs on torch's thread pool.
+ * enginekit/model/kernels/library.py with the C compiler found at run time and linked against the OpenMP runtime
+ * torch already loaded, so it runs on torch's thread pool.
  */
 #include "common.h"
 

@@ -5,8 +5,10 @@
  * same order, so the result is the same to the bit.
  *
  * At a decode step of the default model each of those pieces is a few microseconds of arithmetic behind a few
- * microseconds of Python; fifteen of them a layer made the Python a third of a one-request step. Called from
- * DecoderLayer.forward (enginekit/model/decoder.py) for the steps whose every query attends natively.
+ * microseconds of Python; fifteen of them a layer made the Python a third of a one-request step. Called through
+ * LayerOps.stored_layer (enginekit/model/kernels/native.py) by the function DecoderLayer.fuse sets up, which
+ * Decoder.forward (enginekit/model/decoder.py) runs instead of the layer at the steps whose every query attends
+ * natively.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,7 +49,8 @@ static void add_rows(float *y, const float *x, long count) {
  * b_qkv [n_qkv], or NULL), w_o [size] over heads x d, w_gate_up [2 inter] over size, w_down [size] over inter, each
  * rows of `*_bytes` bytes of its GGUF type. Attention: as enginekit_paged_attention; cos, sin [rows, d]; each row's
  * new key and value go to its slot. Returns 0; or, before anything is written, a weight's or a table's error
- * (BAD_*, or the product's: no kernel for a type); or NO_MEMORY from a product (hidden then partly updated). */
+ * (BAD_*, or the product's: no kernel for a type); or NO_MEMORY from a product (hidden then partly updated). The
+ * four products take `path` (enginekit_quant_gemm's). */
 int enginekit_stored_layer(float *hidden, long rows, long size, const float *norm1, const float *norm2, float eps,
                            const uint8_t *w_qkv, int t_qkv, long qkv_bytes, const float *b_qkv, const uint8_t *w_o,
                            int t_o, long o_bytes, const uint8_t *w_gate_up, int t_gate_up, long gate_up_bytes,
@@ -55,7 +58,8 @@ int enginekit_stored_layer(float *hidden, long rows, long size, const float *nor
                            const float *sin, const long *slots, float *k_cache, float *v_cache, long heads,
                            long kv_heads, long d, long num_slots, const long *tables, long table_stride,
                            const long *table_rows, const long *lens, long table_count, long table_width,
-                           long block_size, float scale, long window, float softcap, int threads, int isa) {
+                           long block_size, float scale, long window, float softcap, int threads, int isa,
+                           int path) {
   long n_qkv = (heads + 2 * kv_heads) * d, q_size = heads * d, num_blocks = num_slots / block_size;
   int error;
   if ((error = rows_fit(t_qkv, size, qkv_bytes)) || (error = rows_fit(t_o, q_size, o_bytes)) ||
@@ -76,7 +80,7 @@ int enginekit_stored_layer(float *hidden, long rows, long size, const float *nor
   float *gate_up = attended + rows * q_size, *act = gate_up + rows * 2 * inter, *delta = normed;
 
   enginekit_rms_norm(hidden, size, norm1, normed, rows, size, eps, threads);
-  error = enginekit_quant_gemm(normed, w_qkv, t_qkv, qkv, rows, n_qkv, size, threads, isa, 0);
+  error = enginekit_quant_gemm(normed, w_qkv, t_qkv, qkv, rows, n_qkv, size, threads, isa, path);
   if (!error && b_qkv)
     for (long r = 0; r < rows; r++) add_rows(qkv + r * n_qkv, b_qkv, n_qkv);
   if (!error)
@@ -86,15 +90,15 @@ int enginekit_stored_layer(float *hidden, long rows, long size, const float *nor
     error = enginekit_paged_attention(qk, (heads + kv_heads) * d, k_cache, v_cache, tables, table_stride, table_rows,
                                       lens, attended, rows, heads, kv_heads, d, block_size, num_slots, table_count,
                                       table_width, scale, window, softcap, threads);
-  if (!error) error = enginekit_quant_gemm(attended, w_o, t_o, delta, rows, size, q_size, threads, isa, 0);
+  if (!error) error = enginekit_quant_gemm(attended, w_o, t_o, delta, rows, size, q_size, threads, isa, path);
   if (!error) {
     add_rows(hidden, delta, rows * size);
     enginekit_rms_norm(hidden, size, norm2, normed, rows, size, eps, threads);
-    error = enginekit_quant_gemm(normed, w_gate_up, t_gate_up, gate_up, rows, 2 * inter, size, threads, isa, 0);
+    error = enginekit_quant_gemm(normed, w_gate_up, t_gate_up, gate_up, rows, 2 * inter, size, threads, isa, path);
   }
   if (!error) {
     enginekit_silu_mul(gate_up, 2 * inter, act, rows, inter, threads);
-    error = enginekit_quant_gemm(act, w_down, t_down, delta, rows, size, inter, threads, isa, 0);
+    error = enginekit_quant_gemm(act, w_down, t_down, delta, rows, size, inter, threads, isa, path);
   }
   if (!error) add_rows(hidden, delta, rows * size);
   free(normed);

@@ -63,10 +63,10 @@ ONEDNN_MIN_WORK = 1 << 25  # rows x weight elements
 
 
 def linear_kernel(
-    device: torch.device, dtype: torch.dtype, *, native: bool = True
+    device: torch.device, dtype: torch.dtype, *, native: bool = True, batch_invariant: bool = False
 ) -> tuple[str, LinearKernel]:
     """The fastest correct kernel for the model's projections on this device, with its name (``native=False``:
-    without the native GEMM, to measure what it gives).
+    without the native GEMM, to measure what it gives; ``batch_invariant``: see ``invariant_linear``).
 
     On CPU in float32 it picks per call, by the input's rows and the weight's size:
 
@@ -87,6 +87,8 @@ def linear_kernel(
     """
     if device.type != "cpu" or dtype != torch.float32:
         return "F.linear", F.linear
+    if batch_invariant:
+        return invariant_linear()
     onednn = _onednn_linear()
     skinny = native_skinny_gemm() if native else None
     if onednn is None and skinny is None:
@@ -113,6 +115,36 @@ def linear_kernel(
             f"oneDNN from {ONEDNN_MIN_WEIGHT_NUMEL} weight elements or {ONEDNN_MIN_WORK} multiply-adds"
         )
     return ", ".join([*parts, "else F.linear"]), cpu_linear
+
+
+def invariant_linear() -> tuple[str, LinearKernel]:
+    """The float32 CPU kernel whose every output row depends on its input row alone, whatever the other rows: the
+    native skinny GEMM at every row count, in calls of at most ``MAX_ROWS`` rows. Its one-row, few-row and tiled
+    loops sum each output the same way (eight-lane partial sums over the input features in order, the same
+    horizontal sum, the same tail), where oneDNN past ``SKINNY_MAX_ROWS`` rows, or a BLAS at any count, may split
+    and order the sums by the shape. ``ValueError`` where the native library cannot be used."""
+    skinny = native_skinny_gemm()
+    if skinny is None:
+        raise ValueError("the batch-invariant linear needs the native skinny GEMM, which cannot be used here")
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() != 2:
+            return linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        rows = x.shape[0]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if 0 < rows <= MAX_ROWS:
+            return skinny(x, weight, bias)
+        if rows == 0:
+            return x.new_empty((0, weight.shape[0]))
+        return torch.cat(
+            [skinny(x[first : first + MAX_ROWS], weight, bias) for first in range(0, rows, MAX_ROWS)]
+        )
+
+    return (
+        f"native skinny GEMM at every row count, in calls of up to {MAX_ROWS} rows (batch-invariant)",
+        linear,
+    )
 
 
 def _onednn_linear() -> Callable[..., torch.Tensor] | None:

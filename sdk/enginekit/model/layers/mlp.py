@@ -16,6 +16,7 @@ from enginekit.model.layers.parallel_linear import Collectives, ColumnParallelLi
 
 class MLP(nn.Module):
     ops: LayerOps | None = None  # see Decoder.use_layer_ops
+    gelu_ops: LayerOps | None = None  # the native GeLU-tanh, under batch invariance (Decoder.use_layer_ops)
 
     def __init__(self, config: ModelConfig, comm: Collectives | None = None) -> None:
         super().__init__()
@@ -33,6 +34,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gelu_tanh:
+            if self.gelu_ops is not None:
+                return self.down_proj(self.gelu_ops.gelu_tanh_mul(self.gate_up_proj(x)))
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         if self.ops is not None:

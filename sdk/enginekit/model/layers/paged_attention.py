@@ -57,9 +57,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks], padded with block 0
     decode_len: int = 0  # longest decode context
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, decode_len], None when all equal
-    # Native attention: one table per decode, then one per prefill chunk (empty for the chunks SDPA attends),
-    # [tables, blocks]; each row's table, [num_tokens] (None in a step of decodes only: row i, table i); each
-    # row's context length, 0 for the rows SDPA attends, [num_tokens].
+    # Native attention: the block tables, [tables, blocks] (the runner's persistent tables, a row per live
+    # sequence); each row's table, [num_tokens] (None: row i, table i); each row's context length, 0 for the rows
+    # SDPA attends, [num_tokens].
     query_tables: torch.Tensor | None = None
     query_table_rows: torch.Tensor | None = None
     query_lens: torch.Tensor | None = None

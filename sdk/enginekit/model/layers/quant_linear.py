@@ -13,8 +13,8 @@ from typing import NamedTuple
 import torch
 from gguf import GGMLQuantizationType
 
-from enginekit.model.kernels.native import QuantGemm, quant_gemm
-from enginekit.model.kernels.quant_gemm import INT8_MAX_ROWS
+from enginekit.model.kernels.native import QuantGemm, native_skinny_gemm, quant_gemm
+from enginekit.model.kernels.quant_gemm import INT8_MAX_ROWS, NativeQuantGemm
 
 
 class StoredWeight(NamedTuple):
@@ -48,10 +48,20 @@ class QuantizedWeight:
     that, but a logit is a choice, and it flips greedy choices of a small model (SmolLM2-135M answers "What is
     the capital of France?" with "L'Étoile, la Cité, ..." that way, in llama.cpp too). The candidates' rows cost
     ``M x exact_top`` dot products; computing the whole head without int8 would cost three times the step's
-    largest product. The other logits keep the int8 product's values (sampling at a temperature sees them)."""
+    largest product. The other logits keep the int8 product's values (sampling at a temperature sees them).
+
+    ``batch_invariant``: a row's outputs do not depend on the other rows of the call. The native kernels' path is
+    then the same at every row count (``"invariant"`` in ``quant_gemm.c``), and the candidates' dot products are
+    the native skinny GEMM's, one row at a time (its sums do not depend on the rows either; a batched einsum's may).
+    It needs the native kernels (``ValueError`` without them)."""
 
     def __init__(
-        self, parts: Sequence[StoredWeight], gemm: QuantGemm | None = None, *, exact_top: int = 0
+        self,
+        parts: Sequence[StoredWeight],
+        gemm: QuantGemm | None = None,
+        *,
+        exact_top: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         if not parts or len({part.in_features for part in parts}) != 1:
             raise ValueError("a quantized weight needs one or more parts of the same input width")
@@ -62,9 +72,20 @@ class QuantizedWeight:
         self.out_features = sum(part.out_features for part in parts)
         self.gemm = gemm or quant_gemm()
         self.exact_top = min(exact_top, self.out_features)
+        self.batch_invariant = batch_invariant
+        self._dot = native_skinny_gemm() if batch_invariant else None
+        native = isinstance(self.gemm, NativeQuantGemm) and all(
+            self.gemm.supports(p.quant_type) for p in parts
+        )
+        if batch_invariant and (self._dot is None or not native):
+            raise ValueError(
+                "a batch-invariant product needs the native kernels and a type they compute with "
+                f"({self.gemm.name}; {self.describe()})"
+            )
         # each part's product, bound once (the layer calls it at every step)
+        path = "invariant" if batch_invariant else "auto"
         self._products = tuple(
-            self.gemm.bind(part.blocks, part.quant_type, part.out_features, part.in_features)
+            self.gemm.bind(part.blocks, part.quant_type, part.out_features, part.in_features, path=path)
             for part in self.parts
         )
 
@@ -89,7 +110,11 @@ class QuantizedWeight:
     def _recompute_top(self, x: torch.Tensor, out: torch.Tensor) -> None:
         top = out.topk(self.exact_top, dim=1).indices  # [M, exact_top]
         rows = self.parts[0].rows(top, self.gemm).view(*top.shape, self.in_features)
-        out.scatter_(1, top, torch.einsum("mtk,mk->mt", rows, x))
+        if self._dot is None:
+            out.scatter_(1, top, torch.einsum("mtk,mk->mt", rows, x))
+        else:  # each row's candidates on their own: see batch_invariant
+            dot = self._dot
+            out.scatter_(1, top, torch.cat([dot(x[i : i + 1], rows[i], None) for i in range(x.shape[0])]))
 
     @property
     def nbytes(self) -> int:

@@ -9,6 +9,7 @@ output, so the base weights are never changed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -79,10 +80,11 @@ class LoRAModel:
                 else:
                     slots.clear(slot)
 
-    def begin_step(self, row_slots: list[int] | None) -> None:
-        """The step's rows (each one's slot, ``-1`` for none): the fused native layers run no adapter, so a step
-        with adapters runs the layers piece by piece."""
-        self.step.begin(row_slots, self.device)
+    def begin_step(self, chunk_slots: list[int] | None, counts: Sequence[int]) -> None:
+        """The step's rows: each chunk's slot (``-1`` for none; ``None``: no adapter in the step) and its token
+        count, in the order of the step's inputs. The fused native layers run no adapter, so a step with adapters
+        runs the layers piece by piece."""
+        self.step.begin(chunk_slots, counts, self.device)
         self.decoder.lora_active = self.step.active
 
     def release(self) -> None:

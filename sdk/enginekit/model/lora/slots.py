@@ -4,16 +4,17 @@ step whose rows use several adapters (and none).
 Each adapted projection holds ``max_loras`` slots: ``A`` ``[parts x max_rank, in]`` and ``B`` block-diagonal,
 ``[parts x max_rank, out]`` (part p's rows of ``A`` feed only part p's output features: q, k, v; gate, up), zero
 where an adapter is smaller or absent. A step's rows are gathered per adapter once, before the forward pass
-(``LoRAStep.begin``), and every projection then runs two products per adapter the step uses, whatever the number of
-requests: ``h = x[rows] @ A^T``, ``out[rows] += h @ B``. An adapter's rows that lie together (one request, or
-requests side by side) are a slice of the batch, read and written in place; scattered ones are gathered with one
-index and added back with another. Rows of no adapter are not touched: the base model's rows are the base model's.
+(``LoRAStep.begin``, from each chunk's slot and token count, in the order the step's inputs lay the chunks' rows
+out), and every projection then runs two products per adapter the step uses, whatever the number of requests:
+``h = x[rows] @ A^T``, ``out[rows] += h @ B``. An adapter's rows that lie together (one request, or requests side by
+side) are a slice of the batch, read and written in place; scattered ones are gathered with one index and added
+back with another. Rows of no adapter are not touched: the base model's rows are the base model's.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -47,18 +48,23 @@ class LoRAStep:
         """Whether some row of the step uses an adapter."""
         return bool(self.segments)
 
-    def begin(self, row_slots: list[int] | None, device: torch.device) -> None:
-        """Set the step's rows: each row's slot, ``-1`` for none (``None``: no row uses an adapter)."""
+    def begin(self, chunk_slots: list[int] | None, counts: Sequence[int], device: torch.device) -> None:
+        """Set the step's rows from its chunks: each chunk's slot (``-1`` for none; ``None``: no chunk uses an
+        adapter) and its token count, the chunks' rows lying one after another in their order."""
         self.segments = []
-        if not row_slots:
+        if not chunk_slots:
             return
         runs: dict[int, list[tuple[int, int]]] = {}  # slot -> its runs of rows [start, end)
-        start = 0
-        for row in range(1, len(row_slots) + 1):
-            if row == len(row_slots) or row_slots[row] != row_slots[start]:
-                if row_slots[start] >= 0:
-                    runs.setdefault(row_slots[start], []).append((start, row))
-                start = row
+        row = 0
+        for slot, count in zip(chunk_slots, counts):
+            end = row + int(count)
+            if slot >= 0:
+                spans = runs.setdefault(slot, [])
+                if spans and spans[-1][1] == row:  # the chunk before ran the same adapter: one run
+                    spans[-1] = (spans[-1][0], end)
+                else:
+                    spans.append((row, end))
+            row = end
         for slot, spans in runs.items():
             if len(spans) == 1:
                 self.segments.append(Segment(slot, *spans[0]))
