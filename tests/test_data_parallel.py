@@ -10,13 +10,12 @@ import pytest
 from enginekit import Engine, EngineDeadError, SamplingParams
 from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.runtime.launcher import Launcher
-from process_support import in_thread, wait_gone, wait_until_generating
+from process_support import HANG_GUARD_S, in_thread, wait_gone, wait_until_generating
 
 PROMPTS = [f"data parallel prompt {i}: " + "x" * i for i in range(12)]
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 SEEDED = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=i) for i in range(12)]
 LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
-DEADLINE_S = 5.0
 
 
 def tokens(outputs):
@@ -124,7 +123,7 @@ def test_a_dead_rank_is_the_engines_death_and_restart_brings_both_back(mode):
         worker, outcome = in_thread(lambda: engine.generate(PROMPTS[:4], LONG))
         wait_until_generating(engine)
         os.kill(pids[1], signal.SIGKILL)
-        worker.join(DEADLINE_S)
+        worker.join(HANG_GUARD_S)
         assert not worker.is_alive(), "generate still waits after a rank died"
         with pytest.raises(
             EngineDeadError, match=rf"engine rank 1: the engine process died; .*pid {pids[1]}\) was killed"
@@ -135,7 +134,7 @@ def test_a_dead_rank_is_the_engines_death_and_restart_brings_both_back(mode):
         engine.restart()
         assert engine.call_utility("ping") == ["pong", "pong"]
         assert not set(engine.client.engine_pids) & set(pids)
-        assert wait_gone([pids[0]], 10) == []  # the surviving rank was stopped by the restart
+        assert wait_gone([pids[0]]) == []  # the surviving rank was stopped by the restart
     finally:
         engine.shutdown()
 
@@ -147,8 +146,8 @@ def test_shutdown_leaves_no_process_thread_or_file_behind():
     pids, run_dir = engine.client.engine_pids, engine.client.sockets.run_dir
     engine.generate(PROMPTS[:4], GREEDY)
     engine.shutdown()
-    assert wait_gone(pids, 10) == [] and not os.path.exists(run_dir)
-    diff = wait_until_clean(before, timeout=15)
+    assert wait_gone(pids) == [] and not os.path.exists(run_dir)
+    diff = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert not diff.leaks(), diff.leaks()
 
 

@@ -27,6 +27,7 @@ from enginekit.diagnostics import (
     snapshot,
     wait_until_clean,
 )
+from process_support import HANG_GUARD_S
 
 MIB = 2**20
 LINUX = sys.platform.startswith("linux")
@@ -177,7 +178,7 @@ def test_grandchildren_are_found(monkeypatch: pytest.MonkeyPatch, without_psutil
     sleep = " ".join(_sleep_command(30))
     shell = subprocess.Popen(["/bin/sh", "-c", f"{sleep} & wait"], start_new_session=True)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_GUARD_S
         diff = before.diff(snapshot())
         while len(diff.new_child_pids) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -191,7 +192,7 @@ def test_grandchildren_are_found(monkeypatch: pytest.MonkeyPatch, without_psutil
             pass
         shell.wait(timeout=10)
     # The orphaned grandchild is reaped by init, not by us; wait for it to disappear.
-    final = wait_until_clean(before, timeout=10)
+    final = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert final.new_child_pids == ()
 
 
@@ -351,14 +352,29 @@ def test_wait_until_clean_returns_clean_once_thread_ends() -> None:
     release = threading.Event()
     thread = threading.Thread(target=release.wait, name="diagnostics-test-short", daemon=True)
     thread.start()
+    full_collections = []
+
+    def release_at_the_second_snapshot(phase: str, info: dict) -> None:
+        # wait_until_clean collects fully before each snapshot: its first one sees the thread, which ends
+        # while it waits (a timer could fire before it even started, on a busy machine).
+        if phase == "start" and info["generation"] == 2:
+            full_collections.append(True)
+            if len(full_collections) == 2:
+                release.set()
+
     try:
         assert "diagnostics-test-short" in baseline.diff(snapshot()).new_thread_names
-        threading.Timer(0.2, release.set).start()  # the thread ends while wait_until_clean waits
-        diff = wait_until_clean(baseline, timeout=10)
+        gc.callbacks.append(release_at_the_second_snapshot)
+        try:
+            diff = wait_until_clean(baseline, timeout=HANG_GUARD_S)
+        finally:
+            gc.callbacks.remove(release_at_the_second_snapshot)
+        assert len(full_collections) >= 2  # the first snapshot still saw the thread: it waited for another
         assert diff.leaks() == []
         assert diff.before is baseline
         assert not thread.is_alive()
     finally:
+        release.set()
         thread.join(timeout=10)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from enginekit import Engine, RequestOutput, SamplingParams
+from process_support import HANG_GUARD_S
 
 PROMPTS = ["Hello, world", "The quick brown fox jumps", "a", "Paged attention keeps KV in blocks"]
 
@@ -295,7 +296,11 @@ def test_astream_yields_token_by_token_and_break_stops_the_generation(call):
                 seen.append(len(output.outputs[0].token_ids))
                 if len(seen) == 2:
                     break
-            await asyncio.sleep(0.05)  # the abandoned generator's clean-up runs on the loop
+            del stream  # abandoned: the loop closes it, and its clean-up aborts the request
+            deadline = asyncio.get_running_loop().time() + HANG_GUARD_S
+            while engine._router.processor.states:
+                assert asyncio.get_running_loop().time() < deadline, "the abandoned stream was never closed"
+                await asyncio.sleep(0.001)  # a poll: the loop runs the clean-up meanwhile
             return seen
 
         seen = asyncio.run(first_two())

@@ -2,10 +2,10 @@
 
 import asyncio
 import gc
+import logging
 import os
 import socket
 import threading
-import time
 import weakref
 
 import pytest
@@ -15,10 +15,9 @@ from enginekit import Engine, EngineShutdownError, EngineStartupError, SamplingP
 from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.errors import EngineDeadError
 from enginekit.runtime.launcher import Launcher
-from process_support import in_thread
+from process_support import HANG_GUARD_S, LogWatch, in_thread, wait_for
 
 MODES = ["inproc", "mp", "async"]
-DEADLINE_S = 5.0
 LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=6, temperature=0)
 
@@ -27,26 +26,20 @@ def generating(engine) -> bool:
     return any(state.version for state in list(engine._router.processor.states.values()))
 
 
-def wait_for(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_wait_idle_returns_when_the_last_requests_end_by_abort(mode):
     with Engine("builtin", mode=mode, num_kv_blocks=64) as engine:
         # In-process, the generating thread and the waiting one share the core under the client's lock.
-        worker, _ = in_thread(lambda: engine.generate(["a", "b"], LONG))
+        worker, generated = in_thread(lambda: engine.generate(["a", "b"], LONG))
         wait_for(lambda: generating(engine))
-        waiter, stats = in_thread(lambda: engine.call_utility("wait_idle", timeout=60))
-        time.sleep(0.2)
+        waiter, stats = in_thread(lambda: engine.call_utility("wait_idle", timeout=HANG_GUARD_S))
+        wait_for(lambda: engine.get_stats()["num_idle_waiters"] == 1, what="wait_idle reaching the engine")
         engine.abort(engine.call_utility("get_request_ids"))
-        waiter.join(DEADLINE_S)
+        waiter.join(HANG_GUARD_S)
         assert not waiter.is_alive(), "wait_idle still waits after every request was aborted"
-        assert stats[0]["num_running_requests"] == 0
-        worker.join(DEADLINE_S)
+        assert stats[0]["num_running_requests"] == 0 and stats[0]["num_idle_waiters"] == 0
+        worker.join(HANG_GUARD_S)
+        assert [output.outputs[0].finish_reason for output in generated[0]] == ["abort", "abort"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -55,7 +48,7 @@ def test_shutdown_from_another_thread_during_generate_is_not_a_death(mode):
     worker, outcome = in_thread(lambda: engine.generate("stop me", LONG))
     wait_for(lambda: generating(engine))
     engine.shutdown()
-    worker.join(DEADLINE_S)
+    worker.join(HANG_GUARD_S)
     assert not worker.is_alive()
     assert isinstance(outcome[0], EngineShutdownError), repr(outcome[0])
     assert not isinstance(outcome[0], EngineDeadError)
@@ -175,7 +168,7 @@ def test_a_failing_pidfd_open_leaks_no_pipe(monkeypatch):
     with pytest.raises(EngineStartupError, match="Too many open files"):
         Engine("builtin", mode="mp")
     monkeypatch.undo()
-    diff = wait_until_clean(before, timeout=15)
+    diff = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert not diff.leaks(), diff.leaks()
 
 
@@ -292,24 +285,26 @@ def test_async_mode_refuses_a_blocking_call_while_another_threads_loop_drives_it
         assert engine.generate("the loop is gone: this thread may drive it now", SHORT)[0].finished
 
 
-def test_a_draining_shutdown_with_a_stalled_reader_ends_the_process():
+def test_a_draining_shutdown_with_a_stalled_reader_ends_the_process(caplog):
     from process_support import wait_gone
 
-    engine = Engine("builtin", mode="mp", num_kv_blocks=64, max_pending_outputs=4)
-    pid, receiver = engine.engine_pid, engine.client.receiver
-    released = threading.Event()
-    handle_frames = receiver._handle_frames
+    caplog.set_level(logging.DEBUG, logger="enginekit")
+    with LogWatch() as log:
+        engine = Engine("builtin", mode="mp", num_kv_blocks=64, max_pending_outputs=4, log_level="debug")
+        pid, receiver = engine.engine_pid, engine.client.receiver
+        released = threading.Event()
+        handle_frames = receiver._handle_frames
 
-    def stalled(frames):  # the front end stops reading outputs
-        released.wait()
-        return handle_frames(frames)
+        def stalled(frames):  # the front end stops reading outputs
+            released.wait()
+            return handle_frames(frames)
 
-    receiver._handle_frames = stalled
-    params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True, logprobs=20)
-    in_thread(lambda: engine.generate([f"stall {i}" for i in range(16)], params))
-    time.sleep(2.0)  # the engine fills its output queue and the socket, then waits for the reader
-    stopper, _ = in_thread(lambda: engine.shutdown(timeout=1.0))
-    stopper.join(60)
-    assert not stopper.is_alive(), "a draining shutdown hangs on a stalled reader"
-    released.set()
-    assert wait_gone([pid], 10) == []
+        receiver._handle_frames = stalled
+        params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True, logprobs=20)
+        in_thread(lambda: engine.generate([f"stall {i}" for i in range(16)], params))
+        log.wait_for("steps wait for the front end")  # its output queue and the socket are full
+        stopper, _ = in_thread(lambda: engine.shutdown(timeout=1.0))
+        stopper.join(HANG_GUARD_S)
+        assert not stopper.is_alive(), "a draining shutdown hangs on a stalled reader"
+        released.set()
+        assert wait_gone([pid]) == []

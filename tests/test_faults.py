@@ -9,17 +9,15 @@ import asyncio
 import os
 import signal
 import threading
-import time
 
 import pytest
 
 from enginekit import Engine, EngineDeadError, SamplingParams
-from process_support import wait_gone
+from process_support import HANG_GUARD_S, in_thread, wait_for, wait_gone
 
-# The contract is "about a second"; the margin absorbs a loaded 2-core CI machine. A call still blocked after
-# this long counts as hung.
-DEATH_DEADLINE_S = 5.0
-START_DEADLINE_S = 60.0
+# A death reaches the waiting calls through the engine's pidfd and sockets, at once ("about a second" on a quiet
+# machine): the messages below name how the engine ended, which only those paths know. A call still blocked after
+# HANG_GUARD_S counts as hung.
 LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
 
 
@@ -67,7 +65,7 @@ def producing_tokens(engine):
 def run_until_fault(engine, operation, *, in_flight, inject):
     """Run ``operation`` on a worker thread, inject the fault once ``in_flight()``, return what it raised.
 
-    Fails the test if the operation is still blocked ``DEATH_DEADLINE_S`` after the fault.
+    Fails the test if the operation never got in flight, or is still blocked ``HANG_GUARD_S`` after the fault.
     """
     outcome = []
 
@@ -81,31 +79,38 @@ def run_until_fault(engine, operation, *, in_flight, inject):
 
     worker = threading.Thread(target=victim, name="fault-victim", daemon=True)
     worker.start()
-    deadline = time.monotonic() + START_DEADLINE_S
-    while not in_flight() and worker.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: in_flight() or not worker.is_alive(), what="the call getting in flight")
+    assert in_flight(), f"the call ended before the fault: {outcome}"
     inject()
-    worker.join(DEATH_DEADLINE_S)
-    assert not worker.is_alive(), f"the call still hangs {DEATH_DEADLINE_S}s after the engine died"
+    worker.join(HANG_GUARD_S)
+    assert not worker.is_alive(), f"the call still hangs {HANG_GUARD_S}s after the engine died"
     assert outcome[0] is not None, "the call returned normally although the engine died"
     return outcome[0]
 
 
 @pytest.fixture(scope="module", params=["mp", "async"])
-def engine(request):
+def module_engine(request):
     with Engine("builtin", mode=request.param) as engine:
         yield engine
+
+
+@pytest.fixture
+def engine(module_engine):
+    """The module's engine, running: a test that failed before its own restart leaves it dead for no other."""
+    if not module_engine.is_running:
+        module_engine.restart()
+    return module_engine
 
 
 @pytest.mark.parametrize("operation", list(OPERATIONS))
 def test_kill_9_fails_the_waiting_call_then_restart_works(engine, operation):
     pid = engine.engine_pid
-    utility_sent = time.monotonic() + 0.3  # a utility call is in flight by then; it sleeps for 30 s
-    in_flight = (lambda: time.monotonic() > utility_sent) if operation == "utility" else None
+    # The utility sleeps for 30 s: once the front end holds its call pending, the call waits on the engine.
+    utility_pending = lambda: len(engine.client._pending) > 0  # noqa: E731
     error = run_until_fault(
         engine,
         OPERATIONS[operation],
-        in_flight=in_flight or (lambda: producing_tokens(engine)),
+        in_flight=utility_pending if operation == "utility" else (lambda: producing_tokens(engine)),
         inject=lambda: os.kill(pid, signal.SIGKILL),
     )
     with pytest.raises(EngineDeadError, match=rf"engine process \(pid {pid}\) was killed by SIGKILL"):
@@ -138,6 +143,31 @@ def test_a_signal_to_the_engine_process_fails_the_calls_in_flight_naming_it(engi
     assert engine.generate("alive again", SamplingParams(max_tokens=3))[0].finished
 
 
+def test_a_signal_is_named_when_the_engine_exit_is_seen_before_its_last_message():
+    # On a busy machine the front end can see the engine's exit (its pidfd) while zmq still delivers the EngineDead
+    # that names the signal: the exit code (128 + SIGTERM) must name it the same way.
+    with Engine("builtin", mode="mp") as engine:
+        client, receiver = engine.client, engine.client.receiver
+        holding, released = threading.Event(), threading.Event()
+        handle_frames = receiver._handle_frames
+
+        def held(frames):  # the reader takes one message and holds it
+            holding.set()
+            released.wait()
+            return handle_frames(frames)
+
+        receiver._handle_frames = held
+        in_thread(engine.ping)  # its answer is the message held
+        assert holding.wait(HANG_GUARD_S)
+        process = client.engines[0].process
+        os.kill(engine.engine_pid, signal.SIGTERM)
+        assert process.wait_dead(HANG_GUARD_S)
+        client._on_process_exit(process)  # what the reader does when it sees the exit first
+        released.set()
+        with pytest.raises(EngineDeadError, match=r"was sent SIGTERM \(not by this front end\)"):
+            engine.generate("after the signal", SamplingParams(max_tokens=2))
+
+
 @pytest.mark.parametrize(
     ("signum", "described"), [(signal.SIGKILL, "killed by SIGKILL"), (signal.SIGTERM, "SIGTERM")]
 )
@@ -146,7 +176,7 @@ def test_an_engine_that_died_idle_names_how_in_every_mode(engine, signum, descri
     # say how the engine ended, not only that the socket could not reach it.
     pid = engine.engine_pid
     os.kill(pid, signum)
-    assert wait_gone([pid], DEATH_DEADLINE_S) == []
+    assert wait_gone([pid]) == []
     with pytest.raises(EngineDeadError, match=described):
         engine.generate("after an idle death", SamplingParams(max_tokens=2))
     engine.restart()
@@ -154,16 +184,30 @@ def test_an_engine_that_died_idle_names_how_in_every_mode(engine, signum, descri
 
 # ---- an executor failure: EXECUTOR_FAILED -> ENGINE_CORE_DEAD -> EngineDeadError -------------------------
 
+
+def wait_idle_pending(engine) -> dict:
+    """Wait until a ``wait_idle`` call has reached the engine; its stats then."""
+    seen = {}
+
+    def registered() -> bool:
+        seen.update(engine.get_stats())
+        return seen["num_idle_waiters"] == 1
+
+    wait_for(registered, what="wait_idle reaching the engine")
+    return seen
+
+
 EXECUTOR_FAILURE = r"engine core reported a fatal error(.|\n)*Executor failed(.|\n)*injected executor failure"
+FAILING_STEP = 2000  # far enough that the wait_idle below has reached the engine (checked) before it fails
 
 
 def test_executor_failure_fails_a_stream_and_a_pending_utility_call():
-    with Engine("builtin", mode="mp", fail_at_step=200) as engine:
+    with Engine("builtin", mode="mp", fail_at_step=FAILING_STEP) as engine:
         pending = {}
 
         def wait_idle():
             try:
-                engine.call_utility("wait_idle", timeout=60)
+                engine.call_utility("wait_idle", timeout=HANG_GUARD_S)
             except BaseException as error:
                 pending["error"] = error
 
@@ -172,7 +216,9 @@ def test_executor_failure_fails_a_stream_and_a_pending_utility_call():
             for output in engine.stream("fail while I stream", LONG):
                 if waiter.ident is None and output.outputs[0].token_ids:  # not started yet
                     waiter.start()
-        waiter.join(DEATH_DEADLINE_S)
+                    stats = wait_idle_pending(engine)
+                    assert stats["num_steps"] < FAILING_STEP  # it waited on a live engine
+        waiter.join(HANG_GUARD_S)
         assert not waiter.is_alive(), "the pending utility call hangs"
         with pytest.raises(EngineDeadError, match=EXECUTOR_FAILURE):
             raise pending["error"]
@@ -184,11 +230,14 @@ def test_executor_failure_fails_astream_and_a_pending_async_utility_call():
         with pytest.raises(EngineDeadError, match=EXECUTOR_FAILURE):
             async for output in engine.astream("fail while I stream", LONG):
                 if waiter is None and output.outputs[0].token_ids:
-                    waiter = asyncio.create_task(engine.acall_utility("wait_idle", timeout=60))
+                    waiter = asyncio.create_task(engine.acall_utility("wait_idle", timeout=HANG_GUARD_S))
+                    while (stats := await engine.aget_stats())["num_idle_waiters"] == 0:
+                        await asyncio.sleep(0.005)  # a poll: the loop runs the waiter meanwhile
+                    assert stats["num_steps"] < FAILING_STEP  # it waited on a live engine
         with pytest.raises(EngineDeadError, match=EXECUTOR_FAILURE):
-            await asyncio.wait_for(waiter, DEATH_DEADLINE_S)
+            await asyncio.wait_for(waiter, HANG_GUARD_S)
 
-    with Engine("builtin", mode="async", fail_at_step=200) as engine:
+    with Engine("builtin", mode="async", fail_at_step=FAILING_STEP) as engine:
         asyncio.run(scenario(engine))
         engine.restart(fail_at_step=None)
         assert engine.ping()
@@ -205,15 +254,15 @@ def stream_then_kill_output_thread(engine, killed):
         async def consume():
             async for output in engine.astream(prompt, LONG):
                 if not killed.is_set() and output.outputs[0].token_ids:
+                    killed.set()  # the stream is running: its answer may already come as the engine's death
                     await engine.acall_utility("debug_kill_io_thread", "output")
-                    killed.set()
 
         asyncio.run(consume())
     else:
         for output in engine.stream(prompt, LONG):
             if not killed.is_set() and output.outputs[0].token_ids:
-                engine.call_utility("debug_kill_io_thread", "output")
                 killed.set()
+                engine.call_utility("debug_kill_io_thread", "output")
 
 
 def test_output_thread_death_is_an_engine_death(engine):

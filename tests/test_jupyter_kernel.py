@@ -23,7 +23,7 @@ import process_support
 from notebook_support import default_kernel_runs_this_python, write_private_kernelspec
 
 CELL_TIMEOUT_S = 120.0
-GONE_TIMEOUT_S = 10.0  # "within seconds": a bounded wait, not a speed assertion
+GONE_TIMEOUT_S = process_support.HANG_GUARD_S  # "within seconds": a bounded wait, not a speed assertion
 
 SETUP = """
 import os, threading, time
@@ -241,7 +241,7 @@ def test_interrupts_at_any_moment_never_wedge_the_async_engine(kernel_with_engin
         call = "engine.generate(['a', 'b'], LONG)" if attempt % 2 else "list(engine.stream('a', LONG))"
         output = kernel.check(
             f"print(interrupted(lambda: {call}, {0.02 + 0.03 * attempt:.2f}))\n"
-            "print(engine.call_utility('get_request_ids', timeout=10))\n"
+            "print(engine.call_utility('get_request_ids', timeout=60))\n"
             "print(engine.generate('next', SHORT)[0].finished)"
         )
         assert output.split() == ["True", "[]", "True"], f"attempt {attempt}: {output}"

@@ -25,6 +25,7 @@ from enginekit.core.resources import (
 )
 from enginekit.errors import EngineStartupError
 from enginekit.model.builtin import BUILTIN_CONFIG
+from process_support import HANG_GUARD_S
 
 GiB = 1024**3
 MiB = 1024**2
@@ -186,7 +187,7 @@ def test_kv_cache_under_a_real_cgroup_memory_limit(mode, ranks):
 
 def _remove_cgroup(group: str) -> None:
     """Remove the test's cgroup once its last process (a launcher that exits after its front end) is gone."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_GUARD_S
     while True:
         try:
             os.rmdir(group)

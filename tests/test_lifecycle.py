@@ -40,8 +40,10 @@ OPTIONS = {"num_kv_blocks": 64}
 SHORT = SamplingParams(max_tokens=4, temperature=0)
 NUM_RESTARTS = 30
 RSS_BOUND_MIB = {"inproc": 32, "mp": 16, "async": 16}  # measured at most: +3.5, +0.3, +0.2 MiB
-CLEAN_TIMEOUT_S = 15.0  # bounded waits: failing them means something hangs, not that it is slow
-GONE_TIMEOUT_S = 10.0  # "within a few seconds": an orphaned engine exited in 0.05 to 0.2 s (2 s at worst)
+# Bounded waits: failing them means something hangs, not that it is slow (an orphaned engine exited in 0.05 to
+# 0.2 s on a quiet machine, 2 s at worst; a machine shared with other work takes longer).
+CLEAN_TIMEOUT_S = process_support.HANG_GUARD_S
+GONE_TIMEOUT_S = process_support.HANG_GUARD_S
 MIB = 2**20
 
 
@@ -85,7 +87,7 @@ def interrupt_when_generating(engine: Engine) -> threading.Thread:
     """From a timer thread, send SIGINT to this process once the engine has produced a token."""
 
     def fire() -> None:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + process_support.HANG_GUARD_S
         # The front end's request states are the one place that shows tokens flowing in every mode.
         while not any(state.version > 0 for state in list(engine._router.processor.states.values())):
             if time.monotonic() > deadline:

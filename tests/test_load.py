@@ -9,6 +9,7 @@ processes at most ``max_pending_outputs`` more wait in each socket's pipe (SNDHW
 operating system buffers. A front end that stops reading therefore stalls the engine instead of growing it.
 """
 
+import logging
 import random
 import threading
 import time
@@ -17,7 +18,7 @@ import psutil
 import pytest
 
 from enginekit import Engine, SamplingParams
-from process_support import generate_with_deltas
+from process_support import HANG_GUARD_S, LogWatch, generate_with_deltas, wait_for
 
 NUM_REQUESTS = 1000
 NUM_PROMPTS = 20
@@ -77,30 +78,16 @@ def test_a_thousand_requests_with_random_aborts(engine):
 
 # ---- back-pressure ---------------------------------------------------------------------------------------
 
-STALL_WINDOW_S = 0.5
-STALL_CPU_FRACTION = 0.3  # a stepping engine keeps a core busy; a stalled one only polls its queue
-STALL_WINDOWS = 3
-STALL_DEADLINE_S = 60.0
+STALLED = "steps wait for the front end"  # the engine's log line when its output queue is full
+RESUMED = "steps resume"
 MAX_STALLED_RSS_GROWTH = 4 * 2**20
 
 
-def wait_until_stalled(process):
-    """Wait until the engine process has stopped computing: low CPU and unchanged memory for a while."""
-    quiet = 0
-    cpu, rss = sum(process.cpu_times()[:2]), process.memory_info().rss
-    for _ in range(int(STALL_DEADLINE_S / STALL_WINDOW_S)):  # a bound against hanging, not a speed check
-        time.sleep(STALL_WINDOW_S)
-        now_cpu, now_rss = sum(process.cpu_times()[:2]), process.memory_info().rss
-        idle = now_cpu - cpu < STALL_CPU_FRACTION * STALL_WINDOW_S and abs(now_rss - rss) < 2**20
-        quiet = quiet + 1 if idle else 0
-        cpu, rss = now_cpu, now_rss
-        if quiet >= STALL_WINDOWS:
-            return rss
-    pytest.fail("the engine never stopped producing for a stalled reader")
-
-
-def test_a_reader_that_stops_reading_stalls_the_engine_instead_of_growing_it():
-    with Engine("builtin", mode="mp") as engine:
+def test_a_reader_that_stops_reading_stalls_the_engine_instead_of_growing_it(caplog):
+    # The engine's log lines reach the front end through the process's output, which a stalled socket leaves
+    # alone: the stall and the resumption are events to wait for.
+    caplog.set_level(logging.DEBUG, logger="enginekit")
+    with LogWatch() as log, Engine("builtin", mode="mp", log_level="debug") as engine:
         client = engine.client
         released = threading.Event()
         handle_frames = client._handle_frames
@@ -118,23 +105,23 @@ def test_a_reader_that_stops_reading_stalls_the_engine_instead_of_growing_it():
             daemon=True,
         )
         generation.start()
+        log.wait_for(STALLED)
         process = psutil.Process(engine.engine_pid)
-        stalled_rss = wait_until_stalled(process)
-        time.sleep(1.0)
+        stalled_rss = process.memory_info().rss
+        time.sleep(1.0)  # a window to watch the stalled engine's memory in, not a wait for an event
         assert process.memory_info().rss - stalled_rss <= MAX_STALLED_RSS_GROWTH
+        assert log.count(RESUMED) == 0  # it stepped no more while the reader stalled
         released.set()
+        log.wait_for(RESUMED)
 
         steps_when_released = engine.call_utility("get_stats")["num_steps"]
         assert steps_when_released < params.max_tokens  # the engine had not run ahead through the work
         queue = engine.call_utility("debug_output_queue")
         # The output queue filled up to the bound, and never past it.
         assert queue["max_depth"] == queue["max_pending_outputs"] == 64
-        time.sleep(0.5)
-        assert (
-            engine.call_utility("get_stats")["num_steps"] > steps_when_released
-        )  # it resumed with the reader
+        wait_for(lambda: engine.call_utility("get_stats")["num_steps"] > steps_when_released, what="a step")
         engine.abort(engine.call_utility("get_request_ids"))
-        generation.join(30)
+        generation.join(HANG_GUARD_S)
         assert not generation.is_alive()
         stats = engine.call_utility("wait_idle")
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]

@@ -17,6 +17,7 @@ from enginekit.model.formats.gguf_header import read_gguf_header
 from enginekit.runtime.launcher import Launcher
 from gguf_files import patched_copy, truncated_copy, write_tiny_gguf
 from hf_checkpoints import build_checkpoint
+from process_support import HANG_GUARD_S
 
 MODES = ["inproc", "mp", "async"]
 
@@ -27,7 +28,7 @@ def clean():
     Launcher.shared()
     before = snapshot()
     yield
-    diff = wait_until_clean(before, timeout=15)
+    diff = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert not diff.leaks(), diff.leaks()
 
 

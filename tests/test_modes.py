@@ -19,6 +19,7 @@ from enginekit import (
 from enginekit.client import SyncMPClient
 from enginekit.config import EngineConfig
 from enginekit.wire.messages import EngineCoreRequest, ShutdownRequest, WakeupRequest
+from process_support import HANG_GUARD_S, in_thread, wait_until_generating
 
 MODES = ["inproc", "mp", "async"]
 PROMPTS = ["Parity across modes", "second prompt", "3", "The fourth one is a little longer than the rest"]
@@ -105,34 +106,38 @@ def test_unknown_utility_fails_clearly_and_engine_lives(engine):
     assert engine.ping()
 
 
+BUSY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
 def test_utility_returning_a_future_answers_when_done(engine):
-    done = threading.Event()
-
-    def generate():
-        engine.generate("Keep busy", SamplingParams(max_tokens=40, temperature=0))
-        done.set()
-
+    # wait_idle is asked while the request runs (it has produced a token), so its Future completes only when the
+    # request has ended: the stats it answers with count all 40 of its tokens.
+    before = engine.get_stats()["num_generated_tokens"]
     if engine.mode == "async":
         stats = asyncio.run(_busy_then_wait_idle(engine))
     else:
-        worker = threading.Thread(target=generate)
-        worker.start()
-        stats = engine.call_utility("wait_idle", timeout=60)
-        worker.join()
-    assert stats["num_running_requests"] == 0 and stats["num_generated_tokens"] >= 40
+        worker, _ = in_thread(lambda: engine.generate("Keep busy", BUSY))
+        wait_until_generating(engine)
+        stats = engine.call_utility("wait_idle", timeout=HANG_GUARD_S)
+        worker.join(HANG_GUARD_S)
+    assert stats["num_running_requests"] == 0 and stats["num_generated_tokens"] == before + 40
 
 
 async def _busy_then_wait_idle(engine):
-    task = asyncio.create_task(engine.agenerate("Keep busy", SamplingParams(max_tokens=40, temperature=0)))
-    await asyncio.sleep(0.05)
-    stats = await engine.acall_utility("wait_idle", timeout=60)
+    task = asyncio.create_task(engine.agenerate("Keep busy", BUSY))
+    deadline = asyncio.get_running_loop().time() + HANG_GUARD_S
+    while not any(state.version for state in list(engine._router.processor.states.values())):
+        assert asyncio.get_running_loop().time() < deadline, "the request never started"
+        await asyncio.sleep(0.005)  # a poll: the loop runs the request meanwhile
+    stats = await engine.acall_utility("wait_idle", timeout=HANG_GUARD_S)
     await task
     return stats
 
 
 def test_utility_timeout(engine):
+    # The utility sleeps a hundred times the timeout: a caller descheduled past its deadline still finds no answer.
     with pytest.raises(TimeoutError, match=r"did not answer within 0\.05s"):
-        engine.call_utility("sleep", 1.0, timeout=0.05)
+        engine.call_utility("sleep", 5.0, timeout=0.05)
     assert engine.ping()
 
 
@@ -227,7 +232,7 @@ def test_shutdown_with_timeout_zero_aborts_every_request():
         client._send(ShutdownRequest(0.0))
         finished = collect_until_finished(client, ["r0", "r1", "r2"])
         assert {out.finish_reason.value for out in finished.values()} == {"abort"}
-        assert client.process.wait_dead(10) and client.process.returncode() == 0
+        assert client.process.wait_dead(HANG_GUARD_S) and client.process.returncode() == 0
     finally:
         client.shutdown()
 
@@ -247,7 +252,7 @@ def test_shutdown_with_timeout_drains_and_rejects_new_work():
             "abort",
             "engine shutting down",
         )
-        assert client.process.wait_dead(10) and client.process.returncode() == 0
+        assert client.process.wait_dead(HANG_GUARD_S) and client.process.returncode() == 0
     finally:
         client.shutdown()
 
@@ -257,8 +262,9 @@ def test_a_slow_stream_consumer_still_gets_the_final_output(mode):
     async def consume(engine):
         last = None
         async for out in engine.astream("slow consumer", SamplingParams(max_tokens=12, temperature=0)):
+            if last is None:  # the request finishes while the consumer holds its first snapshot
+                await engine.acall_utility("wait_idle", timeout=HANG_GUARD_S)
             last = out
-            await asyncio.sleep(0.02)  # the request finishes while the consumer holds a snapshot
         return last
 
     with Engine("builtin", mode=mode) as engine:
@@ -307,7 +313,7 @@ def test_max_tokens_none_generates_up_to_the_context(mode):
 def test_an_inproc_utility_call_raises_at_its_timeout_while_the_utility_still_runs():
     with Engine("builtin", mode="inproc", num_kv_blocks=16) as engine:
         with pytest.raises(TimeoutError, match=r"utility 'sleep' did not answer within 0\.2s"):
-            engine.call_utility("sleep", 3.0, timeout=0.2)
+            engine.call_utility("sleep", 5.0, timeout=0.2)  # 25 times the timeout: it still runs after it
         # As with an engine process: the caller's deadline holds, the engine is busy until the utility ends.
         assert any(thread.name == "enginekit-utility" for thread in threading.enumerate())
         assert engine.ping()

@@ -23,6 +23,7 @@ from enginekit.runtime.engine_process import EngineProcess
 from enginekit.runtime.launcher import Launcher, LauncherError
 from enginekit.wire.messages import EngineProcArgs
 from hf_checkpoints import build_checkpoint, corrupt_safetensors
+from process_support import HANG_GUARD_S
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def baseline():
     Launcher.shared()
     before = snapshot()
     yield before
-    diff = wait_until_clean(before, timeout=15)
+    diff = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert not diff.leaks(), diff.leaks()
 
 
@@ -127,6 +128,11 @@ def test_launcher_that_cannot_fork(baseline, monkeypatch):
 
 def _construct(args: EngineProcArgs) -> list[BaseException]:
     """Build an engine core process object here, on a thread; the exception it raised (a hang fails too)."""
+    from enginekit.model.kernels.library import native_library
+
+    # The test run's cache starts empty: building the native kernels here first keeps a compile (minutes on a
+    # busy machine) out of the bound below, which is on the engine core's start.
+    native_library()
     raised: list[BaseException] = []
 
     def build() -> None:

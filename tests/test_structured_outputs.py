@@ -13,6 +13,7 @@ from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.frontend.output_processor import RequestState
 from enginekit.model.text.tokenizer import ByteTokenizer
 from enginekit.wire.messages import EngineCoreRequest
+from process_support import HANG_GUARD_S
 
 BACKENDS = ["llguidance", "xgrammar"]
 SCHEMA = {
@@ -137,7 +138,7 @@ def test_a_request_waits_for_its_grammar_while_the_batch_goes_on():
         compile_grammar, release = manager._compile, threading.Event()
 
         def held_compile(spec):  # the real compile, once the test lets it run
-            release.wait(30)
+            release.wait(HANG_GUARD_S)
             return compile_grammar(spec)
 
         manager._compile = held_compile

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -18,15 +17,15 @@ from enginekit.diagnostics import snapshot, wait_until_clean
 from enginekit.model.layers.vocab_parallel import vocab_slice
 from enginekit.runtime.launcher import Launcher
 from hf_checkpoints import build_checkpoint
-from process_support import in_thread, wait_gone, wait_until_generating
+from process_support import HANG_GUARD_S, in_thread, wait_for, wait_gone, wait_until_generating
 
 PROMPTS = [f"tensor parallel prompt {i}: " + "the quick brown fox " * i for i in range(6)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 SEEDED = [SamplingParams(max_tokens=8, temperature=0.8, seed=i, ignore_eos=True) for i in range(6)]
 LONG = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
-DEADLINE_S = 5.0  # a worker's death reaches the caller well within this (the watch is immediate)
-HANG_GUARD_S = 120.0  # only keeps a hang from blocking the run: what the tests wait for is an event
 STALL_S = 2.0  # tensor_parallel_stall_timeout where a test stops a worker
+# A worker's death reaches the caller through the executor's pidfd watch, at once; the messages asserted name the
+# worker, which only that path knows. HANG_GUARD_S only bounds a hang.
 
 
 def tokens(outputs):
@@ -108,21 +107,19 @@ def test_a_killed_worker_is_the_engines_death_and_restart_works(checkpoints, mod
         (worker_pid,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
         caller, outcome = in_thread(lambda: engine.generate(PROMPTS[:2], LONG))
         wait_until_generating(engine)
-        killed = time.monotonic()
         os.kill(worker_pid, signal.SIGKILL)
-        caller.join(DEADLINE_S)
+        caller.join(HANG_GUARD_S)
         assert not caller.is_alive(), "generate still waits after a worker died"
-        assert time.monotonic() - killed < DEADLINE_S
         with pytest.raises(EngineDeadError, match=rf"tensor-parallel worker rank 1 \(pid {worker_pid}\)"):
             raise outcome[0]
-        assert wait_gone([engine_pid, worker_pid], 10) == []
+        assert wait_gone([engine_pid, worker_pid]) == []
         engine.restart()
         (new_worker,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
         assert new_worker != worker_pid
         assert len(tokens(engine.generate(PROMPTS[:2], GREEDY))) == 2
     finally:
         engine.shutdown()
-    diff = wait_until_clean(before, timeout=15)
+    diff = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert not diff.leaks(), diff.leaks()
 
 
@@ -164,12 +161,12 @@ def test_a_stopped_worker_fails_the_step_naming_its_rank_and_restart_works(check
             r"it is stopped \(SIGSTOP",
         ):
             raise outcome[0]
-        assert wait_gone([engine_pid, worker_pid], 10) == []
+        assert wait_gone([engine_pid, worker_pid], HANG_GUARD_S) == []
         engine.restart()
         assert len(tokens(engine.generate(PROMPTS[:2], GREEDY))) == 2
     finally:
         engine.shutdown()
-    diff = wait_until_clean(before, timeout=15)
+    diff = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert not diff.leaks(), diff.leaks()
 
 
@@ -227,7 +224,7 @@ def test_a_step_that_does_not_end_once_its_stalled_worker_is_killed_hands_on_the
         (worker_pid,) = executor.worker_pids
         with stopped(worker_pid):
             executor._collective(lambda: heard.wait(HANG_GUARD_S))
-        assert wait_gone([worker_pid], 10) == []
+        assert wait_gone([worker_pid], HANG_GUARD_S) == []
     finally:
         executor.shutdown()
         torch.set_num_threads(threads)
@@ -244,9 +241,7 @@ def test_an_idle_worker_death_fails_the_next_call(checkpoints):
     with Engine(str(checkpoints["llama"]), mode="async", num_kv_blocks=64, tensor_parallel_size=2) as engine:
         (worker_pid,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
         os.kill(worker_pid, signal.SIGKILL)
-        deadline = time.monotonic() + DEADLINE_S
-        while engine.client.is_alive and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: not engine.client.is_alive, what="the engine hearing of its worker's death")
         with pytest.raises(EngineDeadError, match="tensor-parallel worker rank 1"):
             engine.generate(PROMPTS[0], GREEDY)
 
@@ -267,8 +262,8 @@ def test_restarts_leave_no_process_thread_or_file_behind(checkpoints):
         seen += [*engine.client.engine_pids, *engine.call_utility("debug_process")["tensor_parallel_workers"]]
     finally:
         engine.shutdown()
-    assert wait_gone(seen, 10) == []
-    diff = wait_until_clean(before, timeout=15)
+    assert wait_gone(seen) == []
+    diff = wait_until_clean(before, timeout=HANG_GUARD_S)
     assert not diff.leaks(), diff.leaks()
 
 
@@ -352,19 +347,20 @@ def test_a_killed_engine_process_takes_its_workers_with_it(checkpoints):
     try:
         (worker_pid,) = engine.call_utility("debug_process")["tensor_parallel_workers"]
         os.kill(engine.client.engine_pids[0], signal.SIGKILL)
-        assert wait_gone([worker_pid], 5) == []
+        assert wait_gone([worker_pid]) == []
     finally:
         engine.shutdown()
 
 
 def test_a_worker_that_dies_before_joining_fails_the_start_at_once(tmp_path):
     """Rank 0 waits for each worker's store key while watching the worker: a worker that cannot even read the
-    model (here: a folder that is not there) fails the start within seconds, not at the group's deadline."""
+    model (here: a folder that is not there) fails the start as it exits (the message names its exit code), not
+    at the group's deadline."""
     from enginekit.config import EngineConfig
     from enginekit.core.tp_executor import TensorParallelExecutor
 
     config = EngineConfig.from_options(str(tmp_path / "missing"), tensor_parallel_size=2)
-    started, threads = time.monotonic(), torch.get_num_threads()  # the executor sets this process's share
+    threads = torch.get_num_threads()  # the executor sets this process's share
     try:
         with pytest.raises(
             EngineStartupError, match=r"tensor-parallel worker rank 1 \(pid \d+\) exited with code 1"
@@ -372,4 +368,3 @@ def test_a_worker_that_dies_before_joining_fails_the_start_at_once(tmp_path):
             TensorParallelExecutor(config, torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
-    assert time.monotonic() - started < 30

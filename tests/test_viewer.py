@@ -15,6 +15,7 @@ from enginekit.notebook import GenerationHandle, Viewer, in_jupyter, text_view
 from enginekit.notebook import viewer as viewer_module
 from enginekit.notebook.engine_stats import EngineStats
 from enginekit.wire.messages import EngineCoreOutput, FinishReason, RequestStatus
+from process_support import HANG_GUARD_S
 
 STATS = {
     "num_running_requests": 3,
@@ -520,17 +521,21 @@ def test_generate_background_returns_before_generation_and_gives_generates_outpu
 
 
 def test_other_coroutines_run_while_a_background_generation_runs(async_engine: Engine, greedy) -> None:
-    async def main() -> list[int]:
-        handle = async_engine.generate_background(["a", "b"], greedy(32))
-        seen = []
-        while not handle.done():
+    async def main() -> tuple[list[int], bool]:
+        handle = async_engine.generate_background(["a", "b"], greedy(2000, ignore_eos=True))
+        seen: list[int] = []
+        while len(set(seen)) < 3 and not handle.done():  # until it has seen the tokens grow twice
             seen.append(sum(len(o.outputs[0].token_ids) for o in handle.outputs))
-            await asyncio.sleep(0.005)
-        await handle
-        return seen
+            await asyncio.sleep(0.005)  # a poll: the generation runs meanwhile
+        still_running = not handle.done()
+        handle.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handle
+        return seen, still_running
 
-    seen = asyncio.run(main())
-    assert len(seen) > 1 and seen == sorted(seen)  # this loop kept running and saw the tokens grow
+    seen, still_running = asyncio.run(main())
+    assert still_running and len(set(seen)) >= 3 and seen == sorted(seen)  # this loop ran beside it
+    assert async_engine.call_utility("wait_idle", timeout=HANG_GUARD_S)["num_running_requests"] == 0
 
 
 def test_cancel_aborts_the_background_requests(async_engine: Engine, greedy) -> None:
@@ -550,11 +555,14 @@ def test_shutdown_ends_a_background_generation_with_engine_shutdown_error(
     async_engine: Engine, greedy
 ) -> None:
     async def main() -> None:
-        handle = async_engine.generate_background(["a", "b"], greedy(500))
-        await asyncio.sleep(0.05)
+        handle = async_engine.generate_background(["a", "b"], greedy(2000, ignore_eos=True))
+        deadline = asyncio.get_running_loop().time() + HANG_GUARD_S
+        while not any(o.outputs[0].token_ids for o in handle.outputs):  # until the generation runs
+            assert asyncio.get_running_loop().time() < deadline, "the generation never started"
+            await asyncio.sleep(0.005)
         async_engine.shutdown()
         with pytest.raises(EngineShutdownError, match=r"shut down"):
-            await asyncio.wait_for(handle, 30)  # a bounded wait: this used to hang
+            await asyncio.wait_for(handle, HANG_GUARD_S)  # a bounded wait: this used to hang
 
     asyncio.run(main())
 

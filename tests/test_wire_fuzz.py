@@ -30,6 +30,7 @@ from enginekit.wire.messages import (
     engine_identity,
 )
 from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
+from process_support import HANG_GUARD_S
 
 FUZZ = settings(
     max_examples=40,
@@ -61,7 +62,7 @@ class EngineLog(logging.Handler):
     def count(self, *needles: str) -> int:
         return sum(any(needle in line for needle in needles) for line in list(self.lines))
 
-    def wait_for(self, *needles: str, count: int, timeout: float = 10.0) -> int:
+    def wait_for(self, *needles: str, count: int, timeout: float = HANG_GUARD_S) -> int:
         with self.changed:
             self.changed.wait_for(lambda: self.count(*needles) >= count, timeout)
         return self.count(*needles)

@@ -75,11 +75,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         (shared out between data-parallel ranks); in-process, the process's current torch setting.
         In-process, an explicit value is applied while the engine runs and restored at shutdown.
     adaptive_threads
-        A background engine on CPU runs up to ``num_threads`` threads and fewer while other processes keep
-        its cores busy (checked four times a second), so a busy machine does not stall every op. ``False``
+        An engine on CPU runs up to ``num_threads`` threads and fewer while other processes keep its cores
+        busy (checked four times a second), so a busy machine does not stall every op. In-process the count
+        applies inside each engine step only: between steps torch runs on the user's setting. ``False``
         keeps exactly ``num_threads``: logprobs then repeat bit for bit from run to run (the thread count
         changes the last bits of attention), but beside a busy process its spinning workers stall every op;
-        on a shared machine set ``OMP_WAIT_POLICY=PASSIVE`` as well.
+        on a shared machine set ``OMP_WAIT_POLICY=PASSIVE`` as well (in-process, before importing torch).
     startup_timeout
         Seconds to wait for the engine process to report READY.
     shutdown_timeout

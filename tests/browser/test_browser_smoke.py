@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from notebook_support import JupyterLabServer, run_notebook_in_browser
+from process_support import HANG_GUARD_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO_ROOT / "artifacts"
@@ -85,7 +86,7 @@ def test_widget_streams_text_in_jupyterlab(tmp_path: Path) -> None:
     assert "Traceback" not in server_log
 
     kernel_pid = int(text.split("kernel pid:", 1)[1].split()[0])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_GUARD_S
     while _pid_alive(kernel_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _pid_alive(kernel_pid), "kernel outlived the JupyterLab server"

@@ -2,6 +2,11 @@
 
 Every message goes through ``EngineCore.handle``, exactly as in the engine process. The core is not
 thread-safe: every call into it holds one lock.
+
+On CPU a ``ThreadGovernor`` chooses the step's torch threads, as in the engine process: this process's OpenMP
+workers spin at every barrier (libgomp's default, fixed once torch has loaded), so beside a busy process a step
+on every core waits at each op for the worker that was descheduled. The count it chooses applies during a step
+only; between steps torch runs with the user's setting.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import time
 import traceback
 from typing import Any
 
+import torch
+
 from enginekit.client.base import EngineCoreClient
 from enginekit.config import EngineConfig
 from enginekit.core.engine_core import EngineCore
+from enginekit.core.threads import ThreadGovernor
 from enginekit.errors import EngineDeadError, EngineShutdownError, EngineStartupError, UtilityCallError
 from enginekit.interrupts import deferred_interrupts
 from enginekit.model.loader import ModelSpec
@@ -40,7 +48,19 @@ class InprocClient(EngineCoreClient):
                 "use mode='mp' or 'async' (in-process mode runs one rank in this thread)",
                 phase="startup",
             )
+        governor = (
+            ThreadGovernor.for_this_process(
+                config.num_threads or torch.get_num_threads(), set_threads=_applied_per_step
+            )
+            if config.adaptive_threads
+            else None
+        )
+        if governor is not None:
+            governor.poll()  # loading the model is work: the first step may run on what this window saw
         self._core: EngineCore | None = EngineCore(config, spec)
+        self.thread_governor = governor if self._core.device.type == "cpu" else None
+        if self.thread_governor is not None:
+            self.thread_governor.pause()  # until the first step
         self._failure: str | None = None
         self._undelivered: list[EngineCoreOutputs] = []  # outputs of steps run while a utility call waited
         self._answers: dict[int, UtilityOutput] = {}
@@ -98,7 +118,7 @@ class InprocClient(EngineCoreClient):
         # is raised once the step's outputs are kept.
         with deferred_interrupts():
             try:
-                outputs, _ = core.step()
+                outputs = self._governed_step(core)
             except KeyboardInterrupt:
                 # A second Ctrl-C raised at once, mid-step: the step's requests are half updated.
                 del core
@@ -118,6 +138,25 @@ class InprocClient(EngineCoreClient):
             if outputs.outputs:
                 outputs.utility_outputs = []
                 self._undelivered.append(outputs)
+
+    def _governed_step(self, core: EngineCore) -> EngineCoreOutputs | None:
+        """``core.step()`` on the governor's thread count, the user's count back after it."""
+        governor = self.thread_governor
+        if governor is None or not core.has_work():
+            return core.step()[0]
+        governor.poll()
+        if governor.threads == governor.max_threads:
+            outputs = core.step()[0]
+        else:
+            users = torch.get_num_threads()
+            torch.set_num_threads(governor.threads)
+            try:
+                outputs = core.step()[0]
+            finally:
+                torch.set_num_threads(users)
+        if not core.has_work():
+            governor.pause()  # until the next step: what others do meanwhile says nothing of sharing the cores
+        return outputs
 
     def _fail(self, error: Exception) -> None:
         """The step failed: the engine is dead. Free the model and the KV cache now, not with the traceback."""
@@ -150,19 +189,24 @@ class InprocClient(EngineCoreClient):
                     self.core.handle(request)
             else:
                 self._handle_within(request, deadline)
-            with self._lock:
-                # The engine process answers a Future when it completes; here, steps run until it does.
-                while call_id not in self._answers:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise TimeoutError
-                    self._step()
-                answer = self._answers.pop(call_id)
+            answer = self._wait_for_answer(call_id, deadline)
         except TimeoutError:
             self._abandoned.add(call_id)  # its answer, if it ever comes, is dropped
             raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
         if answer.failure_message is not None:
             raise UtilityCallError(answer.failure_message)
         return answer.result
+
+    def _wait_for_answer(self, call_id: int, deadline: float | None) -> UtilityOutput:
+        """The engine process answers a Future when it completes; here, steps run until it does. The lock is
+        taken one step at a time, so other threads' calls (an abort that lets ``wait_idle`` answer) get in."""
+        while True:
+            with self._lock:
+                if call_id in self._answers:
+                    return self._answers.pop(call_id)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError
+                self._step()
 
     def _handle_within(self, request: UtilityRequest, deadline: float) -> None:
         """Run the utility on a thread of its own, so that the caller's timeout holds as it does for an engine
@@ -196,3 +240,7 @@ class InprocClient(EngineCoreClient):
             core.shutdown()
             del core
             gc.collect()
+
+
+def _applied_per_step(threads: int) -> None:
+    """The governor's count is not set process-wide: ``_governed_step`` applies it around each step."""

@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import signal
 import threading
 import time
 from typing import Any, ClassVar
@@ -315,15 +316,27 @@ class MPClient(EngineCoreClient):
         self._mark_dead(self._exit_reason(engine), engine)
 
     def _exit_reason(self, engine: EngineRank) -> str:
-        return self._last_words.get(engine.rank) or f"{self._who(engine)}the engine process died"
+        if engine.rank in self._last_words:
+            return self._last_words[engine.rank]
+        # NOTE: an engine that stopped for a signal sends EngineDead naming it before it exits, and the receiver
+        # reports the exit after it; should that message be lost, its exit code (128 + the signal) says the same.
+        # This front end sends none before it has closed, when an exit is no death.
+        code = engine.process.returncode() if isinstance(engine.process, EngineProcess) else None
+        if code in (128 + signal.SIGTERM, 128 + signal.SIGINT):
+            assert isinstance(code, int)
+            return self._stopped_for(engine, signal.Signals(code - 128).name)
+        return f"{self._who(engine)}the engine process died"
+
+    def _stopped_for(self, engine: EngineRank, signal_name: str) -> str:
+        return (
+            f"{self._who(engine)}the engine process was sent {signal_name} (not by this front end) and stopped; "
+            "the requests it was running did not finish"
+        )
 
     def _on_engine_dead(self, message: EngineDead) -> None:
         engine = next((e for e in self.engines if e.rank == message.engine_index), self.engines[0])
         if message.signal_name is not None:
-            reason = (
-                f"{self._who(engine)}the engine process was sent {message.signal_name} (not by this front end) "
-                "and stopped; the requests it was running did not finish"
-            )
+            reason = self._stopped_for(engine, message.signal_name)
         else:
             reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
         # NOTE: noted before any thread starts: the exit the receiver reports next (on another thread, which

@@ -323,10 +323,8 @@ class EngineCore:
         """Hand the scheduled step to the model: whole (serial), or its forward pass alone (overlapped: its
         decodes read the tokens the step before sampled where they are, on the device)."""
         pending_rows = previous.sampling_rows() if previous is not None else None
-        if self.loras is not None:
-            scheduled.sort(
-                key=adapter_order
-            )  # each adapter's chunks side by side: its rows a slice, not a gather
+        if self.loras is not None:  # each adapter's chunks side by side: its rows a slice, not a gather
+            scheduled.sort(key=adapter_order)
         batch, requests, sampling = build_batch(scheduled, self.kv_cache, pending_rows)
         if self.loras is not None:
             self.loras.assign_slots(requests, batch.chunks)
@@ -413,6 +411,7 @@ class EngineCore:
             else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "num_idle_waiters": len(self._idle_waiters),
             "num_generated_tokens": self.outputs.num_generated_tokens,
             "uptime_s": time.monotonic() - self.start_time,
             "data_parallel_rank": self.engine_index,

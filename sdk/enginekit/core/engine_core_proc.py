@@ -77,6 +77,11 @@ class EngineCoreProc(EngineCore):
         self.input_thread.start()
         self.output_thread.start()
         self.report_phase("model load")
+        governor = (
+            ThreadGovernor.for_this_process(torch.get_num_threads()) if args.config.adaptive_threads else None
+        )
+        if governor is not None:
+            governor.poll()  # loading the model is work: the first step may run on what this window saw
         try:
             super().__init__(args.config, engine_index=args.engine_index)
         except BaseException:
@@ -90,11 +95,9 @@ class EngineCoreProc(EngineCore):
             raise
         # NOTE: tensor-parallel ranks keep a fixed share of the threads: one rank that ran fewer would hold the
         # others at every all_reduce.
-        self.thread_governor = (
-            ThreadGovernor.for_this_process(torch.get_num_threads())
-            if args.config.adaptive_threads and self.device.type == "cpu" and self.executor is None
-            else None
-        )
+        self.thread_governor = governor if self.device.type == "cpu" and self.executor is None else None
+        if self.thread_governor is not None:
+            self.thread_governor.pause()  # until the first request
         # a worker's death while idle fails the engine at the next loop iteration (one that died before the watch
         # could tell anyone, at the first)
         if self.executor is not None:
@@ -176,11 +179,8 @@ class EngineCoreProc(EngineCore):
                 self.abort_requests(self.aborts_queue.get_nowait())
             except queue.Empty:
                 break
-        while self.output_queue.qsize() >= self.config.max_pending_outputs:
-            # Back-pressure: the front end is not reading; stop producing until it does.
-            time.sleep(GIL_YIELD_S)
-            if not self.is_running or not self.output_thread.is_alive():
-                break
+        if self.output_queue.qsize() >= self.config.max_pending_outputs:
+            self._wait_for_the_reader()
         if self.thread_governor is not None:
             self.thread_governor.poll()
         try:
@@ -194,6 +194,18 @@ class EngineCoreProc(EngineCore):
             self.max_output_queue_depth = max(self.max_output_queue_depth, self.output_queue.qsize())
         if not ran_forward and self.scheduler.has_unfinished_requests():
             time.sleep(GIL_YIELD_S)  # NOTE: let the IO threads take the GIL
+
+    def _wait_for_the_reader(self) -> None:
+        """Back-pressure: the front end is not reading; stop producing until it does. Logged at debug level: the
+        lines reach the front end through the process's output, which the stalled socket does not hold up."""
+        logger.debug(
+            "output queue full (%d batches unread): steps wait for the front end", self.output_queue.qsize()
+        )
+        while self.output_queue.qsize() >= self.config.max_pending_outputs:
+            time.sleep(GIL_YIELD_S)
+            if not self.is_running or not self.output_thread.is_alive():
+                break
+        logger.debug("steps resume (%d batches unread)", self.output_queue.qsize())
 
     @property
     def is_running(self) -> bool:

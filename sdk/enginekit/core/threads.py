@@ -1,17 +1,25 @@
-"""ThreadGovernor: a background engine runs up to ``num_threads`` torch threads, fewer while other processes
-keep its cores busy.
+"""ThreadGovernor: an engine on CPU runs up to ``num_threads`` torch threads, fewer while other processes keep
+its cores busy.
 
 An OpenMP parallel region ends at a barrier that waits for every worker. On an idle machine the workers spin
-there for some milliseconds (the launcher's ``GOMP_SPINCOUNT``) and two threads run an op fastest. Beside a
-busy process, the worker that the barrier waits for is often the descheduled one, and every op of a step waits
-for it: one thread is then fastest (docs/benchmarks.md, the thread section). So the engine process reads, four
-times a second from its step loop, how much CPU other processes took on its cores (``/proc/stat``, less this
-process's own time) and runs as many threads as they leave cores free. A change needs two readings in a row
-that agree, so one burst does not flap it. Only working time counts: the engine marks each wait for requests
-(``pause``), and the first step after it takes the wait out of the window, the other processes' CPU during it
-included. What other processes do with the cores while the engine has nothing to do says nothing about how they
-share them with its work (a benchmark that alternates engines kept an engine of short runs on one thread that
-way: each reading then held the other engines' runs).
+there for some milliseconds (the launcher's ``GOMP_SPINCOUNT``, libgomp's own default in any other process) and
+two threads run an op fastest. Beside a busy process, the worker that the barrier waits for is often the
+descheduled one, and every op of a step waits for it: one thread is then fastest (docs/benchmarks.md, the thread
+section). So the engine reads, four times a second from its step loop, how much CPU other processes took on its
+cores (``/proc/stat``, less this process's own time) and runs as many threads as they leave cores free. The
+engine process sets its count when it changes; an in-process engine applies it around each of its steps only
+(``client/inproc.py``), so the user's own torch code keeps the user's setting.
+
+Fewer threads take effect at the first reading that asks for them: a step stalled on every core beside a busy
+process can take seconds (the real model's took 1.7 s against 0.1 s on one thread), and a second reading to
+confirm it costs one more such step. More threads need two readings in a row that agree, so one burst costs at
+most half a second on one thread and the count does not flap. Only working time counts: the engine marks each
+wait for requests (``pause``), and the first step after it takes the wait out of the window, the other
+processes' CPU during it included. What other processes do with the cores while the engine has nothing to do
+says nothing about how they share them with its work (a benchmark that alternates engines kept an engine of
+short runs on one thread that way: each reading then held the other engines' runs). An engine opens its first
+window before it loads the model (a first ``poll``, then ``pause`` once it is built): loading is work too, and
+its first step then runs on the count that window measured.
 
 The thread count changes the last bits of some ops (decode attention splits its work by thread), so with
 ``adaptive_threads=False`` an engine keeps exactly ``num_threads`` and repeats its logprobs bit for bit.
@@ -76,13 +84,15 @@ class ThreadGovernor:
         self.changes = 0
 
     @classmethod
-    def for_this_process(cls, max_threads: int) -> ThreadGovernor | None:
+    def for_this_process(
+        cls, max_threads: int, *, set_threads: Callable[[int], None] = torch.set_num_threads
+    ) -> ThreadGovernor | None:
         """A governor over this process's cores, or ``None`` when there is nothing to choose (one thread, or
         no ``/proc/stat`` to read)."""
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         if max_threads < 2 or not cpus or busy_seconds(cpus) is None:
             return None
-        return cls(max_threads, cpus)
+        return cls(max_threads, cpus, set_threads=set_threads)
 
     def pause(self) -> None:
         """The engine is about to wait for work: the wait, up to the next ``poll``, is left out of the window."""
@@ -108,8 +118,8 @@ class ThreadGovernor:
         target = max(1, min(self.max_threads, int(len(self._cpus) - others + _FREE_SLACK)))
         if target == self.threads:
             self._proposed = None
-        elif target != self._proposed:
-            self._proposed = target  # the next reading must agree
+        elif target > self.threads and target != self._proposed:
+            self._proposed = target  # more threads: the next reading must agree
         else:
             logger.info(
                 "torch threads %d -> %d (other processes used %.2f cores)", self.threads, target, others
