@@ -9,7 +9,7 @@ output, so the base weights are never changed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -80,7 +80,7 @@ class LoRAModel:
                 else:
                     slots.clear(slot)
 
-    def begin_step(self, chunk_slots: list[int] | None, counts: Sequence[int]) -> None:
+    def begin_step(self, chunk_slots: list[int] | None, counts: Iterable[int]) -> None:
         """The step's rows: each chunk's slot (``-1`` for none; ``None``: no adapter in the step) and its token
         count, in the order of the step's inputs. The fused native layers run no adapter, so a step with adapters
         runs the layers piece by piece."""

@@ -14,7 +14,7 @@ back with another. Rows of no adapter are not touched: the base model's rows are
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.nn import functional as F
@@ -48,7 +48,7 @@ class LoRAStep:
         """Whether some row of the step uses an adapter."""
         return bool(self.segments)
 
-    def begin(self, chunk_slots: list[int] | None, counts: Sequence[int], device: torch.device) -> None:
+    def begin(self, chunk_slots: list[int] | None, counts: Iterable[int], device: torch.device) -> None:
         """Set the step's rows from its chunks: each chunk's slot (``-1`` for none; ``None``: no chunk uses an
         adapter) and its token count, the chunks' rows lying one after another in their order."""
         self.segments = []
