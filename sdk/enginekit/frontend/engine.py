@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from enginekit.client import EngineCoreClient, check_client, make_client
 from enginekit.config import EngineConfig, EngineMode, resolve_mode
 from enginekit.core.resources import check_startup
-from enginekit.core.validation import RequestLimits
 from enginekit.errors import EngineShutdownError, add_note
 from enginekit.frontend.call_options import (
     ChatGenerateOptions,
@@ -86,16 +85,7 @@ class Engine(LoRAMethods):
         tokenizer = self._spec.tokenizer  # NOTE: not self: a cycle would keep `del engine` from shutting down
         self._decode = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
         self.max_model_len = self._client.max_model_len
-        model = self._spec.config
-        limits = RequestLimits(
-            model.vocab_size,
-            model.hidden_size,
-            self.max_model_len,
-            self.config.structured_outputs_backend,
-            self.config.enable_lora,
-        )
-        lora_rank = self.config.max_lora_rank if self.config.enable_lora else 0
-        self._requests = RequestBuilder(self._spec, limits, lora_rank)
+        self._requests = RequestBuilder.for_engine(self._spec, self.config, self.max_model_len)
         logger.info("engine started: mode=%s pid=%s", self.mode, self._client.engine_pid)
 
     def _spec_for(self, config: EngineConfig) -> ModelSpec:

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import torch
 
+from enginekit.config import EngineConfig
 from enginekit.core.structured.dead_ends import DeadEnds, has_token_controls
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
 from enginekit.lora_request import LoRARequest
@@ -184,6 +185,19 @@ class RequestBuilder:
         self._dead_ends: DeadEnds | None = None  # built at the first request that needs it
         self._prefix = uuid.uuid4().hex[:6]
         self._counter = itertools.count()
+
+    @classmethod
+    def for_engine(cls, spec: ModelSpec, config: EngineConfig, max_model_len: int) -> RequestBuilder:
+        """The builder of an engine of ``config`` serving ``spec`` with contexts of up to ``max_model_len``."""
+        model = spec.config
+        limits = RequestLimits(
+            model.vocab_size,
+            model.hidden_size,
+            max_model_len,
+            config.structured_outputs_backend,
+            config.enable_lora,
+        )
+        return cls(spec, limits, config.max_lora_rank if config.enable_lora else 0)
 
     def build(
         self,
