@@ -150,6 +150,13 @@ SECTIONS: tuple[Section, ...] = (
         "render_structured_outputs_bench",
     ),
     Section(
+        "lora",
+        "What do LoRA adapters cost?",
+        "benchmarks.bench_lora",
+        "run_lora_bench",
+        "render_lora_bench",
+    ),
+    Section(
         "arch",
         "How fast is a second architecture against transformers?",
         "benchmarks.bench_arch",

@@ -8,7 +8,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "sdk" / "enginekit"
 
 # Which parts may import which, besides the shared modules at the package root (the public types config, errors,
-# sampling_params, structured_outputs, outputs, logs; ``parallel_options``, the config's checks of its parallel
+# sampling_params, structured_outputs, outputs, logs, lora_request; ``parallel_options``, the config's checks of its parallel
 # options; ``interrupts``, Ctrl-C at safe points; ``cache``, where files are kept), which import nothing but each
 # other. Every module belongs to a part named here: a new folder or root module fails
 # ``test_every_module_belongs_to_a_part`` until it is placed. The entry points (``demo``, ``testing``, the
@@ -41,6 +41,7 @@ SHARED = {
     "logs",
     "interrupts",
     "cache",
+    "lora_request",
 }
 ENTRY = {"demo", "testing", "cli"}
 # model/'s root modules that formats/ and layers/ may use: the plain config of a model and the specs of architectures.

@@ -129,3 +129,16 @@ def test_a_longrope_sequence_sent_back_can_be_aborted_while_it_waits():
     assert [r.request_id for r, _ in output.scheduled] == ["a"] and req.status is RequestStatus.RUNNING
     scheduler.finish_request(req, FinishReason.ABORT)
     assert not scheduler.has_unfinished_requests()
+
+
+def test_a_request_of_a_further_lora_adapter_waits_for_a_slot_and_requests_behind_it_go_on():
+    from enginekit.core.lora import Adapter
+
+    cache = KVCacheManager(32, BLOCK, enable_prefix_caching=False)
+    scheduler = Scheduler(cache, max_num_seqs=8, max_num_batched_tokens=64, max_loras=2)
+    adapters = [Adapter(None, None, key) for key in (1, 2, 3)]  # type: ignore[arg-type]
+    for name, adapter in [("a", 0), ("b", 1), ("c", 2), ("d", None), ("e", 0)]:
+        add(scheduler, name, 3).lora = adapters[adapter] if adapter is not None else None
+    assert run(scheduler) == {"a": 3, "b": 3, "d": 3, "e": 3}  # c's adapter would be a third
+    scheduler.finish_request(scheduler.requests["b"], FinishReason.STOP)
+    assert run(scheduler) == {"a": 1, "d": 1, "e": 1, "c": 3}

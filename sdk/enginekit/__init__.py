@@ -14,6 +14,7 @@ from enginekit.errors import (
     UtilityCallError,
 )
 from enginekit.frontend.engine import Engine
+from enginekit.lora_request import LoRARequest
 from enginekit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from enginekit.runtime.launcher import shutdown_launcher
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
@@ -28,6 +29,7 @@ __all__ = [
     "EngineMode",
     "EngineShutdownError",
     "EngineStartupError",
+    "LoRARequest",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",

@@ -172,6 +172,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         tokens are applied (stops, text, grammars) before step N+1 samples, so outputs are the same as without.
         ``None``: on with CUDA, off on CPU (where the host runs the forward pass and nothing overlaps).
         ``tensor_parallel_size`` above 1 runs without.
+    enable_lora
+        Serve LoRA adapters (peft folders): ``generate(..., lora_request=LoRARequest(name, id, path))``. Each
+        request runs its own adapter or none, mixed in one batch; the adapters' product is added to the
+        projections' output, so the base weights (also a GGUF file's, kept as stored) never change.
+    max_loras
+        Adapters in one step: the slots of the adapter pool on the device. A request of another adapter waits
+        while the running requests use ``max_loras`` others; a slot's adapter is swapped for another when
+        needed (the least recently used first).
+    max_lora_rank
+        The largest rank an adapter may have (each slot holds this rank); a larger one is refused, naming it.
+    max_cpu_loras
+        Adapters kept loaded in host memory (least recently used dropped first, and read again from their folder
+        when a request names them); ``None``: ``max_loras``. At least ``max_loras``.
     """
 
     model: str | None = None
@@ -211,6 +224,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     batch_invariant: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
     async_scheduling: bool | None = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _require(  # NOTE: an empty path would resolve to the current directory and load whatever lies there
@@ -257,6 +274,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         check_data_parallel(self)
         check_tensor_parallel(self)
+        _check_lora(self)
         if self.batch_invariant and (
             (self.device or "cpu").startswith("cuda") or self.dtype not in (None, "float32")
         ):
@@ -279,6 +297,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 "structured_outputs_backend='xgrammar' needs the xgrammar package, which is not installed: "
                 "pip install 'enginekit[xgrammar]', or leave the default backend, 'llguidance'"
             )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """LoRA adapters kept in host memory: ``max_cpu_loras``, or ``max_loras`` when unset."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def data_parallel_ranks(self) -> list[int]:
@@ -358,6 +381,20 @@ def _choices(annotation: str) -> str:
     if "None" in rest:
         values.append("None")
     return ", ".join(values[:-1]) + f" or {values[-1]}"
+
+
+def _check_lora(config: EngineConfig) -> None:
+    _require(config.max_loras >= 1, f"max_loras must be at least 1, got {config.max_loras}")
+    _require(config.max_lora_rank >= 1, f"max_lora_rank must be at least 1, got {config.max_lora_rank}")
+    _require(
+        config.max_cpu_loras is None or config.max_cpu_loras >= config.max_loras,
+        f"max_cpu_loras must be at least max_loras ({config.max_loras}), got {config.max_cpu_loras}",
+    )
+    _require(  # NOTE: an adapter's rows are multiplied together, so their sums' shape follows how many share it
+        not (config.enable_lora and config.batch_invariant),
+        "enable_lora=True cannot be used with batch_invariant=True: the adapters' products take their rows "
+        "together, so a row's rounding would depend on the requests beside it; turn one of them off",
+    )
 
 
 def _require(condition: bool, message: str) -> None:

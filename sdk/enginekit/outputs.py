@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from enginekit.lora_request import LoRARequest
 
 __all__ = ["CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput"]
 
@@ -111,6 +114,8 @@ class RequestOutput:
         ``"waiting"`` (queued), ``"running"``, ``"preempted"`` (waiting to be recomputed) or ``"finished"``.
     messages
         For ``chat``: the conversation that was rendered into ``prompt``.
+    lora_request
+        The LoRA adapter the request ran with (``None``: the base model).
     """
 
     request_id: str
@@ -123,6 +128,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     status: RequestStatusName = "waiting"
     messages: list[dict[str, Any]] | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def text(self) -> str:

@@ -27,6 +27,7 @@ from enginekit.core.batching import build_batch
 from enginekit.core.detokenizer import IncrementalDetokenizer
 from enginekit.core.kv_cache import KVCacheManager
 from enginekit.core.launched_step import LaunchedStep, fill_sampling
+from enginekit.core.lora import LoRAManager, adapter_order
 from enginekit.core.model_start import start_model
 from enginekit.core.request import Request
 from enginekit.core.resources import release_device_memory, resolve_async_scheduling, resolve_device
@@ -135,6 +136,7 @@ class EngineCore:
             model_config.hidden_size,
             self.max_model_len,
             config.structured_outputs_backend,
+            config.enable_lora,
         )
         self.kv_cache = KVCacheManager(
             self.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -144,7 +146,13 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             long_rope_from=model_config.long_rope_from,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
+        self.loras: LoRAManager | None = None  # the LoRA adapters (enable_lora)
+        if config.enable_lora:
+            model = self.executor if self.executor is not None else self.runner
+            live = lambda: (request.lora for request in self.scheduler.requests.values())  # noqa: E731
+            self.loras = LoRAManager(config, model_config, model.load_lora, live)
         self.structured = StructuredOutputManager(
             config.structured_outputs_backend,
             self.tokenizer,
@@ -182,6 +190,13 @@ class EngineCore:
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
         added = Request(request, detokenizer=detokenizer, device=self.device)
+        if request.lora_request is not None:
+            assert self.loras is not None  # validate_request refuses an adapter without enable_lora
+            try:
+                added.lora = self.loras.resolve(request.lora_request)
+            except ValueError as error:
+                self.outputs.refuse(request_id, error)
+                return
         limit = (
             added.num_prompt_tokens + params.max_tokens
             if params.max_tokens is not None
@@ -308,7 +323,11 @@ class EngineCore:
         """Hand the scheduled step to the model: whole (serial), or its forward pass alone (overlapped: its
         decodes read the tokens the step before sampled where they are, on the device)."""
         pending_rows = previous.sampling_rows() if previous is not None else None
+        if self.loras is not None:  # each adapter's chunks side by side: its rows a slice, not a gather
+            scheduled.sort(key=adapter_order)
         batch, requests, sampling = build_batch(scheduled, self.kv_cache, pending_rows)
+        if self.loras is not None:
+            self.loras.assign_slots(requests, batch.chunks)
         step = LaunchedStep(batch, requests, sampling, changes)
         if self.async_scheduling:
             if previous is not None and previous.pending is not None:
@@ -398,6 +417,7 @@ class EngineCore:
             "data_parallel_rank": self.engine_index,
             "native_kernels": native_kernels_status(),
             **self.structured.stats(),
+            **(self.loras.stats() if self.loras is not None else {}),
         }
 
     def utility_wait_idle(self) -> concurrent.futures.Future[dict[str, Any]]:
@@ -411,6 +431,23 @@ class EngineCore:
 
     def utility_get_request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
+
+    def utility_add_lora(self, lora_request: Any) -> bool:
+        return self._lora_manager().add(lora_request)
+
+    def utility_remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().remove(lora_int_id)
+
+    def utility_pin_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().pin(lora_int_id)
+
+    def utility_list_loras(self) -> list[int]:
+        return self._lora_manager().list()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.loras is None:
+            raise ValueError("LoRA is off in this engine: start it with enable_lora=True")
+        return self.loras
 
     def utility_sleep(self, seconds: float) -> float:
         """Block the engine loop for a while (tests use it to hold a step open)."""

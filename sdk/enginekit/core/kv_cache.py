@@ -85,6 +85,7 @@ class BlockPool:
 
 
 _LONG_ROPE_CHAIN = 0x10A6_2043  # the seed of the block hash chain of long-rotated (longrope) sequences
+_LORA_CHAIN = 0x10BA_0000  # with a LoRA adapter's key: the seed of its requests' chain
 
 
 class KVCacheManager:
@@ -177,8 +178,11 @@ class KVCacheManager:
         hashes = request.block_hashes
         size = self.block_size
         tokens = request.all_token_ids
-        # a longrope sequence past the original length holds other keys for the same tokens: its own chain
+        # a longrope sequence past the original length holds other keys for the same tokens: its own chain; so
+        # does each LoRA adapter (its keys and values are another model's)
         parent = hashes[-1] if hashes else (_LONG_ROPE_CHAIN if request.rope_long else 0)
+        if not hashes and request.lora is not None:
+            parent = hash((parent, _LORA_CHAIN, request.lora.key))
         for index in range(len(hashes), num_blocks):
             # NOTE: a 64-bit hash chain; a collision would share a wrong block, odds ~2**-64 per pair.
             parent = hash((parent, tuple(tokens[index * size : (index + 1) * size])))

@@ -22,6 +22,7 @@ from enginekit.core.tp_executor import TensorParallelExecutor
 from enginekit.errors import EngineStartupError
 from enginekit.model.config import ModelConfig
 from enginekit.model.loader import ModelSpec, check_tensor_parallel, load_model, load_model_spec
+from enginekit.model.lora.model import lora_spec
 from enginekit.model.runner import ModelRunner
 from enginekit.model.text.tokenizer import Tokenizer
 
@@ -82,6 +83,7 @@ def start_model(
             decode_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=-(-kv_size.max_model_len // config.block_size),
+            lora=lora_spec(config),
         )
         if executor is not None:
             executor.attach(runner, kv_size.num_blocks)

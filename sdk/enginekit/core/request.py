@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from enginekit.core.structured.manager import RequestGrammar
 from enginekit.sampling_params import SamplingParams
 from enginekit.wire.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+
+if TYPE_CHECKING:
+    from enginekit.core.lora import Adapter
 
 
 class RequestStatus(enum.Enum):
@@ -31,6 +35,7 @@ class Request:
         "generator",
         "grammar",
         "held_output",
+        "lora",
         "max_num_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -88,6 +93,7 @@ class Request:
         self.generator = torch.Generator(device or "cpu").manual_seed(seed) if seed is not None else None
         self.grammar: RequestGrammar | None = None  # its structured output's matcher (compiled off the loop)
         self.bad_words: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
+        self.lora: Adapter | None = None  # its LoRA adapter (``core/lora.py``), if it runs one
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,8 @@ join while the token budget, ``max_num_seqs`` and free KV blocks allow. When blo
 request is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later.
 The samples of one prompt (``n > 1``) join after the first of them has prefilled it, so that they find the
 prompt's blocks in the prefix cache instead of computing them again. A request whose structured output is still
-compiling waits (the requests behind it may start first).
+compiling waits (the requests behind it may start first), and so does a request of a LoRA adapter that is not
+running while the running requests use ``max_loras`` adapters already.
 
 With overlapped steps (``EngineConfig.async_scheduling``) a running request may have a token on its way from the
 device (``Request.num_pending_tokens``): it counts as a token to compute, so the request is scheduled for its next
@@ -50,11 +51,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         long_rope_from: int | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
         self.long_rope_from = long_rope_from
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras  # LoRA adapters running at once (0: LoRA is off)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -99,6 +102,7 @@ class Scheduler:
         if output.num_preempted:
             return output
         prefilling: set[str] | None = None  # parents with a sample mid-prefill, found when first needed
+        loras: set[int] | None = None  # the keys of the running requests' adapters, found when first needed
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[index]
@@ -114,6 +118,13 @@ class Scheduler:
                 if request.parent_request_id in prefilling:
                     index += 1  # a sibling is prefilling the shared prompt: join once its blocks are cached
                     continue
+            if request.lora is not None:
+                if loras is None:
+                    loras = {r.lora.key for r in self.running if r.lora is not None}
+                if request.lora.key not in loras and len(loras) >= self.max_loras:
+                    index += 1  # every adapter slot is taken by running requests: wait for one to free
+                    continue
+                loras.add(request.lora.key)
             self._turns_long(request)
             computed = self.kv_cache.get_computed_blocks(request)
             num_hit = len(computed) * self.kv_cache.block_size

@@ -33,10 +33,12 @@ from enginekit.config import EngineConfig
 from enginekit.core.tp_watch import WorkerWatch
 from enginekit.errors import EngineStartupError
 from enginekit.model.batch import ScheduledBatch
+from enginekit.model.lora.weights import LoRAWeights
 from enginekit.model.parallel import (
     ProcessGroup,
     ProgressBoard,
     broadcast_batch,
+    broadcast_lora,
     host_store,
     pack_batch,
     stop_header,
@@ -185,6 +187,17 @@ class TensorParallelExecutor:
             return runner.execute(batch)
 
         return self._collective(run)
+
+    def load_lora(self, slot: int, weights: LoRAWeights) -> None:
+        """Write a LoRA adapter into ``slot`` on every rank (each keeps its slice, as of the base layers)."""
+        assert self.runner is not None and self.group is not None
+        group, runner = self.group, self.runner
+
+        def run() -> None:
+            broadcast_lora(group, self._pipes, slot, weights)
+            runner.load_lora(slot, weights)
+
+        self._collective(run)
 
     def _collective(self, run: Callable[[], _T]) -> _T:
         """``run`` with a worker's death (a closed pipe, gloo's closed connection) named as an ``ExecutorError``;

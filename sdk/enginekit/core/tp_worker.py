@@ -20,7 +20,16 @@ import torch
 
 from enginekit.core.resources import resolve_device
 from enginekit.model.loader import load_model, load_model_spec
-from enginekit.model.parallel import HEADER, ProcessGroup, ProgressBoard, join_store, receive_batch
+from enginekit.model.lora.model import lora_spec
+from enginekit.model.parallel import (
+    HEADER,
+    OP_LORA,
+    ProcessGroup,
+    ProgressBoard,
+    join_store,
+    receive_batch,
+    receive_lora,
+)
 from enginekit.model.runner import ModelRunner
 from enginekit.wire.messages import TensorParallelWorkerArgs
 
@@ -84,6 +93,7 @@ def run_worker(args: TensorParallelWorkerArgs, stdin_fd: int) -> None:
             device=device,
             dtype=dtype,
             seed=config.seed,
+            lora=lora_spec(config),
         )
         del model
         while True:
@@ -91,6 +101,9 @@ def run_worker(args: TensorParallelWorkerArgs, stdin_fd: int) -> None:
             if not header:
                 logger.warning("tensor-parallel rank 0 is gone; worker rank %d exiting", args.rank)
                 return
+            if HEADER.unpack(header)[0] == OP_LORA:
+                runner.load_lora(*receive_lora(group, header, spec.config))
+                continue
             batch = receive_batch(group, header, spec.config.hidden_size, dtype)
             if batch is None:
                 return

@@ -24,6 +24,7 @@ class RequestLimits(msgspec.Struct, frozen=True):
     hidden_size: int
     max_model_len: int
     structured_outputs_backend: str = "llguidance"
+    enable_lora: bool = False
 
 
 def validate_request(request: EngineCoreRequest, limits: RequestLimits) -> None:
@@ -45,6 +46,11 @@ def validate_request(request: EngineCoreRequest, limits: RequestLimits) -> None:
         check_prompt_embeds(embeds, limits.hidden_size, num_tokens=len(token_ids))
     _check_token_ids(request.sampling_params, limits.vocab_size)
     _check_structured_outputs(request.sampling_params, limits.structured_outputs_backend)
+    if request.lora_request is not None and not limits.enable_lora:
+        raise ValueError(
+            f"lora_request names adapter {request.lora_request.lora_name!r}, but LoRA is off in this engine: start "
+            "it with enable_lora=True (Engine(..., enable_lora=True), or engine.restart(enable_lora=True))"
+        )
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -21,6 +21,7 @@ class StreamOptions(TypedDict, total=False):
     """The options of ``stream`` and ``astream``."""
 
     request_id: str | None  # your id for the request (one is made up otherwise)
+    lora_request: Any  # a LoRARequest: the LoRA adapter the request runs with (enable_lora)
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -29,6 +30,7 @@ class GenerateOptions(TypedDict, total=False):
     use_tqdm: bool | None  # a progress bar (None: for 16 prompts or more); alias ``progress``
     viewer: Any  # True or a Viewer: watch the requests live
     request_id: str | list[str] | None  # your ids, one per prompt
+    lora_request: Any  # a LoRARequest for every prompt, or a list with one (or None) per prompt (enable_lora)
 
 
 class ChatOptions(TypedDict, total=False):

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from enginekit.client import EngineCoreClient, check_client, make_client
 from enginekit.config import EngineConfig, EngineMode, resolve_mode
 from enginekit.core.resources import check_startup
-from enginekit.core.validation import RequestLimits
 from enginekit.errors import EngineShutdownError, add_note
 from enginekit.frontend.call_options import (
     ChatGenerateOptions,
@@ -21,6 +20,7 @@ from enginekit.frontend.call_options import (
     takes,
 )
 from enginekit.frontend.chat import render_chat
+from enginekit.frontend.lora import LoRAMethods
 from enginekit.frontend.output_processor import RequestState, watched
 from enginekit.frontend.output_router import OutputRouter, Watcher, submit
 from enginekit.frontend.prompts import RequestBuilder
@@ -44,7 +44,7 @@ Params = SamplingParams | list[SamplingParams] | None
 OneParams = SamplingParams | None
 
 
-class Engine:
+class Engine(LoRAMethods):
     """Run an LLM engine in this process or a background process, with one API.
 
     Parameters
@@ -85,11 +85,7 @@ class Engine:
         tokenizer = self._spec.tokenizer  # NOTE: not self: a cycle would keep `del engine` from shutting down
         self._decode = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
         self.max_model_len = self._client.max_model_len
-        model = self._spec.config
-        limits = RequestLimits(
-            model.vocab_size, model.hidden_size, self.max_model_len, self.config.structured_outputs_backend
-        )
-        self._requests = RequestBuilder(self._spec, limits)
+        self._requests = RequestBuilder.for_engine(self._spec, self.config, self.max_model_len)
         logger.info("engine started: mode=%s pid=%s", self.mode, self._client.engine_pid)
 
     def _spec_for(self, config: EngineConfig) -> ModelSpec:
@@ -179,8 +175,9 @@ class Engine:
         """Submit a generate-like call's requests; they and what watches them (a viewer, a progress bar)."""
         viewer = options.get("viewer")
         attach_watcher = watcher_for(options.get("use_tqdm"), viewer, blocking=blocking)
+        lora, only_end = options.get("lora_request"), not watches_live(viewer)
         states = self._submit(
-            prompts, params, "", options.get("request_id"), final_only=not watches_live(viewer)
+            prompts, params, "", options.get("request_id"), final_only=only_end, lora_request=lora
         )
         return states, attach_watcher(self, *watched(states))
 
@@ -209,8 +206,8 @@ class Engine:
         ``"prompt_embeds"`` (a ``[num_tokens, hidden]`` tensor); or a list of these. ``sampling_params`` (alias
         ``params``): one ``SamplingParams`` for all, or one per prompt. Options (``GenerateOptions``):
         ``use_tqdm`` (alias ``progress``): a progress bar (``None``: for 16 prompts or more); ``viewer``: ``True``
-        or a ``Viewer`` to watch live; ``request_id``: your id (a list for a batch). Interrupted, it aborts its
-        requests.
+        or a ``Viewer`` to watch live; ``request_id``: your id (a list for a batch); ``lora_request``: a
+        ``LoRARequest`` for every prompt, or one (or ``None``) per prompt. Interrupted, it aborts its requests.
         """
         return self._router.collect(*self._begin(prompts, sampling_params, options, blocking=True))
 
@@ -220,7 +217,8 @@ class Engine:
     ) -> Iterator[RequestOutput]:
         """Yield the request's ``RequestOutput`` each time new text arrives (the output so far; only what is new with
         ``output_kind=DELTA``; only the end with ``FINAL_ONLY``); the last is finished. Leaving early aborts it."""
-        states = self._submit(prompt, sampling_params, "stream", options.get("request_id"))
+        lora = options.get("lora_request")
+        states = self._submit(prompt, sampling_params, "stream", options.get("request_id"), lora_request=lora)
         return self._router.stream(*states)
 
     @takes(GenerateOptions)
@@ -238,7 +236,10 @@ class Engine:
         self, prompt: Any, sampling_params: OneParams = None, **options: Unpack[StreamOptions]
     ) -> AsyncIterator[RequestOutput]:
         """Async ``stream``: yields outputs as tokens arrive; cancelling aborts the request."""
-        states = self._submit(prompt, sampling_params, "astream", options.get("request_id"))
+        lora = options.get("lora_request")
+        states = self._submit(
+            prompt, sampling_params, "astream", options.get("request_id"), lora_request=lora
+        )
         return self._router.stream_async(*states)
 
     @takes(GenerateOptions)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from enginekit.lora_request import LoRARequest
 from enginekit.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestStatusName
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import EngineCoreOutput, EngineCoreOutputs, RequestStatus
@@ -57,6 +58,7 @@ class RequestState:
         engine_ids: list[str] | None = None,
         decode: Decode = str,
         messages: list | None = None,
+        lora_request: LoRARequest | None = None,
         label: str = "",
     ) -> None:
         completions = [
@@ -71,7 +73,13 @@ class RequestState:
         ]
         metrics = RequestMetrics(arrival_time or time.time())
         self.output = RequestOutput(
-            request_id, prompt, prompt_token_ids, completions, metrics=metrics, messages=messages
+            request_id,
+            prompt,
+            prompt_token_ids,
+            completions,
+            metrics=metrics,
+            messages=messages,
+            lora_request=lora_request,
         )
         self.engine_ids = engine_ids or [request_id]  # the engine's requests, one per sample
         self.params = params
@@ -98,6 +106,7 @@ class RequestState:
             engine_ids=engine_ids,
             decode=decode,
             messages=p.messages,
+            lora_request=p.lora_request,
             label=p.label,
         )
 
@@ -189,7 +198,7 @@ class RequestState:
         self._prompt_sent = self._prompt_sent or prompt_logprobs is not None
         return RequestOutput(
             o.request_id, o.prompt, o.prompt_token_ids, completions, o.finished, o.num_cached_tokens,
-            prompt_logprobs, o.metrics, o.status, o.messages,
+            prompt_logprobs, o.metrics, o.status, o.messages, o.lora_request,
         )  # fmt: skip
 
 

@@ -11,9 +11,12 @@ from typing import Any
 import msgspec
 import torch
 
+from enginekit.config import EngineConfig
 from enginekit.core.structured.dead_ends import DeadEnds, has_token_controls
 from enginekit.core.validation import RequestLimits, check_prompt_embeds, validate_request
+from enginekit.lora_request import LoRARequest
 from enginekit.model.loader import ModelSpec
+from enginekit.model.lora.adapter import inspect_adapter
 from enginekit.model.text.tokenizer import Tokenizer
 from enginekit.sampling_params import RequestOutputKind, SamplingParams
 from enginekit.wire.messages import EngineCoreRequest
@@ -63,6 +66,23 @@ def normalize_params(params: Any, num_prompts: int) -> list[SamplingParams]:
     return list(params)
 
 
+def normalize_lora_requests(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:
+    """``lora_request=``: one ``LoRARequest`` (or ``None``) for every prompt, or a list with one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)):
+        raise TypeError(
+            f"lora_request must be a LoRARequest, None, or a list of them (one per prompt), "
+            f"not {type(lora_request).__name__}"
+        )
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {num_prompts} prompts")
+    for item in lora_request:
+        if item is not None and not isinstance(item, LoRARequest):
+            raise TypeError(f"lora_request must hold LoRARequest or None, not {type(item).__name__}")
+    return list(lora_request)
+
+
 def prepare_request(
     prompt: PromptInput,
     params: SamplingParams,
@@ -70,6 +90,7 @@ def prepare_request(
     tokenizer: Tokenizer,
     limits: RequestLimits,
     arrival_time: float,
+    lora_request: LoRARequest | None = None,
 ) -> tuple[EngineCoreRequest, str | None]:
     """The engine request for one prompt, checked exactly as the engine checks it; and the prompt text."""
     text, token_ids, embeds = _tokens(prompt, tokenizer, limits.hidden_size)
@@ -80,7 +101,9 @@ def prepare_request(
         embeds = embeds[-keep:] if embeds is not None else None
     if params.max_tokens is None:  # vLLM's meaning: as many as the context has room for
         params = msgspec.structs.replace(params, max_tokens=max(1, limits.max_model_len - len(token_ids)))
-    request = EngineCoreRequest(request_id, token_ids, params, arrival_time, embeds)
+    request = EngineCoreRequest(
+        request_id, token_ids, params, arrival_time, embeds, lora_request=lora_request
+    )
     validate_request(request, limits)
     return request, text
 
@@ -148,18 +171,33 @@ class PreparedRequest:
     params: SamplingParams
     engine_requests: list[EngineCoreRequest]
     messages: list[dict[str, Any]] | None = None
+    lora_request: LoRARequest | None = None
     label: str = ""  # in a batch: which prompt, for the message of an error it gets
 
 
 class RequestBuilder:
     """Makes the engine requests of one engine's calls: ids, tokenization, the same checks the engine runs."""
 
-    def __init__(self, spec: ModelSpec, limits: RequestLimits) -> None:
+    def __init__(self, spec: ModelSpec, limits: RequestLimits, max_lora_rank: int = 0) -> None:
         self.spec = spec
         self.limits = limits
+        self.max_lora_rank = max_lora_rank
         self._dead_ends: DeadEnds | None = None  # built at the first request that needs it
         self._prefix = uuid.uuid4().hex[:6]
         self._counter = itertools.count()
+
+    @classmethod
+    def for_engine(cls, spec: ModelSpec, config: EngineConfig, max_model_len: int) -> RequestBuilder:
+        """The builder of an engine of ``config`` serving ``spec`` with contexts of up to ``max_model_len``."""
+        model = spec.config
+        limits = RequestLimits(
+            model.vocab_size,
+            model.hidden_size,
+            max_model_len,
+            config.structured_outputs_backend,
+            config.enable_lora,
+        )
+        return cls(spec, limits, config.max_lora_rank if config.enable_lora else 0)
 
     def build(
         self,
@@ -169,19 +207,23 @@ class RequestBuilder:
         single: str = "",
         request_id: Any = None,
         final_only: bool | None = None,
+        lora_request: Any = None,
     ) -> list[PreparedRequest]:
         """One checked request per prompt (``single`` names a method that takes exactly one). ``final_only``:
-        the caller needs only each request's end (``None``: if its ``output_kind`` is ``FINAL_ONLY``)."""
+        the caller needs only each request's end (``None``: if its ``output_kind`` is ``FINAL_ONLY``).
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (each checked against the model)."""
         items = normalize_prompts(prompts)
         if single and len(items) != 1:
             raise ValueError(f"{single} takes one prompt; use generate for a batch")
         all_params = normalize_params(params, len(items))
+        adapters = normalize_lora_requests(lora_request, len(items))
         ids = self._request_ids(request_id, len(items))
+        self._check_adapters(adapters)
         tokenizer, now, prepared = self.spec.tokenizer, time.time(), []
-        for index, (item, item_params, rid) in enumerate(zip(items, all_params, ids)):
+        for index, (item, item_params, rid, adapter) in enumerate(zip(items, all_params, ids, adapters)):
             label = _label(index, len(items), item_params)
             try:
-                request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now)
+                request, text = prepare_request(item, item_params, rid, tokenizer, self.limits, now, adapter)
                 if has_token_controls(request.sampling_params):
                     self._dead_end_search().check(request.sampling_params)
             except (TypeError, ValueError) as error:
@@ -196,10 +238,24 @@ class RequestBuilder:
             samples = _samples(request) if item_params.n > 1 else [request]
             prepared.append(
                 PreparedRequest(
-                    rid, text, request.prompt_token_ids, item_params, samples, conversation, label
+                    rid,
+                    text,
+                    request.prompt_token_ids,
+                    item_params,
+                    samples,
+                    conversation,
+                    adapter,
+                    label,
                 )
             )
         return prepared
+
+    def _check_adapters(self, adapters: list[LoRARequest | None]) -> None:
+        """Each adapter's folder, config and shapes against the model, before anything is sent (the engine reads
+        the weights, and checks them again)."""
+        if self.max_lora_rank:  # else validate_request refuses them: LoRA is off
+            for adapter in dict.fromkeys(a for a in adapters if a is not None):
+                inspect_adapter(adapter, self.spec.config, self.max_lora_rank)
 
     def _dead_end_search(self) -> DeadEnds:
         if self._dead_ends is None:

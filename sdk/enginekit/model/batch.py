@@ -47,6 +47,8 @@ class SequenceChunk:
     seq_id
         The sequence's id while it holds its blocks (its request's), so the runner keeps its block table from step to
         step and writes only the new block ids; ``None``: a sequence of this step only.
+    lora_slot
+        The LoRA adapter slot its rows run (``enable_lora``), ``-1`` for none: the base model's.
     """
 
     token_ids: list[int]
@@ -63,6 +65,7 @@ class SequenceChunk:
     rope_long: bool = False
     sampled_row: int | None = None
     seq_id: str | None = None
+    lora_slot: int = -1
 
     @property
     def num_tokens(self) -> int:

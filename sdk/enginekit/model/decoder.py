@@ -193,6 +193,7 @@ class Decoder(nn.Module):
         self.layer_ops: LayerOps | None = None  # see use_layer_ops
         self.fused_layers = 0  # layers run in one native call each (DecoderLayer.fuse)
         self.triton: TritonOps | None = None  # see use_triton
+        self.lora_active = False  # this step's rows use LoRA adapters, which the fused layers do not run
         # a row's arithmetic does not depend on the step's other rows (load_model's batch_invariant): every query
         # attends natively, whatever its chunk's length (the runner reads this), and the kernels are the invariant ones
         self.batch_invariant = False
@@ -245,7 +246,12 @@ class Decoder(nn.Module):
         local = self.rotary_local(positions, hidden.dtype) if self.rotary_local is not None else rotary
         # a step whose every query attends natively runs the fused layers in one call each (they update hidden
         # in place: it is this step's own tensor)
-        fused = self.fused_layers and meta.query_lens is not None and all(c.native for c in meta.prefills)
+        fused = (
+            self.fused_layers
+            and not self.lora_active
+            and meta.query_lens is not None
+            and all(c.native for c in meta.prefills)
+        )
         if fused:
             hidden = hidden.contiguous()
         for layer, kv_cache, slides in zip(self._layers(), kv_caches, self.local_rope):

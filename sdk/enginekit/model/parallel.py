@@ -12,7 +12,9 @@ eight integers (sent by the executor over each worker's pipe, see ``enginekit.co
 tensor (every chunk's numbers, tokens and block table), plus the prompt embeddings if any, which rank 0
 broadcasts (``broadcast_batch``); ``receive_batch`` rebuilds the chunks on the other ranks. They need what shapes
 the forward pass: the tokens, positions, cache slots and tables, and which rows are sampled or scored; never the
-sampling parameters (only rank 0 samples).
+sampling parameters (only rank 0 samples). A chunk's numbers end with its LoRA adapter slot (-1: none). A LoRA
+adapter written into a slot travels the same way (``OP_LORA``: ``broadcast_lora`` / ``receive_lora``): its whole
+weights as one float32 tensor, of which each rank keeps its slice.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it, untyped
 
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
+from enginekit.model.config import ModelConfig
+from enginekit.model.lora.weights import LoRAWeights, pack, unpack
 from enginekit.sampling_params import SamplingParams
 
 COLLECTIVE_TIMEOUT_S = 300.0  # the longest a rank waits for the others in one collective (a long prefill)
 STORE_HOST = "127.0.0.1"
 HEADER = struct.Struct("<8q")  # op, chunks, tokens, table entries, used blocks, embedding rows, payload, 0
-OP_STEP, OP_STOP = 1, 0
-CHUNK_FIELDS = 7  # start, tokens, samples, prompt targets, rope_long, table length, embedding rows
+OP_STEP, OP_STOP, OP_LORA = 1, 0, 2  # OP_LORA: op, slot, rank, values, then 0s
+CHUNK_FIELDS = 8  # start, tokens, samples, prompt targets, rope_long, table length, embedding rows, LoRA slot
 _SAMPLES = SamplingParams(max_tokens=1)  # what marks a worker's chunk as sampled (only its presence counts)
 
 
@@ -169,6 +173,7 @@ def pack_batch(batch: ScheduledBatch) -> tuple[bytes, torch.Tensor, torch.Tensor
             int(chunk.rope_long),
             len(chunk.block_table),
             rows,
+            chunk.lora_slot,
         ]
         tokens += chunk.token_ids
         tables += chunk.block_table
@@ -218,7 +223,7 @@ def receive_batch(
     embed_at = 0
     chunks = []
     for i in range(num_chunks):
-        start, count, samples, targets, rope_long, table_len, rows = fields[
+        start, count, samples, targets, rope_long, table_len, rows, lora_slot = fields[
             i * CHUNK_FIELDS : (i + 1) * CHUNK_FIELDS
         ]
         chunk = SequenceChunk(
@@ -229,6 +234,7 @@ def receive_batch(
             prompt_targets=[0] * targets if targets else None,
             prompt_logprobs=1 if targets else None,
             rope_long=bool(rope_long),
+            lora_slot=lora_slot,
         )
         if rows:
             assert embeddings is not None
@@ -238,3 +244,19 @@ def receive_batch(
         table_at += table_len
         chunks.append(chunk)
     return ScheduledBatch(chunks, used_blocks)
+
+
+def broadcast_lora(group: ProcessGroup, pipes: list[int], slot: int, weights: LoRAWeights) -> None:
+    """Rank 0's side of writing a LoRA adapter into ``slot``: the header on each worker's pipe, then the weights."""
+    flat = pack(weights)
+    header = HEADER.pack(OP_LORA, slot, weights.rank, flat.numel(), 0, 0, 0, 0)
+    for fd in pipes:
+        os.write(fd, header)
+    group.broadcast(flat.to(group.device))
+
+
+def receive_lora(group: ProcessGroup, header: bytes, config: ModelConfig) -> tuple[int, LoRAWeights]:
+    """A worker's side: the slot and the weights ``header`` announces."""
+    _, slot, rank, size, *_ = HEADER.unpack(header)
+    flat = group.broadcast(torch.empty(size, dtype=torch.float32, device=group.device)).cpu()
+    return slot, unpack(flat, f"slot {slot}", rank, config)

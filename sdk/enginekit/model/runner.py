@@ -24,6 +24,8 @@ from enginekit.model.decoder import Decoder
 from enginekit.model.input_batch import InputBatch, StepInputs
 from enginekit.model.kernels.triton_path import PagedAttentionInputs
 from enginekit.model.layers.paged_attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
+from enginekit.model.lora.model import LoRAModel, LoRASpec
+from enginekit.model.lora.weights import LoRAWeights
 from enginekit.model.sampler import DeviceSample, PendingSample, Sampler, SamplerOutput, top_logprobs
 
 
@@ -55,8 +57,10 @@ class ModelRunner:
         decode_graphs: bool = False,
         max_num_seqs: int = 1,
         max_blocks_per_seq: int = 1,
+        lora: LoRASpec | None = None,
     ) -> None:
         self.model: Decoder = model  # None only once released
+        self.lora = LoRAModel(model, lora, device, dtype) if lora is not None else None
         self.block_size = block_size
         self.device = device
         # With decode graphs, one more block past the pool's: the scratch slot of padding rows (never handed out).
@@ -124,14 +128,18 @@ class ModelRunner:
         chunks = batch.chunks
         self.inputs.release(batch.freed_seq_ids)
         native = self.model.layer_ops is not None
+        lora = self.lora is not None and any(chunk.lora_slot >= 0 for chunk in chunks)
         triton = self.model.triton is not None
-        graphs = self.decode_graphs is not None and self.decode_graphs.accepts(chunks)
+        # a captured graph runs no adapter: a step with adapters runs eagerly
+        graphs = self.decode_graphs is not None and not lora and self.decode_graphs.accepts(chunks)
         native_until = self._native_until if native and not graphs and not triton else 0
         kernel_layout = triton and not graphs
         inputs = self.inputs.prepare(
             chunks, native_until, batch.previous_token_ids, kernel_layout=kernel_layout
         )
         self._zero_new_blocks(batch.num_used_blocks)
+        if self.lora is not None:  # each adapter's rows, laid out as the inputs lay out the chunks' rows
+            self.lora.begin_step([chunk.lora_slot for chunk in chunks] if lora else None, inputs.counts)
         if self.decode_graphs is not None and graphs:
             return self.decode_graphs(inputs, self.inputs.tables), {}
         if kernel_layout:
@@ -272,8 +280,16 @@ class ModelRunner:
                 kv_cache[:, start:end].zero_()
             self._num_zeroed_blocks = num_used_blocks
 
+    def load_lora(self, slot: int, weights: LoRAWeights) -> None:
+        """Write a LoRA adapter's weights into ``slot`` of the adapter pool (``enable_lora``)."""
+        assert self.lora is not None
+        self.lora.load(slot, weights)
+
     def release(self) -> None:
         """Drop the model and the KV cache so their memory can be returned."""
+        if self.lora is not None:
+            self.lora.release()
+            self.lora = None
         if self.decode_graphs is not None:
             self.decode_graphs.release()
             self.decode_graphs = None

@@ -153,6 +153,7 @@ def start_background(
     use_tqdm: bool | None = None,
     viewer: Any = None,
     request_id: Any = None,
+    lora_request: Any = None,
 ) -> GenerationHandle:
     """What ``engine.generate_background`` does: submit now, collect in a task on the running loop."""
     if engine.mode != "async":
@@ -172,7 +173,9 @@ def start_background(
     if shown is not None:
         shown.show()  # in the calling cell, before it returns
     recorder = _Recorder(use_tqdm, shown)
-    coro = engine.agenerate(prompts, params, viewer=recorder, request_id=request_id)
+    coro = engine.agenerate(
+        prompts, params, viewer=recorder, request_id=request_id, lora_request=lora_request
+    )
     return GenerationHandle(coro, engine=engine, recorder=recorder, viewer=shown)
 
 

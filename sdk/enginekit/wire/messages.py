@@ -29,6 +29,7 @@ import msgspec
 import torch
 
 from enginekit.config import EngineConfig
+from enginekit.lora_request import LoRARequest
 from enginekit.sampling_params import SamplingParams
 
 __all__ = [
@@ -99,7 +100,8 @@ class EngineCoreRequest(msgspec.Struct, tag="add", **_REQUEST):
     ``parent_request_id`` groups the ``n`` samples of one prompt: the engine prefills one of them first, so the
     others find the prompt's blocks in the prefix cache. ``final_only``: the caller wants only the end (a
     ``generate`` nothing watches live), so the engine sends one output when the request ends, with every token,
-    instead of a delta per step (and its status changes, which are rare).
+    instead of a delta per step (and its status changes, which are rare). ``lora_request``: the LoRA adapter the
+    request runs with (the engine loads it from its folder the first time).
     """
 
     request_id: str
@@ -109,6 +111,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", **_REQUEST):
     prompt_embeds: torch.Tensor | None = None
     parent_request_id: str | None = None
     final_only: bool = False
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_REQUEST):

@@ -16,14 +16,18 @@ from enginekit.model.layers.quant_linear import QuantizedWeight
 
 logger = logging.getLogger("enginekit.model")
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# adds the LoRA adapters' product of the input (first) to the layer's output (second), in place (model/lora/)
+LinearAdapter = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 class Linear(nn.Linear):
     """A linear layer that skips random initialisation (its weights always come from a loader) and runs the
-    model's chosen kernel (see ``linear_kernel``), or its weight as stored (see ``use_stored``)."""
+    model's chosen kernel (see ``linear_kernel``), or its weight as stored (see ``use_stored``); ``lora``, set at
+    load when the engine serves LoRA adapters, adds their product to the output."""
 
     kernel: LinearKernel = F.linear
     stored: QuantizedWeight | None = None
+    lora: LinearAdapter | None = None
 
     def reset_parameters(self) -> None:
         pass
@@ -40,8 +44,12 @@ class Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # named as nn.Linear names it
         if self.stored is not None:
-            return self.stored(input, self.bias)
-        return self.kernel(input, self.weight, self.bias)
+            out = self.stored(input, self.bias)
+        else:
+            out = self.kernel(input, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora(input, out)
+        return out
 
     __call__ = forward  # no nn.Module hook dispatch: see docs/architecture.md, "The decode step's Python"
 

@@ -75,6 +75,10 @@ class RowParallelLinear(Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # named as nn.Linear names it
         out = self.kernel(input, self.weight, None)
+        if (
+            self.lora is not None
+        ):  # this rank's share of the adapters' product too: A is split by input as well
+            self.lora(input, out)
         self.comm.all_reduce(out)
         if self.bias is not None:
             out += self.bias
