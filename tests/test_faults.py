@@ -13,6 +13,8 @@ import threading
 import pytest
 
 from enginekit import Engine, EngineDeadError, SamplingParams
+from enginekit.client.mp import MPClient
+from enginekit.wire.messages import LAST_WORDS
 from process_support import HANG_GUARD_S, in_thread, wait_for, wait_gone
 
 # A death reaches the waiting calls through the engine's pidfd and sockets, at once ("about a second" on a quiet
@@ -166,6 +168,20 @@ def test_a_signal_is_named_when_the_engine_exit_is_seen_before_its_last_message(
         released.set()
         with pytest.raises(EngineDeadError, match=r"was sent SIGTERM \(not by this front end\)"):
             engine.generate("after the signal", SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("mode", ["mp", "async"])
+def test_a_lost_engine_dead_is_found_in_the_engines_output(monkeypatch, mode):
+    # Over IPC, libzmq drops the engine's last message when it hangs up while the front end's queue is full (an
+    # async reader far behind on a loaded machine): the engine repeats it on stderr, where the exit's report finds
+    # it. The front end here never hears the message, as if zmq had dropped it.
+    monkeypatch.setattr(MPClient, "_on_engine_dead", lambda self, message: None)
+    with (
+        Engine("builtin", mode=mode, fail_at_step=3) as engine,
+        pytest.raises(EngineDeadError, match=EXECUTOR_FAILURE) as caught,
+    ):
+        engine.generate("fail in my third step", LONG)
+    assert LAST_WORDS not in str(caught.value)  # its repetition is no line of the output shown
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from enginekit.model.loader import ModelSpec
 from enginekit.runtime import exit_hooks
 from enginekit.runtime.engine_process import EngineProcess
 from enginekit.wire.messages import (
+    LAST_WORDS,
     AbortRequest,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -46,6 +47,7 @@ from enginekit.wire.messages import (
     EngineOutput,
     ShutdownRequest,
     UtilityRequest,
+    last_words,
 )
 from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -318,6 +320,10 @@ class MPClient(EngineCoreClient):
     def _exit_reason(self, engine: EngineRank) -> str:
         if engine.rank in self._last_words:
             return self._last_words[engine.rank]
+        # its EngineDead lost (see wire.messages.last_words): the output it wrote as it sent it
+        said = last_words(engine.process.error_tail())
+        if said is not None:
+            return self._death_reason(engine, said)
         # NOTE: an engine that stopped for a signal sends EngineDead naming it before it exits, and the receiver
         # reports the exit after it; should that message be lost, its exit code (128 + the signal) says the same.
         # This front end sends none before it has closed, when an exit is no death.
@@ -335,10 +341,7 @@ class MPClient(EngineCoreClient):
 
     def _on_engine_dead(self, message: EngineDead) -> None:
         engine = next((e for e in self.engines if e.rank == message.engine_index), self.engines[0])
-        if message.signal_name is not None:
-            reason = self._stopped_for(engine, message.signal_name)
-        else:
-            reason = f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
+        reason = self._death_reason(engine, message)
         # NOTE: noted before any thread starts: the exit the receiver reports next (on another thread, which
         # may take the death lock first) names this reason too
         self._last_words[engine.rank] = reason
@@ -350,6 +353,11 @@ class MPClient(EngineCoreClient):
             )
             thread.daemon = True
             thread.start()
+
+    def _death_reason(self, engine: EngineRank, message: EngineDead) -> str:
+        if message.signal_name is not None:
+            return self._stopped_for(engine, message.signal_name)
+        return f"{self._who(engine)}the engine core reported a fatal error ({message.reason})"
 
     def _who(self, engine: EngineRank) -> str:
         return f"engine rank {engine.rank}: " if len(self.engines) > 1 or engine.rank else ""
@@ -401,7 +409,8 @@ class AsyncMPClient(MPClient):
 
 def _describe_death(reason: str, process: EngineProcess | RemoteRank) -> EngineDeadError:
     process.wait_dead(1.0)  # it usually exits right after its last message
-    tail = "\n".join(process.error_tail().splitlines()[-12:]) if not process.is_alive() else ""
+    lines = [line for line in process.error_tail().splitlines() if not line.startswith(LAST_WORDS)]
+    tail = "\n".join(lines[-12:]) if not process.is_alive() else ""
     return EngineDeadError(
         f"{reason}; {process.describe_exit()}. Call engine.restart() to start a new engine."
         + (f"\nLast engine output:\n{tail}" if tail else "")

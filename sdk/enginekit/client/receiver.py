@@ -67,8 +67,9 @@ class _Receiver:
 
     NOTE: over IPC, libzmq (4.3.5) drops what is left in the kernel's buffer when the peer hangs up while the
     socket's queue is at its high-water mark (``max_pending_outputs``): a reader that far behind when the
-    engine exits never gets its ``EngineDead``, and the exit is all that is left to report. TCP is not
-    affected (a peer's close does not raise the poll's hang-up there).
+    engine exits never gets its ``EngineDead``, and the exit is all that is left to report (the client then
+    finds the reason on the engine's stderr: ``wire.messages.last_words``). TCP is not affected (a peer's close
+    does not raise the poll's hang-up there).
     """
 
     def __init__(

@@ -42,6 +42,7 @@ from enginekit.wire.messages import (
     ReadyMessage,
     RequestError,
     ShutdownRequest,
+    last_words_line,
 )
 from enginekit.wire.serial import MsgpackDecoder, MsgpackEncoder
 
@@ -218,8 +219,11 @@ class EngineCoreProc(EngineCore):
         self.input_queue.put_nowait(ShutdownRequest(self.config.shutdown_timeout))
 
     def send_engine_dead(self, reason: str, signal_name: str | None = None) -> None:
-        """Broadcast the engine's death and wait (bounded) for the output thread to send it."""
-        self.output_queue.put_nowait(EngineDead(reason, self.engine_index, signal_name))
+        """Broadcast the engine's death and wait (bounded) for the output thread to send it; repeat it on stderr,
+        where the front end looks should the message be lost (``wire.messages.last_words``)."""
+        message = EngineDead(reason, self.engine_index, signal_name)
+        print(last_words_line(message), file=sys.stderr, flush=True)
+        self.output_queue.put_nowait(message)
         self.output_thread.join(timeout=5.0)
 
     def _end_stuck(self, reason: str) -> None:

@@ -29,7 +29,7 @@ import threading
 import time
 
 from enginekit.runtime.launcher import Launcher, LauncherError, engine_environ
-from enginekit.wire.messages import EngineProcArgs
+from enginekit.wire.messages import LAST_WORDS, EngineProcArgs
 from enginekit.wire.serial import write_frame
 
 logger = logging.getLogger("enginekit.engine_process")
@@ -197,6 +197,8 @@ class EngineProcess:
             for raw in output:
                 line = raw.decode("utf-8", errors="replace").rstrip()
                 self._tail.append(line)
+                if line.startswith(LAST_WORDS):
+                    continue  # its EngineDead, repeated for the front end (wire.messages.last_words): no log
                 message = line
                 if self.forward_own_levels:
                     record = _RECORD.match(line)

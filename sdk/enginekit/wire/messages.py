@@ -212,6 +212,27 @@ class EngineDead(msgspec.Struct, tag="dead", **_MESSAGE):
 
 EngineOutput = EngineCoreOutputs | EngineDead
 
+# An engine repeats its EngineDead on stderr as it sends it: over IPC, libzmq drops a message still in the
+# kernel's buffer when the engine hangs up while the front end's queue is full (see client/receiver.py), and the
+# front end then finds the reason in the output it keeps of the process (``last_words``).
+LAST_WORDS = "enginekit engine dead: "
+
+
+def last_words_line(message: EngineDead) -> str:
+    """The stderr line that repeats ``message``."""
+    return LAST_WORDS + msgspec.json.encode(message).decode()
+
+
+def last_words(output: str) -> EngineDead | None:
+    """The ``EngineDead`` an engine's output repeats last, if any."""
+    for line in reversed(output.splitlines()):
+        if line.startswith(LAST_WORDS):
+            try:
+                return msgspec.json.decode(line[len(LAST_WORDS) :], type=EngineDead)
+            except msgspec.DecodeError:
+                return None
+    return None
+
 
 # ---- engine -> front end during startup --------------------------------------------------------------------
 
