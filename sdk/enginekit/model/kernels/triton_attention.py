@@ -25,13 +25,16 @@ of each part) into the output. ``paged_attention`` picks the split from the devi
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from enginekit.model.kernels.triton_layer_ops import LOG2E, tanh
-from enginekit.model.kernels.triton_path import PagedAttentionInputs
+
+if TYPE_CHECKING:  # triton_path binds these kernels (TritonOps): its types only, no import cycle
+    from enginekit.model.kernels.triton_path import PagedAttentionInputs
 
 MAX_SPLITS = 16
 SPLIT_MIN_KEYS = 256  # keys per split at least: a shorter part costs more to merge than it saves
