@@ -491,7 +491,6 @@ def hf_generate_runner(
     ``"dynamic"`` (transformers' default, grown per step) or ``"static"`` (preallocated for the longest
     request); ``compiled``: the model's forward through ``torch.compile`` (see ``_load_model``).
     """
-    import torch
 
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
@@ -508,14 +507,7 @@ def hf_generate_runner(
         run_once = _prepare_generate(model, plens, wanted, seed, cache)
 
     def timed() -> float:
-        with (
-            torch_threads(num_threads),
-            torch.inference_mode(),
-            warnings.catch_warnings(),
-            _RaiseOnTransformersWarning(),
-        ):
-            warnings.simplefilter("error")
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with _strict_timing(num_threads):
             t0 = time.perf_counter()
             tokens = run_once()
             elapsed = time.perf_counter() - t0
@@ -577,14 +569,7 @@ def hf_batch_runner(
 
     def timed() -> float:
         prompts = [_random_ids(n, vocab, special, generator) for n in plens]
-        with (
-            torch_threads(num_threads),
-            torch.inference_mode(),
-            warnings.catch_warnings(),
-            _RaiseOnTransformersWarning(),
-        ):
-            warnings.simplefilter("error")
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with _strict_timing(num_threads):
             t0 = time.perf_counter()
             ids = [
                 manager.add_request(input_ids=prompt, max_new_tokens=n) for prompt, n in zip(prompts, wanted)
@@ -741,6 +726,23 @@ def _prepare_generate(
         return sum(min(w, generated) for w in wanted)
 
     return run_once
+
+
+@contextlib.contextmanager
+def _strict_timing(num_threads: int | None) -> Iterator[None]:
+    """A timed transformers run: ``num_threads`` torch threads, inference mode, and any warning (but a
+    deprecation) an error, so a degraded fallback never passes as the baseline."""
+    import torch
+
+    with (
+        torch_threads(num_threads),
+        torch.inference_mode(),
+        warnings.catch_warnings(),
+        _RaiseOnTransformersWarning(),
+    ):
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
 
 
 class _RaiseOnTransformersWarning(logging.Handler):
