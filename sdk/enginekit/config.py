@@ -14,6 +14,7 @@ from typing import Any, Literal, cast, get_args
 import msgspec
 
 from enginekit.parallel_options import check_data_parallel, check_tensor_parallel
+from enginekit.speculative_options import SpeculativeConfig, parse_speculative_config
 
 __all__ = ["EngineConfig", "EngineMode"]
 
@@ -185,6 +186,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_cpu_loras
         Adapters kept loaded in host memory (least recently used dropped first, and read again from their folder
         when a request names them); ``None``: ``max_loras``. At least ``max_loras``.
+    speculative_config
+        Speculative decoding, vLLM's dictionary: ``{"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_max": n, "prompt_lookup_min": m}`` (proposals copied from the request's own prompt and
+        output: after the latest earlier occurrence of its last n..m tokens) or ``{"method": "draft_model",
+        "model": PATH, "num_speculative_tokens": k}`` (a smaller model with the same vocabulary, run greedily).
+        Each step verifies a request's k proposals in one pass of the model and keeps the longest run the model
+        agrees with plus one token of its own: greedy requests get the tokens they would get without, sampled
+        ones the same distribution. Defaults: k 4, n 4, m 2. Steps run serially (``async_scheduling`` off).
+        Apart from it, a structured output's forced tokens always come without sampling (jump forward).
     """
 
     model: str | None = None
@@ -228,6 +238,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _require(  # NOTE: an empty path would resolve to the current directory and load whatever lies there
@@ -292,11 +303,25 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "async_scheduling=True cannot be used with tensor_parallel_size > 1 (the other model ranks get each "
             "step's token ids from the host); leave async_scheduling None or False",
         )
+        if self.speculative_config is not None:
+            parse_speculative_config(self.speculative_config)
+            _require(
+                not self.async_scheduling,
+                "async_scheduling=True cannot be used with speculative_config: a step's proposals follow the "
+                "tokens the step before accepted; leave async_scheduling None or False",
+            )
         if self.structured_outputs_backend != "llguidance" and importlib.util.find_spec("xgrammar") is None:
             raise ImportError(
                 "structured_outputs_backend='xgrammar' needs the xgrammar package, which is not installed: "
                 "pip install 'enginekit[xgrammar]', or leave the default backend, 'llguidance'"
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` checked, with its defaults filled in (``None``: no speculative decoding)."""
+        if self.speculative_config is None:
+            return None
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def num_cpu_loras(self) -> int:

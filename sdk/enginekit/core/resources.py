@@ -42,8 +42,9 @@ def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
 def resolve_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """Whether the engine core overlaps its steps: ``async_scheduling`` as given, else on CUDA (the device runs one
     step while the host schedules and prepares the next) and not on CPU (the host runs the forward pass itself:
-    there is nothing to overlap). Never under tensor parallelism (the config refuses ``True`` there)."""
-    if config.tensor_parallel_size > 1:
+    there is nothing to overlap). Never under tensor parallelism or with speculative decoding (the config refuses
+    ``True`` there)."""
+    if config.tensor_parallel_size > 1 or config.speculative_config is not None:
         return False
     if config.async_scheduling is not None:
         return config.async_scheduling
