@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from enginekit import Engine, EngineStartupError, SamplingParams
 from enginekit.config import EngineConfig
 from enginekit.core.speculative.draft_model import DraftModelProposer
 from enginekit.model.loader import load_model_spec
+from gguf_files import write_tiny_gguf
 from hf_checkpoints import build_checkpoint, build_tokenizer
 
 K = 4
@@ -165,3 +167,19 @@ def test_proposals_stop_at_the_drafts_positions(target, reference, tmp_path):
     near, past = Request("near", list(range(3, 41))), Request("past", list(range(3, 45)))
     proposals = proposer.propose([near, past], [K, K])
     assert proposals == [reference([near.all_token_ids])[0][:3], []]  # positions 38, 39 fed: 3 proposals
+
+
+def test_a_gguf_draft_keeps_its_weights_as_stored_and_proposes_the_greedy_continuation(tmp_path):
+    path = tmp_path / "tiny-q8.gguf"
+    write_tiny_gguf(path, weight_type=GGMLQuantizationType.Q8_0)
+    proposer = make_proposer(str(path), str(path), quantization="gguf")
+    stored = [
+        module for module in proposer.runner.model.modules() if getattr(module, "stored", None) is not None
+    ]
+    assert stored  # the quantized matrices as the file stores them
+    prompts = [[1, 40, 41, 42], [1, 50]]
+    params = SamplingParams(max_tokens=K, temperature=0.0, ignore_eos=True)
+    with Engine(str(path), mode="inproc", num_kv_blocks=64, quantization="gguf") as engine:
+        outputs = engine.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
+    requests = [Request(str(i), list(prompt)) for i, prompt in enumerate(prompts)]
+    assert proposer.propose(requests, [K, K]) == [list(output.outputs[0].token_ids) for output in outputs]
