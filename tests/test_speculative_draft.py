@@ -183,3 +183,34 @@ def test_a_gguf_draft_keeps_its_weights_as_stored_and_proposes_the_greedy_contin
         outputs = engine.generate([{"prompt_token_ids": prompt} for prompt in prompts], params)
     requests = [Request(str(i), list(prompt)) for i, prompt in enumerate(prompts)]
     assert proposer.propose(requests, [K, K]) == [list(output.outputs[0].token_ids) for output in outputs]
+
+
+# ---- through the engine ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["inproc", "mp"])
+def test_the_engine_verifies_a_draft_models_proposals_and_keeps_its_greedy_tokens(target, tmp_path, mode):
+    """Another model with the target's vocabulary (other weights): some proposals rejected, the target's greedy
+    tokens unchanged; the same model as its own draft: nearly every proposal accepted."""
+    other = str(build_checkpoint(tmp_path / "other", "llama", seed=5))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS]
+    options = {"mode": mode, "num_kv_blocks": 128, "batch_invariant": True}
+    with Engine(target, **options) as engine:
+        expected = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    rates = {}
+    for name, draft in (("other", other), ("self", target)):
+        speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
+        with Engine(target, speculative_config=speculative, **options) as engine:
+            outputs = engine.generate(prompts, params)
+            stats = engine.get_stats()
+        assert [o.outputs[0].token_ids for o in outputs] == expected, name
+        assert stats["spec_num_draft_tokens"] > 0
+        rates[name] = stats["spec_acceptance_rate"]
+    assert rates["self"] > 0.9 and rates["other"] < rates["self"]
+
+
+def test_the_engine_refuses_a_draft_of_another_vocabulary_as_it_starts(target, tmp_path):
+    draft = build_checkpoint(tmp_path / "other-tokens", "llama")
+    build_tokenizer(320).save(str(draft / "tokenizer.json"))
+    speculative = {"method": "draft_model", "model": str(draft)}
+    with pytest.raises(EngineStartupError, match="vocabular"):
+        Engine(target, mode="inproc", num_kv_blocks=64, speculative_config=speculative)

@@ -163,7 +163,9 @@ class EngineCore:
         )
         speculative = config.speculative
         self.speculation = Speculation(
-            make_proposer(config, model_config, self.tokenizer, self.device, self.dtype),
+            make_proposer(
+                config, model_config, self.tokenizer, self.device, self.dtype, num_blocks=self.num_kv_blocks
+            ),
             self.structured,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
             long_rope_from=model_config.long_rope_from,

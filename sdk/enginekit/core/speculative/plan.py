@@ -48,9 +48,16 @@ MAX_FORCED_TOKENS = 32  # forced tokens one step takes at most (each is a row of
 
 
 def make_proposer(
-    config: EngineConfig, target: ModelConfig, tokenizer: Tokenizer, device: torch.device, dtype: torch.dtype
+    config: EngineConfig,
+    target: ModelConfig,
+    tokenizer: Tokenizer,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    num_blocks: int,
 ) -> Proposer | None:
-    """The proposer ``config.speculative_config`` asks for (``None``: no speculative decoding)."""
+    """The proposer ``config.speculative_config`` asks for (``None``: no speculative decoding); a draft model's
+    cache holds as many tokens as the target's ``num_blocks``."""
     speculative = config.speculative
     if speculative is None:
         return None
@@ -60,7 +67,7 @@ def make_proposer(
         return NgramProposer(max_n=speculative.prompt_lookup_max, min_n=speculative.prompt_lookup_min)
     from enginekit.core.speculative.draft_model import DraftModelProposer
 
-    return DraftModelProposer.create(config, target, tokenizer, device, dtype)
+    return DraftModelProposer.create(config, target, tokenizer, device, dtype, num_blocks=num_blocks)
 
 
 class _Continued:
