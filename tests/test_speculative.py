@@ -303,3 +303,38 @@ def test_a_seeded_request_samples_the_same_tokens_again():
     second, stats = _run(params, NGRAM)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
     assert stats["spec_num_draft_tokens"] > 0
+
+
+# ---- the default model -------------------------------------------------------------------------------------------
+PASSAGE = (
+    "The Norwegian explorer Roald Amundsen led the first expedition to reach the South Pole, arriving on 14 "
+    "December 1911. His team used sled dogs and skis, and they returned safely to their base at the Bay of Whales."
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": PASSAGE + "\nRepeat the passage above word for word."}],
+    [{"role": "user", "content": PASSAGE + "\nWhich sentence mentions sled dogs? Quote it exactly."}],
+    [
+        {
+            "role": "user",
+            "content": "Write a Python function that adds two numbers, then again with type hints.",
+        }
+    ],
+    [{"role": "user", "content": "What is the capital of France?"}],
+]
+
+
+@pytest.mark.parametrize(
+    ("options", "modes"),
+    [({"batch_invariant": True}, ["inproc", "mp", "async"]), ({"quantization": "none"}, ["inproc"])],
+    ids=["batch_invariant", "quantization none"],
+)
+def test_the_default_models_greedy_tokens_are_the_same_with_proposals(options, modes):
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    with Engine(mode="inproc", **options) as engine:
+        expected = [o.outputs[0].token_ids for o in engine.chat(CONVERSATIONS, params, use_tqdm=False)]
+    for mode in modes:
+        with Engine(mode=mode, speculative_config=NGRAM, **options) as engine:
+            outputs = engine.chat(CONVERSATIONS, params, use_tqdm=False)
+            stats = engine.get_stats()
+        assert [o.outputs[0].token_ids for o in outputs] == expected, mode
+        assert stats["spec_num_accepted_tokens"] > 48, mode  # the copying answers took proposals
