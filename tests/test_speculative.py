@@ -20,7 +20,8 @@ from enginekit.core.speculative.plan import only_token
 from enginekit.sampling_params import RequestOutputKind
 from enginekit.structured_outputs import StructuredOutputsParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# Correctness tests propose whenever the lookup finds something (not only when it pays), to verify many proposals.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 # Prompts whose continuations repeat them (the builtin model's random weights fall into loops), so that proposals
 # are made, and some accepted.
 PROMPTS = [
@@ -56,6 +57,7 @@ def _run(params: SamplingParams, speculative: dict | None, *, prompts=PROMPTS, m
         ({"method": "ngram", "model": "x"}, "unknown key 'model' for method 'ngram'"),
         ({"method": "draft_model", "prompt_lookup_max": 3, "model": "x"}, "unknown key 'prompt_lookup_max'"),
         ({"method": "draft_model"}, "needs 'model'"),
+        ({"method": "ngram", "adaptive": "yes"}, "must be a bool"),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"must be in \[1, 16\]"),
         (
             {"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -64,7 +66,7 @@ def _run(params: SamplingParams, speculative: dict | None, *, prompts=PROMPTS, m
     ],
 )
 def test_a_bad_speculative_config_is_refused_by_name(options, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         EngineConfig(speculative_config=options)
 
 
@@ -76,7 +78,8 @@ def test_speculative_decoding_refuses_overlapped_steps():
 def test_the_config_fills_vllm_defaults():
     config = EngineConfig(speculative_config={"method": "ngram", "prompt_lookup_max": 1}).speculative
     assert config is not None
-    assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (4, 1, 1)
+    assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (8, 1, 1)
+    assert config.adaptive
 
 
 # ---- the n-gram lookup and the forced tokens ------------------------------------------------------------------------
@@ -203,6 +206,52 @@ def test_speculation_survives_a_restart():
         assert engine.config.speculative_config == NGRAM
         second = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
         assert second == first and engine.get_stats()["spec_num_accepted_tokens"] > 0
+
+
+# ---- how many to propose ---------------------------------------------------------------------------------------
+def _speculation(**options):
+    from enginekit.core.speculative.ngram import NgramProposer
+    from enginekit.core.speculative.plan import Speculation
+
+    return Speculation(NgramProposer(max_n=4, min_n=2), None, num_speculative_tokens=8, **options)  # type: ignore[arg-type]
+
+
+class _Request:
+    spec_hits = spec_trials = 0.0
+
+
+def test_a_row_pays_at_a_lower_acceptance_with_fewer_requests_beside_it():
+    speculation = _speculation(row_cost=0.3)
+    assert speculation.threshold(1) == pytest.approx(0.3)
+    assert speculation.threshold(1) < speculation.threshold(4) < speculation.threshold(16) < 1
+    assert speculation.threshold(16) == pytest.approx(4.8 / 5.5)
+
+
+def test_a_request_proposes_as_many_as_its_acceptance_makes_worth_their_rows():
+    speculation, request = _speculation(row_cost=0.3), _Request()
+    threshold = speculation.threshold(1)
+    assert speculation._worth(request, threshold) == 1  # one in two before anything is known: 0.5**1 >= 0.3
+    request.spec_hits, request.spec_trials = 40.0, 41.0  # it copies: all k
+    assert speculation._worth(request, threshold) == 8
+    assert speculation._worth(request, speculation.threshold(16)) < 8  # beside 15 others: fewer
+    request.spec_hits, request.spec_trials = (
+        0.5,
+        8.0,
+    )  # it rarely takes one: none, until its estimate recovers
+    tried = [speculation._worth(request, threshold) for _ in range(40)]
+    assert tried[0] == 0 and 1 in tried
+    assert _speculation(adaptive=False)._worth(_Request(), 0.99) == 8
+
+
+def test_adaptive_proposals_skip_what_does_not_pay_and_keep_the_tokens():
+    params = SamplingParams(temperature=0, max_tokens=40)
+    prompts = ["Zq8 !Wv lo;P", "k9 uu#a Lm,2 bb"]  # little for the lookup to find
+    fixed, fixed_stats = _run(params, NGRAM, prompts=prompts)
+    adaptive, adaptive_stats = _run(params, {"method": "ngram", "num_speculative_tokens": 4}, prompts=prompts)
+    assert [o.outputs[0].token_ids for o in adaptive] == [o.outputs[0].token_ids for o in fixed]
+    assert adaptive_stats["spec_acceptance_rate"] >= fixed_stats["spec_acceptance_rate"]
+    wasted = fixed_stats["spec_num_draft_tokens"] - fixed_stats["spec_num_accepted_tokens"]
+    assert adaptive_stats["spec_num_draft_tokens"] - adaptive_stats["spec_num_accepted_tokens"] < wasted
 
 
 # ---- the KV cache ----------------------------------------------------------------------------------------------

@@ -191,9 +191,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "prompt_lookup_max": n, "prompt_lookup_min": m}`` (proposals copied from the request's own prompt and
         output: after the latest earlier occurrence of its last n..m tokens) or ``{"method": "draft_model",
         "model": PATH, "num_speculative_tokens": k}`` (a smaller model with the same vocabulary, run greedily).
-        Each step verifies a request's k proposals in one pass of the model and keeps the longest run the model
+        Each step verifies a request's proposals in one pass of the model and keeps the longest run the model
         agrees with plus one token of its own: greedy requests get the tokens they would get without, sampled
-        ones the same distribution. Defaults: k 4, n 4, m 2. Steps run serially (``async_scheduling`` off).
+        ones the same distribution. Defaults: k 8, n 4, m 2. ``"adaptive": True`` (ours, the default): each
+        request proposes only as many tokens as its recent acceptance makes worth their rows on this device
+        (none in free chat, all k while it copies); ``False``: k whenever the method has them, as vLLM does.
+        Steps run serially (``async_scheduling`` off).
         Apart from it, a structured output's forced tokens always come without sampling (jump forward).
     """
 

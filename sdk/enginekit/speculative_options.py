@@ -7,7 +7,9 @@ Two methods propose the tokens a step verifies (``core/speculative/``):
 - ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``: a smaller model with the target's
   vocabulary, run greedily for k tokens.
 
-A key the method does not take is refused by name, with the keys it does take.
+Both take ``"adaptive"`` (ours, default ``True``): each request proposes only as many tokens as its recent
+acceptance makes worth their rows on this device (``core/speculative/plan.py``); ``False`` always proposes k, as
+vLLM does. A key the method does not take is refused by name, with the keys it does take.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import msgspec
 
 METHODS = ("ngram", "draft_model")
 _KEYS = {
-    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
-    "draft_model": ("method", "model", "num_speculative_tokens"),
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"),
+    "draft_model": ("method", "model", "num_speculative_tokens", "adaptive"),
 }
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -29,10 +31,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What ``speculative_config`` asked for, with the defaults filled in."""
 
     method: Literal["ngram", "draft_model"]
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
+    adaptive: bool = True
 
 
 def parse_speculative_config(options: dict[str, Any]) -> SpeculativeConfig:
@@ -53,6 +56,8 @@ def parse_speculative_config(options: dict[str, Any]) -> SpeculativeConfig:
                 f"speculative_config has an unknown key {key!r} for method {method!r}{hint} "
                 f"(it takes {', '.join(map(repr, valid))})"
             )
+    if not isinstance(options.get("adaptive", True), bool):
+        raise TypeError(f"speculative_config['adaptive'] must be a bool, got {options['adaptive']!r}")
     for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
         value = options.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

@@ -32,7 +32,7 @@ from enginekit.core.model_start import start_model
 from enginekit.core.request import Request
 from enginekit.core.resources import release_device_memory, resolve_async_scheduling, resolve_device
 from enginekit.core.scheduler import Scheduler
-from enginekit.core.speculative.plan import Speculation, make_proposer
+from enginekit.core.speculative.plan import ROW_COST, Speculation, make_proposer
 from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.core.tp_executor import TensorParallelExecutor
@@ -169,6 +169,8 @@ class EngineCore:
             self.structured,
             num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
             long_rope_from=model_config.long_rope_from,
+            adaptive=speculative.adaptive if speculative is not None else True,
+            row_cost=ROW_COST.get(self.device.type, ROW_COST["cpu"]),
         )
 
     # ---- the dispatch point -------------------------------------------------------------------------

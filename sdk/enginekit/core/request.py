@@ -53,8 +53,10 @@ class Request:
         "request_id",
         "rope_long",
         "sampling_params",
+        "spec_hits",
         "spec_masks",
         "spec_token_ids",
+        "spec_trials",
         "status",
         "stop_reason",
     )
@@ -109,6 +111,9 @@ class Request:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_forced_tokens = 0
+        # its acceptance so far, for how many to propose (accepted proposals and trials, earlier ones decayed)
+        self.spec_hits = 0.0
+        self.spec_trials = 0.0
 
     @property
     def num_tokens(self) -> int:

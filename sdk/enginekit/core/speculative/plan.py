@@ -22,11 +22,22 @@ proposals (up to the rounding of a step's row count: exact with ``batch_invarian
 
 A proposal is never longer than the room left: the request's ``max_tokens`` or ``max_model_len`` (one token is
 always the model's own), and a ``longrope`` sequence's original length while it rotates with the short factors.
+
+**How many to propose** (``adaptive``, the default). A proposal row costs the step ``ROW_COST`` of a one-row
+decode step on this device, and earns the chance that it and every proposal before it are accepted. With B
+decoding requests a step costs ``1 - c + c B`` and makes B tokens, so a row pays when its expected tokens beat
+``θ = c B / (1 - c + c B)``. Each request keeps an estimate ``a`` of its per-token acceptance (accepted proposals
+over trials, a verification's earlier ones weighted ``DECAY``, one in two before any), and proposes up to the
+largest j with ``a**j >= θ``: a copying request at one request proposes all k, free chat soon none, and at 16
+requests on a CPU (θ ≈ 0.87) only a request that nearly always copies proposes at all. A request that proposes
+nothing lets its estimate drift back to the prior, so it is tried again later. Forced tokens are certain and
+always taken. ``adaptive=False`` proposes k whenever the method has them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,6 +56,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("enginekit.core")
 
 MAX_FORCED_TOKENS = 32  # forced tokens one step takes at most (each is a row of the step)
+# What one more row costs a step, as a share of a one-row decode step. CPU: measured on the default model (the
+# rows' products are bound by arithmetic, not by the weight's bytes: 2 rows 1.27x, 5 rows 2.19x, 9 rows 3.3x;
+# docs/benchmarks.md); CUDA: an estimate, not measured yet (a decode step there is bound by the weight's bytes).
+ROW_COST = {"cpu": 0.3, "cuda": 0.05}
+DECAY = 0.8  # the weight of a request's earlier verifications in its acceptance estimate, per verification
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # the estimate before any verification: one proposal in two accepted
 
 
 def make_proposer(
@@ -91,11 +108,15 @@ class Speculation:
         *,
         num_speculative_tokens: int = 0,
         long_rope_from: int | None = None,
+        adaptive: bool = True,
+        row_cost: float = ROW_COST["cpu"],
     ) -> None:
         self.proposer = proposer
         self.structured = structured
         self.k = num_speculative_tokens if proposer is not None else 0
         self.long_rope_from = long_rope_from
+        self.adaptive = adaptive
+        self.row_cost = row_cost
         self.num_draft_tokens = 0  # the method's proposals that were verified
         self.num_accepted_tokens = 0  # of them, accepted
         self.num_forced_tokens = 0  # forced tokens taken (jump forward)
@@ -131,12 +152,40 @@ class Speculation:
         if not asking:
             return
         assert self.proposer is not None  # k > 0 only with a proposer
-        limits = [min(self.k, self._room(request) - len(forced)) for request, forced, _ in asking]
-        drafts = self.proposer.propose([_Continued(r, forced) for r, forced, _ in asking], limits)
+        threshold = self.threshold(len(running))
+        limits = [min(self._worth(r, threshold), self._room(r) - len(forced)) for r, forced, _ in asking]
+        for (request, forced, masks), limit in zip(asking, limits):
+            if limit <= 0:
+                self._set(request, forced, [], masks)
+        asking = [item for item, limit in zip(asking, limits) if limit > 0]
+        limits = [limit for limit in limits if limit > 0]
+        drafts = (
+            self.proposer.propose([_Continued(r, forced) for r, forced, _ in asking], limits)
+            if asking
+            else []
+        )
         for (request, forced, masks), draft in zip(asking, drafts):
             if masks is not None:
                 draft = self._grammar_takes(request, draft, masks)
             self._set(request, forced, draft, masks)
+
+    def threshold(self, num_decoding: int) -> float:
+        """The acceptance chance at which a proposal row pays for itself in a step of ``num_decoding`` requests."""
+        c = self.row_cost
+        return c * num_decoding / (1 - c + c * num_decoding)
+
+    def _worth(self, request: Request, threshold: float) -> int:
+        """How many proposals are worth their rows for this request now (all k when not ``adaptive``)."""
+        if not self.adaptive:
+            return self.k
+        accept = (request.spec_hits + PRIOR_HITS) / (request.spec_trials + PRIOR_TRIALS)
+        if accept <= threshold:  # not worth a row: drift back to the prior, to be tried again later
+            request.spec_hits *= DECAY
+            request.spec_trials *= DECAY
+            return 0
+        if accept >= 1.0:
+            return self.k
+        return min(self.k, int(math.log(threshold) / math.log(accept)))
 
     def _room(self, request: Request) -> int:
         """Proposals the request may take: one token of the step is always the model's own."""
@@ -202,6 +251,9 @@ class Speculation:
             self.num_spec_steps += 1
             self.num_draft_tokens += num_draft
             accepted_drafts = max(kept - num_forced, 0)
+            rejected = accepted_drafts < num_draft  # the trial that ended the run
+            request.spec_hits = DECAY * request.spec_hits + accepted_drafts
+            request.spec_trials = DECAY * request.spec_trials + accepted_drafts + rejected
             self.num_accepted_tokens += accepted_drafts
             request.num_draft_tokens += num_draft
             request.num_accepted_tokens += accepted_drafts
