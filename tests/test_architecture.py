@@ -34,6 +34,7 @@ ALLOWED = {
 SHARED = {
     "config",
     "parallel_options",
+    "speculative_options",
     "errors",
     "sampling_params",
     "structured_outputs",
