@@ -254,6 +254,36 @@ def test_adaptive_proposals_skip_what_does_not_pay_and_keep_the_tokens():
     assert adaptive_stats["spec_num_draft_tokens"] - adaptive_stats["spec_num_accepted_tokens"] < wasted
 
 
+# ---- preemption and abort -------------------------------------------------------------------------------------
+def test_preemption_mid_run_loses_nothing():
+    """A cache too small for every request at once: requests are preempted (with proposals scheduled) and
+    recomputed, and get the same tokens as without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    options = {"num_kv_blocks": 10, "block_size": 8}
+    without, _ = _run(params, None, **options)
+    with_, stats = _run(params, NGRAM, **options)
+    assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in with_] == [o.outputs[0].token_ids for o in without]
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("mode", ["inproc", "mp"])
+def test_an_abort_mid_run_leaves_the_others_and_the_cache_whole(mode):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference, _ = _run(params, None, prompts=PROMPTS[1:])
+    with Engine("builtin", mode=mode, batch_invariant=True, speculative_config=NGRAM) as engine:
+        stream = engine.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        for output in stream:
+            if len(output.outputs[0].token_ids) > 8:
+                break
+        stream.close()  # aborts its request, mid-run
+        others = engine.generate(PROMPTS[1:], params)
+        stats = engine.call_utility("wait_idle")
+        assert stats["spec_num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in others] == [o.outputs[0].token_ids for o in reference]
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
 # ---- the KV cache ----------------------------------------------------------------------------------------------
 def test_rejected_proposals_give_their_blocks_back_and_are_never_cached():
     from enginekit.core.engine_core import EngineCore

@@ -128,21 +128,30 @@ class Speculation:
 
     def propose(self, running: list[Request]) -> None:
         """Set the proposals (and masks) of every running request that decodes; the others get none."""
-        asking: list[tuple[Request, list[int], list[torch.Tensor] | None]] = []
         k = self.k
-        for request in running:
-            if request.grammar is None and not k:
-                continue  # nothing to propose (the rows of a step's proposals are cleared once it is applied)
-            if request.num_pending_tokens or request.num_computed_tokens != len(request.all_token_ids) - 1:
-                continue  # prefilling, or its last token is on its way
+        decoding = [
+            request
+            for request in running
+            if (k or request.grammar is not None)
+            and not request.num_pending_tokens
+            and request.num_computed_tokens == len(request.all_token_ids) - 1  # not prefilling
+        ]
+        if not decoding:
+            return
+        # every grammar's mask at once (the backend fills a batch in parallel): each request's first row
+        matchers = {id(r): r.grammar.ready_matcher for r in decoding if r.grammar is not None}
+        first_masks = (
+            dict(zip(matchers, self.structured.bitmask(list(matchers.values())))) if matchers else {}
+        )
+        asking: list[tuple[Request, list[int], list[torch.Tensor] | None]] = []
+        for request in decoding:
             request.spec_token_ids, request.num_spec_forced, request.spec_masks = [], 0, None
             room = self._room(request)
-            if room <= 0:
-                continue
             if request.grammar is None:
-                asking.append((request, [], None))
+                if room > 0:
+                    asking.append((request, [], None))
                 continue
-            forced, masks = self._forced(request, room)
+            forced, masks = self._forced(request, max(room, 0), first_masks[id(request)])
             if k and room > len(forced) and not request.grammar.ready_matcher.is_terminated():
                 asking.append(
                     (request, forced, masks)
@@ -194,12 +203,14 @@ class Speculation:
             room = min(room, self.long_rope_from - len(request.all_token_ids))
         return room
 
-    def _forced(self, request: Request, room: int) -> tuple[list[int], list[torch.Tensor]]:
+    def _forced(
+        self, request: Request, room: int, first: torch.Tensor
+    ) -> tuple[list[int], list[torch.Tensor]]:
         """The tokens the grammar forces from here (the matcher advanced through them) and the mask of each row:
-        the mask after the forced tokens before it."""
+        ``first`` (the mask now), then the mask after each forced token."""
         assert request.grammar is not None
         matcher = request.grammar.ready_matcher
-        masks = [self.structured.bitmask([matcher])[0]]
+        masks = [first]
         forced: list[int] = []
         while len(forced) < min(room, MAX_FORCED_TOKENS) and not matcher.is_terminated():
             token = only_token(masks[-1])
