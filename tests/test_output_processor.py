@@ -83,6 +83,38 @@ def test_forget_returns_only_the_unfinished_samples():
     assert processor.forget([state]) == ["0_r", "2_r"]
 
 
+def test_a_reused_id_never_gets_the_aborted_requests_last_outputs():
+    """An aborted request's outputs still on their way when a new request takes its id belong to no one: the new
+    request gets only its own (the engine applies the abort before the new request, so they all come first)."""
+    processor = OutputProcessor()
+    old = tracked(processor, "busy")
+    processor.process(batch(EngineCoreOutput("busy", [5], "a")))
+    assert processor.forget([old]) == ["busy"]  # left early: the caller aborts it
+    new = tracked(processor, "busy")
+    processor.process(
+        batch(
+            EngineCoreOutput("busy", [6], "b"),  # sent before the engine saw the abort
+            EngineCoreOutput("busy", [], finish_reason=FinishReason.ABORT),  # the abort's final output
+            EngineCoreOutput("busy", [9], "z", FinishReason.LENGTH),  # the new request's
+        )
+    )
+    assert new.output.outputs[0].token_ids == [9] and new.output.finished
+    assert new.output.outputs[0].finish_reason == "length" and old.output.outputs[0].token_ids == [5]
+    assert processor._ending == set()
+
+
+def test_speculative_counts_sum_over_the_samples():
+    processor = OutputProcessor()
+    state = tracked(processor, n=2)
+    processor.process(batch(EngineCoreOutput("0_r", [5], num_draft_tokens=4, num_accepted_tokens=3)))
+    processor.process(batch(EngineCoreOutput("1_r", [6], num_draft_tokens=2, num_forced_tokens=5)))
+    processor.process(batch(EngineCoreOutput("0_r", [7], num_draft_tokens=8, num_accepted_tokens=6)))
+    metrics = state.output.metrics
+    assert metrics is not None
+    assert (metrics.num_draft_tokens, metrics.num_accepted_tokens, metrics.num_forced_tokens) == (10, 6, 5)
+    assert metrics.acceptance_rate == 0.6
+
+
 def test_status_and_metrics_follow_the_engine_events():
     processor = OutputProcessor()
     state = tracked(processor)

@@ -226,6 +226,10 @@ class OutputProcessor:
     def __init__(self) -> None:
         self.states: dict[str, RequestState] = {}  # by the caller's request id
         self._samples: dict[str, tuple[RequestState, int]] = {}  # by engine request id: a state and a sample
+        # Engine ids forgotten unfinished (aborted by this front end): their outputs until the final one are still
+        # on their way, and belong to no one, not to a new request that reuses the id (the engine applies the
+        # abort before the new request, so the old request's outputs all come first).
+        self._ending: set[str] = set()
 
     def add(self, state: RequestState) -> None:
         self.states[state.request_id] = state
@@ -242,7 +246,14 @@ class OutputProcessor:
 
     def process(self, batch: EngineCoreOutputs) -> None:
         samples = self._samples
+        ending = self._ending
         for delta in batch.outputs:
+            if ending and delta.request_id in ending:
+                if delta.finish_reason is not None:
+                    ending.discard(
+                        delta.request_id
+                    )  # its last: the id's outputs are a new request's from here
+                continue
             entry = samples.get(delta.request_id)
             if entry is None:
                 continue  # a request this front end already forgot (e.g. aborted and collected)
@@ -272,6 +283,7 @@ class OutputProcessor:
                     if completion.finish_reason is None
                 ]
                 self._remove(state)
+        self._ending.update(unfinished)
         return unfinished
 
     def fail_all(self, error: BaseException) -> None:
@@ -279,6 +291,7 @@ class OutputProcessor:
         failed = list(self.states.values())
         self.states.clear()
         self._samples.clear()
+        self._ending.clear()
         for state in failed:
             state.fail(error)
             if state.listener is not None:
