@@ -230,7 +230,7 @@ def test_a_row_pays_at_a_lower_acceptance_with_fewer_requests_beside_it():
 def test_a_request_proposes_as_many_as_its_acceptance_makes_worth_their_rows():
     speculation, request = _speculation(row_cost=0.3), _Request()
     threshold = speculation.threshold(1)
-    assert speculation._worth(request, threshold) == 1  # one in two before anything is known: 0.5**1 >= 0.3
+    assert speculation._worth(request, threshold) == 4  # three in four before anything is known: 0.75**4 >= 0.3
     request.spec_hits, request.spec_trials = 40.0, 41.0  # it copies: all k
     assert speculation._worth(request, threshold) == 8
     assert speculation._worth(request, speculation.threshold(16)) < 8  # beside 15 others: fewer

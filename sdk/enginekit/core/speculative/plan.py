@@ -4,7 +4,9 @@ Before each step the engine core asks ``Speculation.propose`` for the running re
 computed but the last). A request's proposals (``Request.spec_token_ids``) are, in order:
 
 1. **Forced tokens** (jump forward), for a structured output: while the grammar allows exactly one token, that
-   token, without asking any method (the matcher is advanced through them, then rolled back);
+   token (certain: its row can sample nothing else); then the text the grammar forces after them, as the
+   backend tokenizes it (``GrammarMatcher.jump_forward_tokens``: a proposal, since the model may tokenize the
+   same text otherwise), without asking any method (the matcher is advanced through them, then rolled back);
 2. **the method's drafts** (n-gram lookup, a draft model: ``Proposer``), after the forced tokens, kept while the
    grammar (if any) takes them.
 
@@ -27,7 +29,7 @@ always the model's own), and a ``longrope`` sequence's original length while it 
 decode step on this device, and earns the chance that it and every proposal before it are accepted. With B
 decoding requests a step costs ``1 - c + c B`` and makes B tokens, so a row pays when its expected tokens beat
 ``θ = c B / (1 - c + c B)``. Each request keeps an estimate ``a`` of its per-token acceptance (accepted proposals
-over trials, a verification's earlier ones weighted ``DECAY``, one in two before any), and proposes up to the
+over trials, a verification's earlier ones weighted ``DECAY``, three in four before any), and proposes up to the
 largest j with ``a**j >= θ``: a copying request at one request proposes all k, free chat soon none, and at 16
 requests on a CPU (θ ≈ 0.87) only a request that nearly always copies proposes at all. A request that proposes
 nothing lets its estimate drift back to the prior, so it is tried again later. Forced tokens are certain and
@@ -61,7 +63,9 @@ MAX_FORCED_TOKENS = 32  # forced tokens one step takes at most (each is a row of
 # docs/benchmarks.md); CUDA: an estimate, not measured yet (a decode step there is bound by the weight's bytes).
 ROW_COST = {"cpu": 0.3, "cuda": 0.05}
 DECAY = 0.8  # the weight of a request's earlier verifications in its acceptance estimate, per verification
-PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # the estimate before any verification: one proposal in two accepted
+# The estimate before any verification: three proposals in four accepted (optimistic, so that a request tries at
+# all where rows cost more: a pessimistic start would never learn that it copies).
+PRIOR_HITS, PRIOR_TRIALS = 3.0, 4.0
 
 
 def make_proposer(
@@ -212,12 +216,18 @@ class Speculation:
         matcher = request.grammar.ready_matcher
         masks = [first]
         forced: list[int] = []
-        while len(forced) < min(room, MAX_FORCED_TOKENS) and not matcher.is_terminated():
+        limit = min(room, MAX_FORCED_TOKENS)
+        while len(forced) < limit and not matcher.is_terminated():
             token = only_token(masks[-1])
             if token is None or not matcher.accept(token):
                 break
             forced.append(token)
             masks.append(self._next_mask(matcher, masks[-1]))
+        if (
+            len(forced) < limit and not matcher.is_terminated()
+        ):  # forced text the model may tokenize otherwise
+            jump = self._grammar_takes(request, matcher.jump_forward_tokens()[: limit - len(forced)], masks)
+            forced += jump
         return forced, masks
 
     def _next_mask(self, matcher: GrammarMatcher, last: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,12 @@ class GrammarMatcher(Protocol):
         """Take back the last ``num_tokens`` accepted tokens (a search of the ways a grammar goes on)."""
         ...
 
+    def jump_forward_tokens(self) -> list[int]:
+        """The text the grammar forces from here, as tokens the library picks (greedy longest, llguidance's and
+        xgrammar's): the model may tokenize the same text otherwise, so they are proposals to verify, not
+        tokens to take. The matcher does not move."""
+        ...
+
 
 MatcherT = TypeVar("MatcherT", bound=GrammarMatcher)
 

@@ -61,6 +61,9 @@ class LLGuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
 
+    def jump_forward_tokens(self) -> list[int]:
+        return self.inner.compute_ff_tokens()
+
 
 class LLGuidanceBackend:
     name = "llguidance"

@@ -51,6 +51,9 @@ class XGrammarMatcher:
         self._next_mask = None
         self._terminated = False  # a matcher that took a token after this state had not ended there
 
+    def jump_forward_tokens(self) -> list[int]:
+        return [] if self._terminated else list(self._inner.find_jump_forward_tokens())
+
     def next_mask(self) -> torch.Tensor:
         if self._next_mask is None:
             mask = torch.empty((1, self._only_stop.numel()), dtype=torch.int32)
