@@ -308,7 +308,7 @@ def _spec_counters(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for name in METRIC_KEYS
     }
     draft, accepted, forced = totals["draft"], totals["accepted"], totals["forced"]
-    out["acceptance_rate"] = accepted / draft if draft else None
+    out["acceptance_rate"] = accepted / draft if draft and accepted is not None else None
     if accepted is not None:
         own = tokens - accepted - (forced or 0)
         out["accepted_per_step"] = accepted / own if own > 0 else None
