@@ -62,7 +62,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """When things happened to a request (``time.time()`` seconds) and how often it was preempted."""
+    """When things happened to a request (``time.time()`` seconds), how often it was preempted, and what
+    speculative decoding did for it: the proposals verified (``num_draft_tokens``), those accepted, and the
+    forced tokens of its structured output taken without sampling (jump forward); summed over its samples."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -70,6 +72,14 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_forced_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """The share of the verified proposals that were accepted (``None``: none were proposed)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def time_in_queue(self) -> float | None:

@@ -11,8 +11,9 @@ from enginekit.model.batch import ScheduledBatch, SequenceChunk
 def build_batch(
     scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager, pending_rows: dict[str, int] | None = None
 ) -> tuple[ScheduledBatch, list[Request], list[Request]]:
-    """The runner's plain view of this step (decodes first, then prefill chunks), the request of each chunk,
-    and the requests that sample, in the runner's order. ``pending_rows``: the sampling rows of the step before,
+    """The runner's plain view of this step (decodes first, then prefill chunks and decodes with proposals), the
+    request of each chunk, and the requests that sample, in the runner's order. A request's proposals
+    (``Request.spec_token_ids``) follow its last token in its chunk. ``pending_rows``: the sampling rows of the step before,
     by request, whose tokens are still on their way from the device (overlapped steps). The sampling side that
     depends on the requests' latest tokens (banned stop tokens, the bitmask) is ``fill_sampling``'s."""
     ordered = [item for item in scheduled if item[1] == 1] + [item for item in scheduled if item[1] != 1]
@@ -27,12 +28,18 @@ def build_batch(
             rope_long=request.rope_long,
             seq_id=request.request_id,
         )
-        if chunk.num_tokens < num_new:  # its token was sampled by the step before and is on its way
+        num_known = num_new - len(
+            request.spec_token_ids
+        )  # the rest: proposals (the scheduler cut them to fit)
+        if request.spec_token_ids:
+            chunk.draft_token_ids = request.spec_token_ids
+            chunk.token_ids = chunk.token_ids + request.spec_token_ids
+        elif chunk.num_tokens < num_new:  # its token was sampled by the step before and is on its way
             assert pending_rows is not None and num_new == 1  # a running request's next decode
             chunk.token_ids, chunk.sampled_row = [0], pending_rows[request.request_id]
         if start < request.num_prompt_tokens:
             _prompt_chunk(chunk, request, start, num_new)
-        if start + num_new == request.num_tokens:
+        if start + num_known == request.num_tokens:
             chunk.sampling_params, chunk.generator = params, request.generator
             if params.has_penalties or request.bad_words:
                 chunk.history = (request.all_token_ids, request.num_prompt_tokens)

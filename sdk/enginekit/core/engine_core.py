@@ -32,6 +32,7 @@ from enginekit.core.model_start import start_model
 from enginekit.core.request import Request
 from enginekit.core.resources import release_device_memory, resolve_async_scheduling, resolve_device
 from enginekit.core.scheduler import Scheduler
+from enginekit.core.speculative.plan import Speculation, make_proposer
 from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.core.tp_executor import TensorParallelExecutor
@@ -39,6 +40,7 @@ from enginekit.core.validation import RequestLimits, validate_request
 from enginekit.model.kernels.library import native_kernels_status
 from enginekit.model.loader import ModelSpec
 from enginekit.model.runner import ModelRunner
+from enginekit.model.sampler import SamplerOutput
 from enginekit.model.text.vocabulary import bad_words_token_ids
 from enginekit.wire.messages import (
     AbortRequest,
@@ -158,6 +160,13 @@ class EngineCore:
             self.tokenizer,
             model_config.vocab_size,
             list(model_config.eos_token_ids),
+        )
+        speculative = config.speculative
+        self.speculation = Speculation(
+            make_proposer(config, model_config, self.tokenizer, self.device, self.dtype),
+            self.structured,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
+            long_rope_from=model_config.long_rope_from,
         )
 
     # ---- the dispatch point -------------------------------------------------------------------------
@@ -299,6 +308,8 @@ class EngineCore:
 
     def _run_scheduled(self) -> bool:
         """Schedule and launch a step; apply the step before it (overlapped) or this one (serial)."""
+        if not self.async_scheduling:  # overlapped steps do not know a request's last token yet
+            self.speculation.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         changes = status_changes(scheduled.started, scheduled.preempted)
         previous, self._in_flight = self._in_flight, None
@@ -326,6 +337,7 @@ class EngineCore:
         if self.loras is not None:  # each adapter's chunks side by side: its rows a slice, not a gather
             scheduled.sort(key=adapter_order)
         batch, requests, sampling = build_batch(scheduled, self.kv_cache, pending_rows)
+        self.speculation.forget(batch.freed_seq_ids)
         if self.loras is not None:
             self.loras.assign_slots(requests, batch.chunks)
         step = LaunchedStep(batch, requests, sampling, changes)
@@ -357,13 +369,37 @@ class EngineCore:
                 assert unsent is not None  # build_batch asks for them only while unsent
                 unsent.append(parts)
         changes = step.changes
-        for row, request in enumerate(step.sampling):
+        row = 0
+        for request in step.sampling:
+            if request.spec_token_ids:
+                row += self._verified(request, sampled, row, changes.pop(request.request_id, None))
+                continue
             if request.is_finished:
                 request.num_pending_tokens = 0
-                continue
-            self.outputs.token(request, sampled, row, changes.pop(request.request_id, None))
+            else:
+                self.outputs.token(request, sampled, row, changes.pop(request.request_id, None))
+            row += 1
         self.outputs.report_status(changes)
         self.outputs.end_step()
+
+    def _verified(self, request: Request, sampled: SamplerOutput, row: int, status: Any) -> int:
+        """Apply a decode with proposals: its rows from ``row`` on, one per proposal and one more. It keeps the
+        proposals its rows sampled too and the token after them; the cache slots of the others are given back.
+        Returns its row count."""
+        width = 1 + len(request.spec_token_ids)
+        if request.is_finished:
+            request.num_pending_tokens = 0
+        else:
+            keep = self.speculation.accepted(request, sampled.token_ids[row : row + width])
+            for j in range(keep):
+                self.outputs.token(request, sampled, row + j, status if j == 0 else None, more=j < keep - 1)
+                if request.is_finished:
+                    break
+            if not request.is_finished:
+                request.num_computed_tokens -= width - keep  # the rejected proposals' keys and values
+                self.kv_cache.trim(request, request.num_tokens)
+        request.spec_token_ids, request.num_spec_forced, request.spec_masks = [], 0, None
+        return width
 
     def _drop_in_flight(self) -> None:
         """Forget the overlapped step on its way (its requests have all ended), once its copy back is done."""
@@ -417,6 +453,7 @@ class EngineCore:
             "data_parallel_rank": self.engine_index,
             "native_kernels": native_kernels_status(),
             **self.structured.stats(),
+            **self.speculation.stats(),
             **(self.loras.stats() if self.loras is not None else {}),
         }
 
@@ -465,6 +502,7 @@ class EngineCore:
         self._idle_waiters.clear()
         self._compiling.clear()
         self.structured.shutdown()
+        self.speculation.shutdown()
         if self.runner is not None:
             self.runner.release()
         if self.executor is not None:

@@ -138,6 +138,24 @@ class KVCacheManager:
         self.block_ids[request.request_id].extend(block.block_id for block in new_blocks)
         return True
 
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether a running request's ``num_new_tokens`` more tokens fit in the blocks it holds and the free ones."""
+        held = len(self._blocks.get(request.request_id, ()))
+        total = request.num_computed_tokens + num_new_tokens
+        return -(-total // self.block_size) - held <= self.pool.num_free_blocks
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens of a running request (the slots of proposals
+        the step rejected). Those blocks hold no cached content: only blocks of known tokens are ever cached."""
+        blocks = self._blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        assert self._num_cached_blocks[request.request_id] <= keep
+        self.pool.release(blocks[keep:])
+        del blocks[keep:]
+        del self.block_ids[request.request_id][keep:]
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
         if not (self.enable_prefix_caching and request.is_cacheable):

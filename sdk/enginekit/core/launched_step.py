@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from enginekit.core.request import Request
 from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.model.batch import ScheduledBatch, TokenBitmask
@@ -58,22 +60,38 @@ def fill_sampling(
 ) -> None:
     """The step's sampling side from its requests as they are now: EOS and stop tokens banned before
     ``min_tokens`` (EOS unless ``ignore_eos``), the structured outputs' bitmask, and plain rows for requests that
-    ended since the step was scheduled."""
+    ended since the step was scheduled. A chunk with proposals has a sampling row per proposal and one more: each
+    row's bans count the proposals before it, and its mask is the one computed with them (``Request.spec_masks``)."""
     chunks = [chunk for chunk in step.batch.chunks if chunk.samples]
-    grammars = []
-    for row, (chunk, request) in enumerate(zip(chunks, step.sampling)):
+    grammars, rows, masks = [], [], []
+    row = 0
+    for chunk, request in zip(chunks, step.sampling):
+        width = chunk.num_sample_rows
         if request.is_finished:
             chunk.sampling_params, chunk.generator, chunk.history, chunk.bad_words = _ENDED, None, None, None
             chunk.banned_stop_ids = ()
+            row += width
             continue
         params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
+        short = params.min_tokens - request.num_output_tokens  # rows, from the first, that may not stop yet
+        if short > 0:
             chunk.banned_stop_ids = params.stop_token_ids + (() if params.ignore_eos else eos_token_ids)
+            chunk.num_banned_rows = min(short, width)
         else:
             chunk.banned_stop_ids = ()
-        if request.grammar is not None:
+        if request.spec_masks is not None:
+            rows += range(row, row + width)
+            masks.append(request.spec_masks[:width])
+        elif request.grammar is not None:
             grammars.append((row, request.grammar.ready_matcher))
+        row += width
     step.batch.token_bitmask = None
     if grammars:
-        bits = structured.bitmask([matcher for _, matcher in grammars])
-        step.batch.token_bitmask = TokenBitmask([row for row, _ in grammars], bits)
+        rows += [row for row, _ in grammars]
+        masks.append(structured.bitmask([matcher for _, matcher in grammars]))
+    if rows:
+        bits = masks[0] if len(masks) == 1 else torch.cat(masks)
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        if order != list(range(len(rows))):  # in row order (the sampler fills every row at once when all are)
+            rows, bits = [rows[i] for i in order], bits[order]
+        step.batch.token_bitmask = TokenBitmask(rows, bits)

@@ -37,11 +37,15 @@ class Request:
         "held_output",
         "lora",
         "max_num_tokens",
+        "num_accepted_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_draft_tokens",
+        "num_forced_tokens",
         "num_pending_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_spec_forced",
         "output_logprobs",
         "parent_request_id",
         "prompt_embeds",
@@ -49,6 +53,8 @@ class Request:
         "request_id",
         "rope_long",
         "sampling_params",
+        "spec_masks",
+        "spec_token_ids",
         "status",
         "stop_reason",
     )
@@ -94,6 +100,15 @@ class Request:
         self.grammar: RequestGrammar | None = None  # its structured output's matcher (compiled off the loop)
         self.bad_words: list[list[int]] | None = None  # SamplingParams.bad_words, tokenized
         self.lora: Adapter | None = None  # its LoRA adapter (``core/lora.py``), if it runs one
+        # Speculative decoding (``core/speculative/plan.py``): this step's proposals (forced tokens first, then
+        # the method's drafts), how many of them are forced, the grammar's mask of each of its rows (or None),
+        # and the counts so far of the method's proposals, of those accepted, and of the forced tokens taken.
+        self.spec_token_ids: list[int] = []
+        self.num_spec_forced = 0
+        self.spec_masks: torch.Tensor | None = None
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_forced_tokens = 0
 
     @property
     def num_tokens(self) -> int:

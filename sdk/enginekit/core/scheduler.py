@@ -12,6 +12,9 @@ With overlapped steps (``EngineConfig.async_scheduling``) a running request may 
 device (``Request.num_pending_tokens``): it counts as a token to compute, so the request is scheduled for its next
 decode before its last token is known, unless that token ends it by length.
 
+A decoding request may carry proposals (speculative decoding, ``Request.spec_token_ids``): they are scheduled with
+its decode as far as the token budget and the free blocks allow, and dropped rather than preempt anything.
+
 A model with ``longrope`` rotary embeddings (``long_rope_from``: its original length) rotates a sequence with the
 short factors while it holds at most that many tokens and with the long ones for all its tokens beyond, as
 transformers' Phi-3 does: a sequence that grows past the length while generating has its cache recomputed (its
@@ -87,6 +90,8 @@ class Scheduler:
                 index += 1  # its token on the way is its last (by length): nothing more to compute
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.spec_token_ids:
+                num_new = self._with_proposals(request, num_new, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -165,7 +170,22 @@ class Scheduler:
         request.block_hashes.clear()  # its blocks hash in the long chain from now on
         return True
 
+    def _with_proposals(self, request: Request, num_new: int, budget: int) -> int:
+        """A decode's tokens with its proposals (speculative decoding): as many as the token budget and the free
+        KV blocks allow (never preempting another request for a proposal); the rest are dropped."""
+        proposals = request.spec_token_ids
+        keep = min(len(proposals), budget - num_new)
+        if keep > 0 and not self.kv_cache.can_allocate(request, num_new + keep):
+            keep = 0  # the blocks are short: the decode alone, rather than a preemption for guesses
+        if keep < len(proposals):
+            del proposals[keep:]
+            request.num_spec_forced = min(request.num_spec_forced, keep)
+            if request.spec_masks is not None:
+                request.spec_masks = request.spec_masks[: keep + 1]
+        return num_new + keep
+
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids, request.num_spec_forced, request.spec_masks = [], 0, None
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -83,9 +83,18 @@ class StepOutputs:
         )
 
     # ---- a step's tokens ----------------------------------------------------------------------------
-    def token(self, request: Request, sampled: SamplerOutput, row: int, status: WireStatus | None) -> None:
+    def token(
+        self,
+        request: Request,
+        sampled: SamplerOutput,
+        row: int,
+        status: WireStatus | None,
+        *,
+        more: bool = False,
+    ) -> None:
         """Append the token sampled in ``row`` to its request and emit the delta, or the final output when it
-        stops the request; ``status`` is the request's status change this step, if any."""
+        stops the request; ``status`` is the request's status change this step, if any. ``more``: another token
+        of the request follows in this step (accepted proposals): the delta waits for the last of them."""
         token_id = sampled.token_ids[row]
         request.all_token_ids.append(token_id)
         request.num_pending_tokens = max(request.num_pending_tokens - 1, 0)
@@ -94,12 +103,20 @@ class StepOutputs:
             self.fail(request, ValueError(_no_token_left(request, token_id)))
             return
         finish_reason, stop_reason = self._check_stop(request, token_id)
-        if request.final_only or (self.stream_interval > 1 and request.num_output_tokens > 1):
+        interval = self.stream_interval > 1 and request.num_output_tokens > 1
+        if request.final_only or interval or more or request.held_output is not None:
             self._gather(request, token_id, sampled, row)
             if finish_reason is not None:
                 self.finish(request, finish_reason, stop_reason)
                 return
-            if not request.final_only:
+            if not (request.final_only or interval or more):  # the last of this step's run: send it now
+                output = _complete(request)
+                output.new_text = request.detokenizer.flush()
+                if status is not None:
+                    _stamp(output, request, status)
+                self.pending.append(output)
+                return
+            if interval and not request.final_only:
                 self._holding[request.request_id] = request
             if status is not None:
                 self.report_status({request.request_id: status})
@@ -115,6 +132,7 @@ class StepOutputs:
             _stamp(output, request, status)
         if request.prompt_logprobs is not None and params.prompt_logprobs is not None:
             _attach_prompt_logprobs(output, request, params.prompt_logprobs)
+        _count_proposals(output, request)
         if finish_reason is None:
             output.new_text = request.detokenizer.flush()
             self.pending.append(output)
@@ -265,7 +283,16 @@ def _complete(request: Request) -> EngineCoreOutput:
     output.num_cached_tokens = max(request.num_cached_tokens, 0)
     output.first_scheduled_time = request.first_scheduled_time
     output.num_preemptions = request.num_preemptions
+    _count_proposals(output, request)
     return output
+
+
+def _count_proposals(output: EngineCoreOutput, request: Request) -> None:
+    """Speculative decoding's counts so far (proposed, accepted, forced), on a request that has any."""
+    if request.num_draft_tokens or request.num_forced_tokens:
+        output.num_draft_tokens = request.num_draft_tokens
+        output.num_accepted_tokens = request.num_accepted_tokens
+        output.num_forced_tokens = request.num_forced_tokens
 
 
 def _attach_prompt_logprobs(output: EngineCoreOutput, request: Request, num_logprobs: int) -> None:

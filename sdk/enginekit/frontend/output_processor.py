@@ -35,6 +35,7 @@ class RequestState:
     __slots__ = (
         "_decode",
         "_prompt_sent",
+        "_proposals",
         "_sent",
         "engine_ids",
         "error",
@@ -92,6 +93,7 @@ class RequestState:
         self._decode = decode
         self._sent = [(0, 0)] * params.n  # per sample: tokens and characters a delta stream has yielded
         self._prompt_sent = False
+        self._proposals = [(0, 0, 0)] * params.n  # per sample: speculative decoding's counts (RequestMetrics)
 
     @classmethod
     def of(cls, prepared: PreparedRequest, decode: Decode) -> RequestState:
@@ -143,6 +145,17 @@ class RequestState:
             )
             output.prompt_logprobs = [None, *rows]
         output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
+        if (
+            delta.num_draft_tokens or delta.num_forced_tokens
+        ):  # the sample's counts so far; the request's: all
+            self._proposals[index] = (
+                delta.num_draft_tokens,
+                delta.num_accepted_tokens,
+                delta.num_forced_tokens,
+            )
+            drafts, accepted, forced = (sum(column) for column in zip(*self._proposals))
+            metrics.num_draft_tokens, metrics.num_accepted_tokens = drafts, accepted
+            metrics.num_forced_tokens = forced
         if delta.error is not None:
             kind = TypeError if delta.error.kind == "TypeError" else ValueError
             self.fail(kind(self.label + delta.error.message))

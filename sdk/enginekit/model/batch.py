@@ -49,6 +49,13 @@ class SequenceChunk:
         step and writes only the new block ids; ``None``: a sequence of this step only.
     lora_slot
         The LoRA adapter slot its rows run (``enable_lora``), ``-1`` for none: the base model's.
+    draft_token_ids
+        Speculative decoding: the proposed tokens that end ``token_ids`` (a decode's last known token, then the
+        proposals). Each of the chunk's last ``1 + len(draft_token_ids)`` rows samples: row j the token after
+        the first j proposals, so one pass verifies them all (``core/speculative/``).
+    num_banned_rows
+        How many of the chunk's sampling rows, from the first, get ``banned_stop_ids`` (the rows whose output
+        so far is shorter than ``min_tokens``).
     """
 
     token_ids: list[int]
@@ -66,6 +73,8 @@ class SequenceChunk:
     sampled_row: int | None = None
     seq_id: str | None = None
     lora_slot: int = -1
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_banned_rows: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +83,11 @@ class SequenceChunk:
     @property
     def samples(self) -> bool:
         return self.sampling_params is not None
+
+    @property
+    def num_sample_rows(self) -> int:
+        """The rows that sample: none, one, or one and one per proposal (speculative decoding)."""
+        return 1 + len(self.draft_token_ids) if self.sampling_params is not None else 0
 
     @property
     def is_decode(self) -> bool:

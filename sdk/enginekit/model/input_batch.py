@@ -4,7 +4,8 @@ Two kinds of buffer, each a host tensor (pinned on CUDA) with a device twin (on 
 itself, and nothing is copied):
 
 - **The block tables**, one row per live sequence, kept from step to step: a sequence's row is written once, then
-  only its new block ids are appended (``sync_tables``); a freed sequence's row is cleared and reused. Entries past a
+  only its new block ids are appended (``sync_tables``), or its last ones cleared when its list shrank (blocks given
+  back after rejected proposals); a freed sequence's row is cleared and reused. Entries past a
   sequence's blocks are 0. The rows that changed are copied up in one copy of the tables' used rows.
 - **The step's token rows** (token id, rotary row, cache slot, context length, table row) and the logits rows,
   computed with numpy from a handful of per-chunk numbers (no loop over tokens), packed into one buffer and copied up
@@ -25,6 +26,7 @@ import torch
 
 from enginekit.model import transfer
 from enginekit.model.batch import SequenceChunk
+from enginekit.model.layers.paged_attention import NATIVE_QUERY_ROWS
 
 TOKEN_FIELDS = 5  # token id, rotary row, cache slot, context length, table row
 
@@ -136,6 +138,11 @@ class InputBatch:
             if self._row_tables[row] is not table:  # a new list: write it whole
                 self._empty(row)
                 self._row_tables[row], written = table, 0
+            elif len(table) < written:  # blocks given back (rejected proposals' slots): clear their entries
+                self._wait_for_copy()
+                self.host_tables[row, len(table) : written] = 0
+                self._row_lengths[row] = written = len(table)
+                self._dirty = True
             if len(table) > written:
                 if len(table) > self.host_tables.shape[1]:
                     self._grow(self.host_tables.shape[0], max(len(table), self.host_tables.shape[1] * 2))
@@ -174,6 +181,8 @@ class InputBatch:
             positions = np.arange(total) - np.repeat(firsts - starts, counts)
             table_rows = np.repeat(rows, counts)
             native = (counts == 1) | (starts + counts <= native_until)
+            if native_until:
+                native |= counts <= NATIVE_QUERY_ROWS
             lens = np.where(np.repeat(native, counts), positions + 1, 0)
             tokens = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, total)
         size = self.block_size
@@ -290,17 +299,21 @@ class InputBatch:
 def _logits_rows(
     chunks: list[SequenceChunk], firsts: np.ndarray, counts: np.ndarray
 ) -> tuple[np.ndarray, dict]:
-    """The rows whose logits are computed: every sampling chunk's last, then the prompt rows whose logprobs are
-    wanted (chunk index -> their slice among the logits)."""
+    """The rows whose logits are computed: every sampling chunk's last (and, with proposals, the rows before it
+    that sample too, in order), then the prompt rows whose logprobs are wanted (chunk index -> their slice among
+    the logits)."""
     sampling = [index for index, chunk in enumerate(chunks) if chunk.samples]
     lasts = firsts + counts - 1
     rows = lasts if len(sampling) == len(chunks) else lasts[sampling]
+    widths = [chunks[index].num_sample_rows for index in sampling]
+    if any(width > 1 for width in widths):  # proposals: each chunk's last rows, one per proposal and one more
+        rows = np.concatenate([np.arange(last - width + 1, last + 1) for last, width in zip(rows, widths)])
     prompt = [
         (index, len(chunk.prompt_targets)) for index, chunk in enumerate(chunks) if chunk.prompt_targets
     ]
     if not prompt:
         return rows, {}
-    parts, prompt_rows, at = [rows], {}, len(sampling)
+    parts, prompt_rows, at = [rows], {}, len(rows)
     for index, targets in prompt:
         prompt_rows[index] = slice(at, at + targets)
         parts.append(np.arange(firsts[index], firsts[index] + targets))

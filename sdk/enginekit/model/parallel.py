@@ -37,7 +37,9 @@ COLLECTIVE_TIMEOUT_S = 300.0  # the longest a rank waits for the others in one c
 STORE_HOST = "127.0.0.1"
 HEADER = struct.Struct("<8q")  # op, chunks, tokens, table entries, used blocks, embedding rows, payload, 0
 OP_STEP, OP_STOP, OP_LORA = 1, 0, 2  # OP_LORA: op, slot, rank, values, then 0s
-CHUNK_FIELDS = 8  # start, tokens, samples, prompt targets, rope_long, table length, embedding rows, LoRA slot
+CHUNK_FIELDS = (
+    8  # start, tokens, sampling rows, prompt targets, rope_long, table length, embedding rows, LoRA slot
+)
 _SAMPLES = SamplingParams(max_tokens=1)  # what marks a worker's chunk as sampled (only its presence counts)
 
 
@@ -168,7 +170,7 @@ def pack_batch(batch: ScheduledBatch) -> tuple[bytes, torch.Tensor, torch.Tensor
         fields += [
             chunk.start,
             chunk.num_tokens,
-            int(chunk.samples),
+            chunk.num_sample_rows,
             len(chunk.prompt_targets or ()),
             int(chunk.rope_long),
             len(chunk.block_table),
@@ -231,6 +233,7 @@ def receive_batch(
             start,
             payload[table_at : table_at + table_len],
             sampling_params=_SAMPLES if samples else None,
+            draft_token_ids=[0] * (samples - 1) if samples > 1 else [],
             prompt_targets=[0] * targets if targets else None,
             prompt_logprobs=1 if targets else None,
             rope_long=bool(rope_long),

@@ -23,10 +23,23 @@ from enginekit.model.decode_graph import DecodeGraphs
 from enginekit.model.decoder import Decoder
 from enginekit.model.input_batch import InputBatch, StepInputs
 from enginekit.model.kernels.triton_path import PagedAttentionInputs
-from enginekit.model.layers.paged_attention import NATIVE_PREFILL_TOKENS, AttentionMetadata, PrefillChunk
+from enginekit.model.layers.paged_attention import (
+    NATIVE_PREFILL_TOKENS,
+    NATIVE_QUERY_ROWS,
+    AttentionMetadata,
+    PrefillChunk,
+)
 from enginekit.model.lora.model import LoRAModel, LoRASpec
 from enginekit.model.lora.weights import LoRAWeights
-from enginekit.model.sampler import DeviceSample, PendingSample, Sampler, SamplerOutput, top_logprobs
+from enginekit.model.sampler import (
+    DeviceSample,
+    PendingSample,
+    Sampler,
+    SamplerOutput,
+    SampleRows,
+    sample_rows,
+    top_logprobs,
+)
 
 
 class ExecutorError(RuntimeError):
@@ -165,17 +178,24 @@ class ModelRunner:
         on the logits' device."""
         chunks = batch.chunks
         sampling = [chunk for chunk in chunks if chunk.samples]
-        histories = [chunk.history for chunk in sampling] if any(c.history for c in sampling) else None
-        bad_words = [chunk.bad_words for chunk in sampling] if any(c.bad_words for c in sampling) else None
-        bans = [c.banned_stop_ids for c in sampling] if any(c.banned_stop_ids for c in sampling) else None
+        if any(chunk.draft_token_ids for chunk in sampling):
+            rows = sample_rows(sampling)
+        else:
+            rows = SampleRows(
+                [c.sampling_params for c in sampling if c.sampling_params is not None],  # all of them
+                [c.generator for c in sampling],
+                [chunk.history for chunk in sampling] if any(c.history for c in sampling) else None,
+                [chunk.bad_words for chunk in sampling] if any(c.bad_words for c in sampling) else None,
+                [c.banned_stop_ids for c in sampling] if any(c.banned_stop_ids for c in sampling) else None,
+            )
         sample = self.sampler.sample(
-            logits[: len(sampling)],
-            [c.sampling_params for c in sampling if c.sampling_params is not None],  # all of them
-            [c.generator for c in sampling],
-            histories,
-            bad_words=bad_words,
+            logits[: len(rows.params)],
+            rows.params,
+            rows.generators,
+            rows.histories,
+            bad_words=rows.bad_words,
             bitmask=batch.token_bitmask,
-            banned_stop_ids=bans,
+            banned_stop_ids=rows.banned_stop_ids,
         )
         if prompt_rows:
             sample.prompt_logprobs = {}
@@ -257,7 +277,8 @@ class ModelRunner:
     def _prefill_chunk(self, chunk: SequenceChunk, row: int, native: bool, table_row: int) -> PrefillChunk:
         start, end = chunk.start, chunk.start + chunk.num_tokens
         prefill = PrefillChunk(token_start=row, num_tokens=chunk.num_tokens, context_start=start)
-        if native and end <= self._native_until:  # attends in place, in the step's native call
+        if native and (end <= self._native_until or chunk.num_tokens <= NATIVE_QUERY_ROWS):
+            # attends in place, in the step's native call
             prefill.native = True
         elif start:
             prefill.block_table = self.inputs.tables[table_row, : -(-end // self.block_size)]

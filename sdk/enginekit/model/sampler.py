@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from enginekit.model import transfer
-from enginekit.model.batch import TokenBitmask
+from enginekit.model.batch import SequenceChunk, TokenBitmask
 from enginekit.model.penalties import apply_penalties
 from enginekit.model.token_controls import (
     TokenHistory,
@@ -84,6 +84,45 @@ class PendingSample:
                 for i, index in enumerate(self._chunks)
             }
         return output
+
+
+@dataclass
+class SampleRows:
+    """What each sampling row of a step samples with: its parameters and generator, and (``None`` where no row
+    needs them) its token history, bad words and the EOS and stop tokens it may not take yet."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    histories: list[TokenHistory | None] | None = None
+    bad_words: list[list[list[int]] | None] | None = None
+    banned_stop_ids: list[tuple[int, ...]] | None = None
+
+
+def sample_rows(chunks: list[SequenceChunk]) -> SampleRows:
+    """The sampling rows of ``chunks`` (those that sample) with proposals (speculative decoding): a chunk's row
+    j samples after its first j proposals, so its history ends with them, and it gets the stop-token bans while
+    its output is shorter than ``min_tokens`` (``SequenceChunk.num_banned_rows``)."""
+    rows = SampleRows([], [])
+    histories: list[TokenHistory | None] = []
+    bad_words: list[list[list[int]] | None] = []
+    bans: list[tuple[int, ...]] = []
+    for chunk in chunks:
+        assert chunk.sampling_params is not None  # a chunk that samples
+        drafts, width = chunk.draft_token_ids, chunk.num_sample_rows
+        rows.params += [chunk.sampling_params] * width
+        rows.generators += [chunk.generator] * width
+        bad_words += [chunk.bad_words] * width
+        banned = chunk.banned_stop_ids
+        bans += [banned if j < chunk.num_banned_rows else () for j in range(width)]
+        if chunk.history is None:
+            histories += [None] * width
+        else:
+            tokens, num_prompt = chunk.history
+            histories += [(tokens + drafts[:j] if j else tokens, num_prompt) for j in range(width)]
+    rows.histories = histories if any(h is not None for h in histories) else None
+    rows.bad_words = bad_words if any(bad_words) else None
+    rows.banned_stop_ids = bans if any(bans) else None
+    return rows
 
 
 class Sampler:

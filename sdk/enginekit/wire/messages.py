@@ -181,6 +181,11 @@ class EngineCoreOutput(msgspec.Struct, **_MESSAGE):
     num_preemptions: int = 0
     # A final_only request's one output: when the engine produced its first token (no delta told the front end).
     first_token_time: float = 0.0
+    # Speculative decoding, so far (on the outputs of a request that has any): its proposals verified, of them
+    # accepted, and the forced tokens of its structured output taken without sampling.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_forced_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -29,6 +29,9 @@ from enginekit.model.kernels.triton_path import PagedAttentionInputs
 # query over its own context), the others through SDPA (which reuses each key across many queries): past about
 # this many tokens SDPA per chunk was faster (docs/benchmarks.md).
 NATIVE_PREFILL_TOKENS = 512
+# So does any chunk of at most this many rows (a decode's proposals, speculative decoding), wherever it starts: a
+# few queries gain nothing from SDPA's reuse of each key, and would pay its gather and mask.
+NATIVE_QUERY_ROWS = 32
 
 
 @dataclass

@@ -1,0 +1,241 @@
+"""A step's proposals, before the scheduler, and what the step accepted of them, after it.
+
+Before each step the engine core asks ``Speculation.propose`` for the running requests that decode (every token
+computed but the last). A request's proposals (``Request.spec_token_ids``) are, in order:
+
+1. **Forced tokens** (jump forward), for a structured output: while the grammar allows exactly one token, that
+   token, without asking any method (the matcher is advanced through them, then rolled back);
+2. **the method's drafts** (n-gram lookup, a draft model: ``Proposer``), after the forced tokens, kept while the
+   grammar (if any) takes them.
+
+The grammar's masks of every row are computed on the way (``Request.spec_masks``), so the step's bitmask costs
+nothing more. The scheduler then schedules the decode with its proposals (as many as its token budget allows),
+one pass of the model computes a row per proposal and one more, and each row samples as a request's next token
+would after the proposals before it. ``accepted`` keeps the longest run of proposals equal to what the rows
+sampled, and the one token after it.
+
+Why this keeps the target distribution: a proposal is a point mass (the n-gram's tokens, the draft model's greedy
+ones). Rejection sampling with a point-mass proposal d accepts d with probability p(d) and otherwise draws from p
+with d removed and renormalised; drawing x from p and accepting when x == d does exactly that, with x as the draw
+when it is not d. A greedy row's x is p's argmax, so greedy requests get the tokens they would get without
+proposals (up to the rounding of a step's row count: exact with ``batch_invariant=True``).
+
+A proposal is never longer than the room left: the request's ``max_tokens`` or ``max_model_len`` (one token is
+always the model's own), and a ``longrope`` sequence's original length while it rotates with the short factors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from enginekit.core.speculative.proposer import Proposer
+from enginekit.core.structured.backend import GrammarMatcher
+
+if TYPE_CHECKING:
+    from enginekit.config import EngineConfig
+    from enginekit.core.request import Request
+    from enginekit.core.structured.manager import StructuredOutputManager
+    from enginekit.model.config import ModelConfig
+    from enginekit.model.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("enginekit.core")
+
+MAX_FORCED_TOKENS = 32  # forced tokens one step takes at most (each is a row of the step)
+
+
+def make_proposer(
+    config: EngineConfig, target: ModelConfig, tokenizer: Tokenizer, device: torch.device, dtype: torch.dtype
+) -> Proposer | None:
+    """The proposer ``config.speculative_config`` asks for (``None``: no speculative decoding)."""
+    speculative = config.speculative
+    if speculative is None:
+        return None
+    if speculative.method == "ngram":
+        from enginekit.core.speculative.ngram import NgramProposer
+
+        return NgramProposer(max_n=speculative.prompt_lookup_max, min_n=speculative.prompt_lookup_min)
+    from enginekit.core.speculative.draft_model import DraftModelProposer
+
+    return DraftModelProposer.create(config, target, tokenizer, device, dtype)
+
+
+class _Continued:
+    """A request seen by a proposer with its forced tokens already appended."""
+
+    __slots__ = ("all_token_ids", "num_prompt_tokens", "request_id")
+
+    def __init__(self, request: Request, forced: list[int]) -> None:
+        self.request_id = request.request_id
+        self.all_token_ids = request.all_token_ids + forced if forced else request.all_token_ids
+        self.num_prompt_tokens = request.num_prompt_tokens
+
+
+class Speculation:
+    """Proposals for the decoding requests, and the counts of what was proposed, forced and accepted."""
+
+    def __init__(
+        self,
+        proposer: Proposer | None,
+        structured: StructuredOutputManager,
+        *,
+        num_speculative_tokens: int = 0,
+        long_rope_from: int | None = None,
+    ) -> None:
+        self.proposer = proposer
+        self.structured = structured
+        self.k = num_speculative_tokens if proposer is not None else 0
+        self.long_rope_from = long_rope_from
+        self.num_draft_tokens = 0  # the method's proposals that were verified
+        self.num_accepted_tokens = 0  # of them, accepted
+        self.num_forced_tokens = 0  # forced tokens taken (jump forward)
+        self.num_spec_steps = 0  # request-steps that verified at least one proposal
+
+    @property
+    def enabled(self) -> bool:
+        return self.proposer is not None
+
+    def propose(self, running: list[Request]) -> None:
+        """Set the proposals (and masks) of every running request that decodes; the others get none."""
+        asking: list[tuple[Request, list[int], list[torch.Tensor] | None]] = []
+        k = self.k
+        for request in running:
+            if request.grammar is None and not k:
+                continue  # nothing to propose (the rows of a step's proposals are cleared once it is applied)
+            if request.num_pending_tokens or request.num_computed_tokens != len(request.all_token_ids) - 1:
+                continue  # prefilling, or its last token is on its way
+            request.spec_token_ids, request.num_spec_forced, request.spec_masks = [], 0, None
+            room = self._room(request)
+            if room <= 0:
+                continue
+            if request.grammar is None:
+                asking.append((request, [], None))
+                continue
+            forced, masks = self._forced(request, room)
+            if k and room > len(forced) and not request.grammar.ready_matcher.is_terminated():
+                asking.append(
+                    (request, forced, masks)
+                )  # the matcher stays advanced through the forced tokens
+            else:
+                self._set(request, forced, [], masks)
+        if not asking:
+            return
+        assert self.proposer is not None  # k > 0 only with a proposer
+        limits = [min(self.k, self._room(request) - len(forced)) for request, forced, _ in asking]
+        drafts = self.proposer.propose([_Continued(r, forced) for r, forced, _ in asking], limits)
+        for (request, forced, masks), draft in zip(asking, drafts):
+            if masks is not None:
+                draft = self._grammar_takes(request, draft, masks)
+            self._set(request, forced, draft, masks)
+
+    def _room(self, request: Request) -> int:
+        """Proposals the request may take: one token of the step is always the model's own."""
+        room = request.max_num_tokens - len(request.all_token_ids) - 1
+        if self.long_rope_from is not None and not request.rope_long:
+            room = min(room, self.long_rope_from - len(request.all_token_ids))
+        return room
+
+    def _forced(self, request: Request, room: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The tokens the grammar forces from here (the matcher advanced through them) and the mask of each row:
+        the mask after the forced tokens before it."""
+        assert request.grammar is not None
+        matcher = request.grammar.ready_matcher
+        masks = [self.structured.bitmask([matcher])[0]]
+        forced: list[int] = []
+        while len(forced) < min(room, MAX_FORCED_TOKENS) and not matcher.is_terminated():
+            token = only_token(masks[-1])
+            if token is None or not matcher.accept(token):
+                break
+            forced.append(token)
+            masks.append(self._next_mask(matcher, masks[-1]))
+        return forced, masks
+
+    def _next_mask(self, matcher: GrammarMatcher, last: torch.Tensor) -> torch.Tensor:
+        """The mask of the row after a token the matcher took; once it has ended, any (that row's token is never
+        kept: the request stops at the one before)."""
+        return last if matcher.is_terminated() else self.structured.bitmask([matcher])[0]
+
+    def _grammar_takes(self, request: Request, draft: list[int], masks: list[torch.Tensor]) -> list[int]:
+        """The drafts the grammar takes, from the first (the matcher advanced through them, a mask for each)."""
+        assert request.grammar is not None
+        matcher = request.grammar.ready_matcher
+        taken = 0
+        for token in draft:
+            if matcher.is_terminated() or not _allows(masks[-1], token) or not matcher.accept(token):
+                break
+            taken += 1
+            masks.append(self._next_mask(matcher, masks[-1]))
+        return draft[:taken]
+
+    def _set(
+        self, request: Request, forced: list[int], draft: list[int], masks: list[torch.Tensor] | None
+    ) -> None:
+        if masks is not None:
+            assert request.grammar is not None
+            steps = len(forced) + len(draft)
+            if steps:
+                request.grammar.ready_matcher.rollback(steps)
+            request.spec_masks = torch.stack(masks)  # row j: the mask after the first j proposals
+        request.spec_token_ids = forced + draft if draft else forced
+        request.num_spec_forced = len(forced)
+
+    def accepted(self, request: Request, sampled: list[int]) -> int:
+        """How many of the step's rows' tokens (``sampled``, one per row) the request keeps: the proposals that
+        equal what their row sampled, from the first, and the token after them. Counts them."""
+        proposals = request.spec_token_ids
+        num_forced = request.num_spec_forced
+        kept = 0
+        while kept < len(proposals) and sampled[kept] == proposals[kept]:
+            kept += 1
+        num_draft = len(proposals) - num_forced
+        if num_draft:
+            self.num_spec_steps += 1
+            self.num_draft_tokens += num_draft
+            accepted_drafts = max(kept - num_forced, 0)
+            self.num_accepted_tokens += accepted_drafts
+            request.num_draft_tokens += num_draft
+            request.num_accepted_tokens += accepted_drafts
+        forced = min(kept, num_forced)
+        self.num_forced_tokens += forced
+        request.num_forced_tokens += forced
+        return kept + 1
+
+    def forget(self, request_ids: list[str]) -> None:
+        if self.proposer is not None and request_ids:
+            self.proposer.forget(request_ids)
+
+    def stats(self) -> dict[str, float | int]:
+        drafts = self.num_draft_tokens
+        return {
+            "spec_num_draft_tokens": drafts,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_acceptance_rate": self.num_accepted_tokens / drafts if drafts else 0.0,
+            "spec_mean_accepted_per_step": self.num_accepted_tokens / self.num_spec_steps
+            if self.num_spec_steps
+            else 0.0,
+            "spec_num_forced_tokens": self.num_forced_tokens,
+        }
+
+    def shutdown(self) -> None:
+        if self.proposer is not None:
+            self.proposer.shutdown()
+
+
+def only_token(mask: torch.Tensor) -> int | None:
+    """The one token a packed bitmask row allows, or ``None`` when it allows none or several."""
+    words = mask.numpy().view(np.uint32)
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) != 1:
+        return None
+    word = int(words[nonzero[0]])
+    if word & (word - 1):
+        return None
+    return int(nonzero[0]) * 32 + word.bit_length() - 1
+
+
+def _allows(mask: torch.Tensor, token: int) -> bool:
+    word = token // 32
+    return word < mask.numel() and bool((int(mask[word]) >> (token % 32)) & 1)
