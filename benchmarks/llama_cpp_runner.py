@@ -6,7 +6,11 @@ Here one context holds up to ``max_sequences`` sequences in a unified KV cache: 
 together (in ``n_batch``-token chunks), then every step decodes one token of each sequence in one
 ``llama_decode`` call, as the engine's steps do. Greedy: each sequence's next token is the argmax of its logits.
 
-The benchmark sections run it in a child process (``LlamaCppProcess``): llama-cpp-python built from source can
+``LlamaCppGenerate`` is the other way in: llama-cpp-python's high-level ``Llama.generate``, one sequence at a
+time, optionally with its prompt lookup decoding (``LlamaPromptLookupDecoding`` as the draft model), timed from
+the first generated token to the last as well as from the start.
+
+The benchmark sections run either in a child process (``LlamaCppProcess``): llama-cpp-python built from source can
 crash in native code (on Intel AMX hosts 0.3.36 segfaults at its first decode), and a crash there must cost the
 run its llama.cpp figures only. A crash raises ``LlamaCppCrashed`` naming the signal; ``interleave_surviving``
 then measures the other systems without it. ``python benchmarks/llama_cpp_runner.py serve ARGS`` is the child.
@@ -69,11 +73,25 @@ class LlamaCppProcess:
         max_length: int,
         threads: int,
         reply_timeout_s: float = REPLY_TIMEOUT_S,
+        kind: str = "batch",
+        prompt_lookup: dict[str, int] | None = None,
     ) -> None:
+        """``kind``: ``"batch"`` (``LlamaCpp``: ``generate``) or ``"generate"`` (``LlamaCppGenerate``: ``complete``,
+        with ``prompt_lookup``, ``LlamaPromptLookupDecoding``'s arguments, or ``None`` for plain decoding)."""
+        if kind not in ("batch", "generate"):
+            raise ValueError(f"kind must be 'batch' or 'generate', got {kind!r}")
         self._timeout = reply_timeout_s
+        self.kind = kind
         # llama.cpp logs its load on stderr: into a file, which cannot fill as a pipe can (closed in close())
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
-        arguments = dict(path=path, max_sequences=max_sequences, max_length=max_length, threads=threads)
+        arguments = dict(
+            path=path,
+            max_sequences=max_sequences,
+            max_length=max_length,
+            threads=threads,
+            kind=kind,
+            prompt_lookup=prompt_lookup,
+        )
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "serve", json.dumps(arguments)],
             stdin=subprocess.PIPE,
@@ -106,6 +124,21 @@ class LlamaCppProcess:
         )
         reply = self._receive(f"generating for {len(prompts)} sequence(s)")
         return int(reply["tokens"]), float(reply["elapsed_s"])
+
+    def complete(
+        self, prompt: Sequence[int], max_tokens: int, stop_token_ids: Sequence[int]
+    ) -> dict[str, Any]:
+        """``LlamaCppGenerate.complete`` in the child (``kind="generate"``): the generated token ids, the
+        seconds from the start to the last token (``elapsed_s``) and to the first (``first_token_s``)."""
+        self._send(
+            {
+                "op": "complete",
+                "prompt": list(prompt),
+                "max_tokens": max_tokens,
+                "stop_token_ids": list(stop_token_ids),
+            }
+        )
+        return self._receive("generating one sequence with Llama.generate")
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
@@ -311,6 +344,58 @@ class LlamaCpp:
         self.close()
 
 
+class LlamaCppGenerate:
+    """llama-cpp-python's high-level ``Llama`` on one sequence at a time, greedy; with ``prompt_lookup``
+    (``{"max_ngram_size": n, "num_pred_tokens": k}``) its prompt lookup decoding proposes the tokens that followed
+    the latest match of the context's last n..1 tokens, and one ``llama_decode`` verifies them."""
+
+    def __init__(
+        self, path: str, *, max_length: int, threads: int, prompt_lookup: dict[str, int] | None = None
+    ) -> None:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        draft = LlamaPromptLookupDecoding(**prompt_lookup) if prompt_lookup is not None else None
+        self._llm = Llama(
+            model_path=path,
+            n_ctx=max_length + 64,
+            n_batch=N_BATCH,
+            n_threads=threads,
+            n_threads_batch=threads,
+            draft_model=draft,
+            seed=0,
+            verbose=False,
+        )
+        self.vocab_size = self._llm.n_vocab()
+
+    def complete(
+        self, prompt: Sequence[int], max_tokens: int, stop_token_ids: Sequence[int]
+    ) -> dict[str, Any]:
+        """Greedy tokens after ``prompt`` until a stop token (left out) or ``max_tokens``, with no prefix reused
+        from the previous call; the seconds to the first and to the last token."""
+        if os.environ.get(FAULT_ENV) == "decode":
+            _fault()
+        self._llm.reset()
+        stops = set(stop_token_ids)
+        tokens: list[int] = []
+        start = time.perf_counter()
+        first = elapsed = 0.0
+        for token in self._llm.generate(list(prompt), temp=0.0, repeat_penalty=1.0, reset=True):
+            if not tokens:
+                first = time.perf_counter() - start
+            if token in stops:
+                break
+            tokens.append(int(token))
+            elapsed = time.perf_counter() - start
+            if len(tokens) >= max_tokens:
+                break
+        return {"token_ids": tokens, "elapsed_s": elapsed, "first_token_s": first}
+
+    def close(self) -> None:
+        self._llm.close()
+
+
 def _fault() -> None:
     """A real segmentation fault: a read at address 0."""
     import ctypes
@@ -325,13 +410,22 @@ def serve(arguments: dict[str, Any]) -> int:
     os.dup2(2, 1)
     if os.environ.get(FAULT_ENV) == "start":
         _fault()
+    llm: LlamaCpp | LlamaCppGenerate
     try:
-        llm = LlamaCpp(
-            arguments["path"],
-            max_sequences=arguments["max_sequences"],
-            max_length=arguments["max_length"],
-            threads=arguments["threads"],
-        )
+        if arguments.get("kind", "batch") == "generate":
+            llm = LlamaCppGenerate(
+                arguments["path"],
+                max_length=arguments["max_length"],
+                threads=arguments["threads"],
+                prompt_lookup=arguments.get("prompt_lookup"),
+            )
+        else:
+            llm = LlamaCpp(
+                arguments["path"],
+                max_sequences=arguments["max_sequences"],
+                max_length=arguments["max_length"],
+                threads=arguments["threads"],
+            )
     except Exception as error:
         replies.write(json.dumps({"error": f"{type(error).__name__}: {error}"}) + "\n")
         return 1
@@ -342,9 +436,17 @@ def serve(arguments: dict[str, Any]) -> int:
             if request["op"] == "close":
                 break
             try:
-                start = time.perf_counter()
-                tokens = llm.generate(request["prompts"], request["output_len"], batched=request["batched"])
-                reply: dict[str, Any] = {"tokens": tokens, "elapsed_s": time.perf_counter() - start}
+                reply: dict[str, Any]
+                if request["op"] == "complete" and isinstance(llm, LlamaCppGenerate):
+                    reply = llm.complete(request["prompt"], request["max_tokens"], request["stop_token_ids"])
+                elif request["op"] == "generate" and isinstance(llm, LlamaCpp):
+                    start = time.perf_counter()
+                    tokens = llm.generate(
+                        request["prompts"], request["output_len"], batched=request["batched"]
+                    )
+                    reply = {"tokens": tokens, "elapsed_s": time.perf_counter() - start}
+                else:
+                    reply = {"error": f"op {request['op']!r} is not served by {type(llm).__name__}"}
             except Exception as error:
                 reply = {"error": f"{type(error).__name__}: {error}"}
             replies.write(json.dumps(reply) + "\n")

@@ -150,6 +150,13 @@ SECTIONS: tuple[Section, ...] = (
         "render_structured_outputs_bench",
     ),
     Section(
+        "speculative",
+        "What does speculative decoding give?",
+        "benchmarks.bench_speculative",
+        "run_speculative_bench",
+        "render_speculative_bench",
+    ),
+    Section(
         "lora",
         "What do LoRA adapters cost?",
         "benchmarks.bench_lora",
