@@ -25,7 +25,7 @@ from .figures import number, rate, ratio, summary, target
 from .spec_workloads import SCHEMA, chat_conversations, copy_conversations, copy_share, json_conversations
 from .stats import markdown_table
 
-SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # llama.cpp's lookup: the same number of proposals, matched on the context's last 4..1 tokens
 LLAMA_LOOKUP = {"max_ngram_size": 4, "num_pred_tokens": 5}
 VARIANTS = ("plain", "ngram")
