@@ -230,7 +230,9 @@ def test_a_row_pays_at_a_lower_acceptance_with_fewer_requests_beside_it():
 def test_a_request_proposes_as_many_as_its_acceptance_makes_worth_their_rows():
     speculation, request = _speculation(row_cost=0.3), _Request()
     threshold = speculation.threshold(1)
-    assert speculation._worth(request, threshold) == 4  # three in four before anything is known: 0.75**4 >= 0.3
+    assert (
+        speculation._worth(request, threshold) == 4
+    )  # three in four before anything is known: 0.75**4 >= 0.3
     request.spec_hits, request.spec_trials = 40.0, 41.0  # it copies: all k
     assert speculation._worth(request, threshold) == 8
     assert speculation._worth(request, speculation.threshold(16)) < 8  # beside 15 others: fewer
@@ -339,7 +341,8 @@ def test_forced_tokens_come_without_sampling_and_change_nothing(backend, specula
         temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA), logprobs=1
     )
     options = {"structured_outputs_backend": backend}
-    reference, _ = _run(params, None, async_scheduling=True, **options)  # overlapped: no jump forward
+    reference, reference_stats = _run(params, None, jump_forward=False, **options)
+    assert reference_stats["spec_num_forced_tokens"] == 0
     jumped, stats = _run(params, speculative, **options)
     assert stats["spec_num_forced_tokens"] > 0
     assert [o.metrics.num_forced_tokens for o in jumped] == [
@@ -349,6 +352,14 @@ def test_forced_tokens_come_without_sampling_and_change_nothing(backend, specula
     for a, b in zip(reference, jumped):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert [list(row) for row in b.outputs[0].logprobs] == [list(row) for row in a.outputs[0].logprobs]
+
+
+def test_proposals_under_a_grammar_without_jump_forward_keep_the_tokens():
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    reference, _ = _run(params, None, jump_forward=False)
+    speculated, stats = _run(params, NGRAM, jump_forward=False)
+    assert stats["spec_num_forced_tokens"] == 0 and stats["spec_num_draft_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in speculated] == [o.outputs[0].token_ids for o in reference]
 
 
 # ---- sampling keeps the target distribution ---------------------------------------------------------------------

@@ -198,7 +198,12 @@ def test_the_engine_verifies_a_draft_models_proposals_and_keeps_its_greedy_token
         expected = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     rates = {}
     for name, draft in (("other", other), ("self", target)):
-        speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": K, "adaptive": False}
+        speculative = {
+            "method": "draft_model",
+            "model": draft,
+            "num_speculative_tokens": K,
+            "adaptive": False,
+        }
         with Engine(target, speculative_config=speculative, **options) as engine:
             outputs = engine.generate(prompts, params)
             stats = engine.get_stats()

@@ -197,7 +197,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         request proposes only as many tokens as its recent acceptance makes worth their rows on this device
         (none in free chat, all k while it copies); ``False``: k whenever the method has them, as vLLM does.
         Steps run serially (``async_scheduling`` off).
-        Apart from it, a structured output's forced tokens always come without sampling (jump forward).
+    jump_forward
+        A structured output's forced text comes without sampling: while its grammar allows one token, that token,
+        and the text it forces past them as the backend tokenizes it, verified with the step's proposals (the
+        model may tokenize it otherwise). With or without ``speculative_config``; serial steps only (not with
+        ``async_scheduling``). ``False``: every token sampled.
     """
 
     model: str | None = None
@@ -242,6 +246,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     speculative_config: dict[str, Any] | None = None
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         _require(  # NOTE: an empty path would resolve to the current directory and load whatever lies there

@@ -171,6 +171,7 @@ class EngineCore:
             long_rope_from=model_config.long_rope_from,
             adaptive=speculative.adaptive if speculative is not None else True,
             row_cost=ROW_COST.get(self.device.type, ROW_COST["cpu"]),
+            jump_forward=config.jump_forward,
         )
 
     # ---- the dispatch point -------------------------------------------------------------------------

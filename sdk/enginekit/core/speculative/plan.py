@@ -114,6 +114,7 @@ class Speculation:
         long_rope_from: int | None = None,
         adaptive: bool = True,
         row_cost: float = ROW_COST["cpu"],
+        jump_forward: bool = True,
     ) -> None:
         self.proposer = proposer
         self.structured = structured
@@ -121,6 +122,7 @@ class Speculation:
         self.long_rope_from = long_rope_from
         self.adaptive = adaptive
         self.row_cost = row_cost
+        self.jump_forward = jump_forward
         self.num_draft_tokens = 0  # the method's proposals that were verified
         self.num_accepted_tokens = 0  # of them, accepted
         self.num_forced_tokens = 0  # forced tokens taken (jump forward)
@@ -132,11 +134,11 @@ class Speculation:
 
     def propose(self, running: list[Request]) -> None:
         """Set the proposals (and masks) of every running request that decodes; the others get none."""
-        k = self.k
+        k, jump = self.k, self.jump_forward
         decoding = [
             request
             for request in running
-            if (k or request.grammar is not None)
+            if (k or (jump and request.grammar is not None))
             and not request.num_pending_tokens
             and request.num_computed_tokens == len(request.all_token_ids) - 1  # not prefilling
         ]
@@ -155,7 +157,8 @@ class Speculation:
                 if room > 0:
                     asking.append((request, [], None))
                 continue
-            forced, masks = self._forced(request, max(room, 0), first_masks[id(request)])
+            first = first_masks[id(request)]
+            forced, masks = self._forced(request, max(room, 0), first) if jump else ([], [first])
             if k and room > len(forced) and not request.grammar.ready_matcher.is_terminated():
                 asking.append(
                     (request, forced, masks)
