@@ -90,7 +90,8 @@ def run_speculative_bench(quick: bool) -> dict[str, Any]:
             "inproc",
             num_threads=ctx.threads,
             num_kv_blocks=blocks,
-            **({"speculative_config": dict(SPECULATIVE)} if variant == "ngram" else {}),
+            # without: every token sampled (no jump forward either), the engine before speculative decoding
+            **({"speculative_config": dict(SPECULATIVE)} if variant == "ngram" else {"jump_forward": False}),
         )
         for variant in VARIANTS
     }
@@ -367,7 +368,8 @@ def render_speculative_bench(figures: dict[str, Any]) -> str:
     reported = any(cell["spec"]["draft"] is not None for cell in cells)
     parts = [
         f'{figures["model"]} (`Engine()`\'s file, weights as stored), `mode="inproc"`, {figures["threads"]} threads: '
-        f"the same engine without speculation and with `speculative_config={config}`, interleaved round by round "
+        f"the same engine without speculation (`jump_forward=False`: every token sampled) and with "
+        f"`speculative_config={config}` (and jump forward, the default), interleaved round by round "
         f"({size['rounds']} rounds after a warm-up). Greedy; each request ends at its end of turn, its JSON's "
         f"end or `max_tokens` ({', '.join(f'{LABELS[w]} {n}' for w, n in size['max_tokens'].items())}). "
         "The prompts repeat every round, so after the warm-up their prefill comes from the prefix cache and "
@@ -376,7 +378,8 @@ def render_speculative_bench(figures: dict[str, Any]) -> str:
         "passage with a task that copies from it (repeat a paragraph, extract the sentences that mention a word, "
         "rewrite with a word replaced); *JSON extraction*, a staff-directory entry (about 185 tokens) written as "
         "an object of eight fixed keys (`StructuredOutputsParams(json=..., disable_any_whitespace=True)`: the "
-        "keys and separators are tokens the grammar forces, which both engines take without sampling); *free "
+        "keys and separators are text the grammar forces, which the speculative engine proposes as jump forward, "
+        "verified with the n-gram proposals); *free "
         f"chat*, short open questions. At 1 request, {_requests(size['one_requests'])} one after another; at more, "
         "all at once.\n",
     ]

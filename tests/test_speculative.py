@@ -355,7 +355,9 @@ def test_forced_tokens_come_without_sampling_and_change_nothing(backend, specula
 
 
 def test_proposals_under_a_grammar_without_jump_forward_keep_the_tokens():
-    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    params = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
     reference, _ = _run(params, None, jump_forward=False)
     speculated, stats = _run(params, NGRAM, jump_forward=False)
     assert stats["spec_num_forced_tokens"] == 0 and stats["spec_num_draft_tokens"] > 0
