@@ -58,9 +58,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("enginekit.core")
 
 MAX_FORCED_TOKENS = 32  # forced tokens one step takes at most (each is a row of the step)
-# What one more row costs a step, as a share of a one-row decode step. CPU: measured on the default model (the
-# rows' products are bound by arithmetic, not by the weight's bytes: 2 rows 1.27x, 5 rows 2.19x, 9 rows 3.3x;
-# docs/benchmarks.md); CUDA: an estimate, not measured yet (a decode step there is bound by the weight's bytes).
+# What one more row costs a step, as a share of a one-row decode step. CPU: measured on the default model, 0.24-0.28
+# a row (2 rows 1.24x, 5 rows 2.14x, 9 rows 3.15x on 2 Zen 4 cores: past one row its products are bound by
+# arithmetic, not by the weight's bytes; ``benchmarks/spec_row_cost.py``); CUDA: an estimate, not measured yet (a
+# decode step there is bound by the weight's bytes).
 ROW_COST = {"cpu": 0.3, "cuda": 0.05}
 DECAY = 0.8  # the weight of a request's earlier verifications in its acceptance estimate, per verification
 # The estimate before any verification: three proposals in four accepted (optimistic, so that a request tries at
