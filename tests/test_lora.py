@@ -92,6 +92,20 @@ def test_each_adapter_alone_and_all_mixed_with_the_base_equal_transformers_merge
     assert stats["lora_adapters_loaded"] == 3 and stats["lora_slot_loads"] == 3
 
 
+def test_adapters_under_speculative_decoding_keep_transformers_tokens(lora_case):
+    """Each request's proposals are verified with its own adapter: the mixed batch's greedy tokens are still the
+    merged models' (the prompts' own tokens repeat, so the n-gram lookup proposes)."""
+    prompts, adapters, expected = mixed_batch(lora_case, [None, "all", "qv", "attn"])
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with Engine(
+        str(lora_case["base"]), mode="inproc", enable_lora=True, speculative_config=speculative, **SMALL
+    ) as engine:
+        outputs = engine.generate(prompts, GREEDY, lora_request=adapters)
+        stats = engine.get_stats()
+    assert tokens(outputs) == expected
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("mode", ["mp", "async"])
 def test_background_modes_and_a_restart_with_another_adapter(lora_case, mode):
     requests, expected = lora_case["requests"], lora_case["expected"]
