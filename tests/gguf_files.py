@@ -356,3 +356,19 @@ def hf_gguf_tokenizer(path: Path):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def default_gguf_for_llama_cpp() -> str:
+    """The default model's GGUF file, for a test that runs llama.cpp on it: skips the test when llama-cpp-python
+    (the ``llamacpp`` dependency group) or the file is not installed."""
+    import pytest
+    from benchmarks import llama_cpp_runner
+
+    if llama_cpp_runner.available() is not None:
+        pytest.skip("llama-cpp-python is not installed (the `llamacpp` dependency group)")
+    from enginekit.model.formats.source import default_model_file
+
+    try:
+        return str(default_model_file())
+    except Exception as error:  # the default model's file is not installed here
+        pytest.skip(f"the default model's GGUF file is not here: {error}")

@@ -16,6 +16,8 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.figures import summary, target  # noqa: E402
 from benchmarks.report import render_page  # noqa: E402
 
+from gguf_files import default_gguf_for_llama_cpp  # noqa: E402
+
 
 def test_quick_limits_run_writes_json_and_page(tmp_path: Path) -> None:
     page, results = tmp_path / "docs" / "benchmarks.md", tmp_path / "results"
@@ -253,23 +255,12 @@ def test_a_llama_cpp_child_that_crashes_at_start_raises_naming_the_signal(
         llama_cpp_runner.LlamaCppProcess("unused.gguf", max_sequences=1, max_length=8, threads=1)
 
 
-def _default_gguf() -> str:
-    from benchmarks import llama_cpp_runner
-
-    if llama_cpp_runner.available() is not None:
-        pytest.skip("llama-cpp-python is not installed (the `llamacpp` dependency group)")
-    from enginekit.model.formats.source import default_model_file
-
-    try:
-        return str(default_model_file())
-    except Exception as error:  # the default model's file is not installed here
-        pytest.skip(f"the default model's GGUF file is not here: {error}")
-
-
 def test_llama_cpp_in_its_child_generates_every_sequences_tokens() -> None:
     from benchmarks import llama_cpp_runner
 
-    with llama_cpp_runner.LlamaCppProcess(_default_gguf(), max_sequences=3, max_length=24, threads=1) as llm:
+    with llama_cpp_runner.LlamaCppProcess(
+        default_gguf_for_llama_cpp(), max_sequences=3, max_length=24, threads=1
+    ) as llm:
         prompts = [[100 + i for i in range(8)], [200 + i for i in range(5)], [300 + i for i in range(12)]]
         for batched in (True, False):
             tokens, elapsed = llm.generate(prompts, 6, batched=batched)
@@ -284,7 +275,7 @@ def test_a_llama_cpp_crash_at_its_first_decode_leaves_the_other_systems_measured
     from benchmarks import llama_cpp_runner
     from benchmarks.common import interleave
 
-    path = _default_gguf()
+    path = default_gguf_for_llama_cpp()
     monkeypatch.setenv(llama_cpp_runner.FAULT_ENV, "decode")
     with llama_cpp_runner.LlamaCppProcess(path, max_sequences=2, max_length=16, threads=1) as llm:
         calls = []

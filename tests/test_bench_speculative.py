@@ -21,6 +21,8 @@ from benchmarks.spec_workloads import (  # noqa: E402
     json_conversations,
 )
 
+from gguf_files import default_gguf_for_llama_cpp  # noqa: E402
+
 
 def _run(
     rate: float,
@@ -160,26 +162,13 @@ def test_the_workloads_are_sixteen_fixed_conversations_each() -> None:
     assert bench.pick(list(range(16)), 2) == [0, 8] and bench.pick(list(range(16)), 16) == list(range(16))
 
 
-def _default_gguf() -> str:
-    from benchmarks import llama_cpp_runner
-
-    if llama_cpp_runner.available() is not None:
-        pytest.skip("llama-cpp-python is not installed (the `llamacpp` dependency group)")
-    from enginekit.model.formats.source import default_model_file
-
-    try:
-        return str(default_model_file())
-    except Exception as error:  # the default model's file is not installed here
-        pytest.skip(f"the default model's GGUF file is not here: {error}")
-
-
 @pytest.mark.parametrize("lookup", [None, {"max_ngram_size": 2, "num_pred_tokens": 3}])
 def test_llama_cpp_generate_in_its_child_stops_at_max_tokens_and_times_the_first_token(
     lookup: dict[str, int] | None,
 ) -> None:
     from benchmarks import llama_cpp_runner
 
-    path = _default_gguf()
+    path = default_gguf_for_llama_cpp()
     prompt = [100 + i % 7 for i in range(40)]  # repeats: something for the lookup to find
     with llama_cpp_runner.LlamaCppProcess(
         path, max_sequences=1, max_length=64, threads=1, kind="generate", prompt_lookup=lookup

@@ -403,7 +403,7 @@ class EngineCore:
             if not request.is_finished:
                 request.num_computed_tokens -= width - keep  # the rejected proposals' keys and values
                 self.kv_cache.trim(request, request.num_tokens)
-        request.spec_token_ids, request.num_spec_forced, request.spec_masks = [], 0, None
+        request.clear_proposals()
         return width
 
     def _drop_in_flight(self) -> None:

@@ -115,6 +115,10 @@ class Request:
         self.spec_hits = 0.0
         self.spec_trials = 0.0
 
+    def clear_proposals(self) -> None:
+        """No proposals for this step (speculative decoding): none made yet, or the step's applied."""
+        self.spec_token_ids, self.num_spec_forced, self.spec_masks = [], 0, None
+
     @property
     def num_tokens(self) -> int:
         """Known tokens and those on their way from the device (``num_pending_tokens``)."""

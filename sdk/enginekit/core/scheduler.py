@@ -185,7 +185,7 @@ class Scheduler:
         return num_new + keep
 
     def _preempt(self, request: Request) -> None:
-        request.spec_token_ids, request.num_spec_forced, request.spec_masks = [], 0, None
+        request.clear_proposals()
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

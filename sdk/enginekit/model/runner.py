@@ -36,7 +36,6 @@ from enginekit.model.sampler import (
     PendingSample,
     Sampler,
     SamplerOutput,
-    SampleRows,
     sample_rows,
     top_logprobs,
 )
@@ -178,16 +177,7 @@ class ModelRunner:
         on the logits' device."""
         chunks = batch.chunks
         sampling = [chunk for chunk in chunks if chunk.samples]
-        if any(chunk.draft_token_ids for chunk in sampling):
-            rows = sample_rows(sampling)
-        else:
-            rows = SampleRows(
-                [c.sampling_params for c in sampling if c.sampling_params is not None],  # all of them
-                [c.generator for c in sampling],
-                [chunk.history for chunk in sampling] if any(c.history for c in sampling) else None,
-                [chunk.bad_words for chunk in sampling] if any(c.bad_words for c in sampling) else None,
-                [c.banned_stop_ids for c in sampling] if any(c.banned_stop_ids for c in sampling) else None,
-            )
+        rows = sample_rows(sampling)
         sample = self.sampler.sample(
             logits[: len(rows.params)],
             rows.params,

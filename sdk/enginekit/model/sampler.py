@@ -99,30 +99,42 @@ class SampleRows:
 
 
 def sample_rows(chunks: list[SequenceChunk]) -> SampleRows:
-    """The sampling rows of ``chunks`` (those that sample) with proposals (speculative decoding): a chunk's row
-    j samples after its first j proposals, so its history ends with them, and it gets the stop-token bans while
-    its output is shorter than ``min_tokens`` (``SequenceChunk.num_banned_rows``)."""
-    rows = SampleRows([], [])
+    """The sampling rows of ``chunks`` (those that sample): one per chunk, or with proposals (speculative decoding)
+    one per proposal and one more. A chunk's row j samples after its first j proposals, so its history ends with
+    them, and it gets the stop-token bans while its output is shorter than ``min_tokens``
+    (``SequenceChunk.num_banned_rows``). The optional lists are ``None`` when no row needs them."""
+    params: list[SamplingParams] = []
+    generators: list[torch.Generator | None] = []
     histories: list[TokenHistory | None] = []
     bad_words: list[list[list[int]] | None] = []
     bans: list[tuple[int, ...]] = []
     for chunk in chunks:
         assert chunk.sampling_params is not None  # a chunk that samples
-        drafts, width = chunk.draft_token_ids, chunk.num_sample_rows
-        rows.params += [chunk.sampling_params] * width
-        rows.generators += [chunk.generator] * width
+        drafts = chunk.draft_token_ids
+        if not drafts:  # a plain decode or the end of a prefill: one row
+            params.append(chunk.sampling_params)
+            generators.append(chunk.generator)
+            histories.append(chunk.history)
+            bad_words.append(chunk.bad_words)
+            bans.append(chunk.banned_stop_ids)
+            continue
+        width = 1 + len(drafts)
+        params += [chunk.sampling_params] * width
+        generators += [chunk.generator] * width
         bad_words += [chunk.bad_words] * width
-        banned = chunk.banned_stop_ids
-        bans += [banned if j < chunk.num_banned_rows else () for j in range(width)]
+        bans += [chunk.banned_stop_ids if j < chunk.num_banned_rows else () for j in range(width)]
         if chunk.history is None:
             histories += [None] * width
         else:
             tokens, num_prompt = chunk.history
             histories += [(tokens + drafts[:j] if j else tokens, num_prompt) for j in range(width)]
-    rows.histories = histories if any(h is not None for h in histories) else None
-    rows.bad_words = bad_words if any(bad_words) else None
-    rows.banned_stop_ids = bans if any(bans) else None
-    return rows
+    return SampleRows(
+        params,
+        generators,
+        histories if any(h is not None for h in histories) else None,
+        bad_words if any(bad_words) else None,
+        bans if any(bans) else None,
+    )
 
 
 class Sampler:

@@ -129,10 +129,6 @@ class Speculation:
         self.num_forced_tokens = 0  # forced tokens taken (jump forward)
         self.num_spec_steps = 0  # request-steps that verified at least one proposal
 
-    @property
-    def enabled(self) -> bool:
-        return self.proposer is not None
-
     def propose(self, running: list[Request]) -> None:
         """Set the proposals (and masks) of every running request that decodes; the others get none."""
         k, jump = self.k, self.jump_forward
@@ -152,7 +148,7 @@ class Speculation:
         )
         asking: list[tuple[Request, list[int], list[torch.Tensor] | None]] = []
         for request in decoding:
-            request.spec_token_ids, request.num_spec_forced, request.spec_masks = [], 0, None
+            request.clear_proposals()
             room = self._room(request)
             if request.grammar is None:
                 if room > 0:
@@ -161,9 +157,8 @@ class Speculation:
             first = first_masks[id(request)]
             forced, masks = self._forced(request, max(room, 0), first) if jump else ([], [first])
             if k and room > len(forced) and not request.grammar.ready_matcher.is_terminated():
-                asking.append(
-                    (request, forced, masks)
-                )  # the matcher stays advanced through the forced tokens
+                # the matcher stays advanced through the forced tokens, for the drafts after them
+                asking.append((request, forced, masks))
             else:
                 self._set(request, forced, [], masks)
         if not asking:
@@ -227,9 +222,8 @@ class Speculation:
                 break
             forced.append(token)
             masks.append(self._next_mask(matcher, masks[-1]))
-        if (
-            len(forced) < limit and not matcher.is_terminated()
-        ):  # forced text the model may tokenize otherwise
+        if len(forced) < limit and not matcher.is_terminated():
+            # the text forced past them, as the backend tokenizes it: the model may tokenize it otherwise
             jump = self._grammar_takes(request, matcher.jump_forward_tokens()[: limit - len(forced)], masks)
             forced += jump
         return forced, masks
