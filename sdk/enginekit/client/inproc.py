@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from enginekit.client.base import EngineCoreClient
+from enginekit.client.fair_lock import FairLock
 from enginekit.config import EngineConfig
 from enginekit.core.engine_core import EngineCore
 from enginekit.core.threads import ThreadGovernor
@@ -66,7 +67,7 @@ class InprocClient(EngineCoreClient):
         self._answers: dict[int, UtilityOutput] = {}
         self._abandoned: set[int] = set()  # calls that timed out: their answers are dropped
         self._call_ids = itertools.count(1)
-        self._lock = threading.RLock()
+        self._lock = FairLock()  # taken one step at a time: another thread's call waits a step, not hundreds
         self.max_model_len = self._core.max_model_len
         self.num_kv_blocks = self._core.num_kv_blocks
         self.kv_cache_bytes = self._core.kv_size.num_bytes
