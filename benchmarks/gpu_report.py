@@ -261,9 +261,13 @@ def _hygiene_problems(check: dict[str, Any]) -> list[str]:
     return problems or ["device memory not freed"]
 
 
+_SIZING_LABELS = {"longest": "0.5 while 256 requests of 4,096 tokens decode (graphs on)"}
+
+
 def _kv_sizing(rows: dict[str, Any], result: dict[str, Any]) -> str:
     parts = [
-        f"{share}: {row['kv_cache_gib']} GiB of KV cache, {row['used_fraction']:.0%} of the device used"
+        f"{_SIZING_LABELS.get(share, share)}: {row['kv_cache_gib']} GiB of KV cache, {row['used_fraction']:.0%} of the "
+        "device used"
         for share, row in rows.items()
         if isinstance(row, dict)
     ]

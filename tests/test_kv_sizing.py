@@ -208,6 +208,122 @@ def test_the_profiling_step_runs_the_largest_step_through_the_model():
     assert resources.run_profile_step(config, model, spec.config, torch.device("cpu"), torch.float32) == 300
 
 
+def test_cuda_budget_counts_the_decode_graphs_reserve():
+    plain = cuda_kv_cache_budget(
+        total=80 * GiB, free_at_start=80 * GiB, peak_allocated=10 * GiB, non_torch=GiB, utilization=0.9
+    )
+    reserve = resources.graph_reserve_bytes(3 * GiB, max_num_seqs=256, vocab_size=128_000)
+    assert (
+        reserve == 3 * GiB + 256 * 128_000 * 4
+    )  # the pool's largest step, then one buffer of float32 logits
+    with_graphs = cuda_kv_cache_budget(
+        total=80 * GiB,
+        free_at_start=80 * GiB,
+        peak_allocated=10 * GiB,
+        non_torch=GiB,
+        utilization=0.9,
+        graphs=reserve,
+    )
+    assert plain - with_graphs == reserve
+
+
+def _builtin_model():
+    from enginekit.model.loader import load_model, load_model_spec
+
+    spec = load_model_spec("builtin")
+    model = load_model(spec, device=torch.device("cpu"), dtype=torch.float32, seed=0, quantization="auto")
+    return model, spec.config
+
+
+def test_the_decode_profiling_step_decodes_every_row_at_its_context_over_one_sequences_cache(monkeypatch):
+    """The step CUDA sizing measures for decodes, run on CPU through the real model: ``max_num_seqs`` rows, each
+    attending over ``context`` tokens of one shared table, sampled by the sampler's heaviest path."""
+    from enginekit.model.runner import ModelRunner
+
+    model, model_config = _builtin_model()
+    config = EngineConfig(max_num_seqs=8, max_model_len=512)
+    seen = []
+    execute = ModelRunner.execute
+
+    def spy(runner, batch):
+        seen.append((len(runner.kv_caches[0][0]), batch))
+        return execute(runner, batch)
+
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    cache_bytes = resources.run_profile_decode(
+        config, model, model_config, torch.device("cpu"), torch.float32, 300
+    )
+    [(slots, batch)] = seen
+    tables = [chunk.block_table for chunk in batch.chunks]
+    assert len(batch.chunks) == 8 and all(chunk.is_decode and chunk.start == 299 for chunk in batch.chunks)
+    assert tables == [list(range(19))] * 8 and slots == 19 * 16  # a cache of one 300-token sequence
+    assert all(chunk.sampling_params.top_p < 1 for chunk in batch.chunks)
+    assert cache_bytes == 19 * kv_block_bytes(config, model_config, torch.float32)
+
+
+class _FakeCudaMemory:
+    """torch.cuda's memory counters for a device of ``total`` bytes, driven by the profiling steps below."""
+
+    def __init__(self, total: int, weights: int) -> None:
+        self.total, self.allocated, self.peak, self.reserved = total, weights, weights, weights
+
+    def use(self, transient: int) -> None:
+        self.peak = max(self.peak, self.allocated + transient)
+        self.reserved = max(self.reserved, self.peak)
+
+    def install(self, monkeypatch) -> None:
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "empty_cache", lambda: setattr(self, "reserved", self.allocated))
+        monkeypatch.setattr(
+            cuda, "reset_peak_memory_stats", lambda device=None: setattr(self, "peak", self.allocated)
+        )
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
+        monkeypatch.setattr(
+            cuda, "mem_get_info", lambda device=None: (self.total - self.reserved, self.total)
+        )
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_cuda_budget_takes_the_largest_decode_the_cache_can_hold_and_the_graphs_reserve(
+    monkeypatch, graphs
+):
+    """The profiling's arithmetic with torch.cuda's counters played by a model of the device: the decode step is
+    as long as the cache left after the prefill can hold, its activations (not its one-sequence cache) count in
+    the peak, and with ``cuda_graphs`` the graphs' pool and logits are taken off too."""
+    model, model_config = _builtin_model()
+    config = EngineConfig(
+        max_num_seqs=1024, max_model_len=4096, gpu_memory_utilization=0.5, cuda_graphs=graphs
+    )
+    block = kv_block_bytes(config, model_config, torch.bfloat16)
+    device = _FakeCudaMemory(total=8 * GiB, weights=GiB)
+    device.install(monkeypatch)
+    contexts = []
+
+    def prefill(*args):
+        device.use(GiB)
+        return 0
+
+    def decode(config, model, model_config, device_, dtype, context):
+        contexts.append(context)
+        cache = -(-context // 16) * block
+        device.use(cache + 2 * GiB)  # a decode heavier than the prefill: its activations set the peak
+        return cache
+
+    monkeypatch.setattr(resources, "run_profile_step", prefill)
+    monkeypatch.setattr(resources, "run_profile_decode", decode)
+    budget = resources.profile_cuda_kv_budget(
+        config, model, model_config, torch.device("cuda"), torch.bfloat16, 8 * GiB, 8 * GiB
+    )
+    after_prefill = 4 * GiB - 2 * GiB  # half of 8, less the weights and the prefill's activations
+    assert contexts == [after_prefill // block * 16 // 1024] == [2048]  # 1,024 rows of 4,096 would not fit
+    reserve = resources.graph_reserve_bytes(2 * GiB, 1024, model_config.vocab_size) if graphs else 0
+    expected = 4 * GiB - 3 * GiB - reserve  # the decode's peak: weights and 2 GiB of activations
+    assert budget == min(resources.useful_kv_cache_bytes(config, model_config, torch.bfloat16), expected)
+
+
 def test_a_budget_sized_to_the_machine_stops_at_what_can_be_filled():
     config = EngineConfig(max_num_seqs=4, max_model_len=512)
     useful = resources.useful_kv_cache_bytes(config, BUILTIN_CONFIG, torch.float32)

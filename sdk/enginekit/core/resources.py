@@ -125,21 +125,33 @@ def useful_kv_cache_bytes(config: EngineConfig, model_config, dtype: torch.dtype
     """The most the scheduler can ever fill: ``max_num_seqs`` requests of the longest length. A budget sized to
     the machine stops there (the block pool's bookkeeping grows with its blocks; a small model on a large
     device would otherwise get millions of blocks nothing uses)."""
-    longest = min(
-        config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-    )
-    blocks_per_seq = -(-longest // config.block_size)
+    blocks_per_seq = -(-_longest(config, model_config) // config.block_size)
     return config.max_num_seqs * blocks_per_seq * kv_block_bytes(config, model_config, dtype)
 
 
 def cuda_kv_cache_budget(
-    *, total: int, free_at_start: int, peak_allocated: int, non_torch: int, utilization: float
+    *,
+    total: int,
+    free_at_start: int,
+    peak_allocated: int,
+    non_torch: int,
+    utilization: float,
+    graphs: int = 0,
 ) -> int:
     """The CUDA budget after profiling: ``utilization`` of the device's memory, less what others held when the
-    engine started (``total - free_at_start``), less this engine's peak during the profiling forward pass
-    (weights and activations; ``torch.cuda.max_memory_allocated``) and its memory outside torch's allocator
-    (the CUDA context, NCCL buffers: ``non_torch``). Negative when nothing is left."""
-    return int(total * utilization) - (total - free_at_start) - peak_allocated - non_torch
+    engine started (``total - free_at_start``), less this engine's peak during the profiling steps (weights and
+    activations of the largest prefill and the largest decode; ``torch.cuda.max_memory_allocated``), its memory
+    outside torch's allocator (the CUDA context, NCCL buffers: ``non_torch``) and what decode graphs will hold
+    apart from it (``graphs``: their memory pool and static logits, ``graph_reserve_bytes``). Negative when nothing
+    is left."""
+    return int(total * utilization) - (total - free_at_start) - peak_allocated - non_torch - graphs
+
+
+def graph_reserve_bytes(decode_activations: int, max_num_seqs: int, vocab_size: int) -> int:
+    """What captured decode graphs hold for as long as the engine runs: their shared memory pool, which keeps the
+    largest captured step's activations (``decode_activations``, measured by the decode profiling step), and the
+    one static logits buffer every graph writes into (``max_num_seqs`` rows of float32 logits)."""
+    return decode_activations + max_num_seqs * vocab_size * 4
 
 
 def host_memory_available(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int:
@@ -274,33 +286,69 @@ def profile_cuda_kv_budget(
     free_at_start: int,
     total: int,
 ) -> int:
-    """Run the profiling step (``run_profile_step``) on the loaded model and measure: the budget is
-    ``cuda_kv_cache_budget`` of what it took at its peak, capped by ``useful_kv_cache_bytes``."""
+    """Run the profiling steps on the loaded model and measure: the largest prefill (``run_profile_step``), then
+    the largest decode the cache it leaves room for can hold (``run_profile_decode``: ``max_num_seqs`` rows of
+    the longest length, shorter when the cache holds fewer tokens). The budget is ``cuda_kv_cache_budget`` of
+    their peak, with the decode graphs' reserve when ``cuda_graphs`` is on, capped by ``useful_kv_cache_bytes``."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     run_profile_step(config, model, model_config, device, dtype)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    prefill_peak = torch.cuda.max_memory_allocated(device)
     free_now, _ = torch.cuda.mem_get_info(device)
     non_torch = max(0, (free_at_start - free_now) - torch.cuda.memory_reserved(device))
     torch.cuda.empty_cache()
-    budget = cuda_kv_cache_budget(
-        total=total,
-        free_at_start=free_at_start,
-        peak_allocated=peak,
-        non_torch=non_torch,
-        utilization=config.gpu_memory_utilization,
+
+    def budget(peak: int, graphs: int = 0) -> int:
+        return cuda_kv_cache_budget(
+            total=total,
+            free_at_start=free_at_start,
+            peak_allocated=peak,
+            non_torch=non_torch,
+            utilization=config.gpu_memory_utilization,
+            graphs=graphs,
+        )
+
+    useful = useful_kv_cache_bytes(config, model_config, dtype)
+    block_bytes = kv_block_bytes(config, model_config, dtype, model.tensor_parallel_size)
+    tokens = max(0, min(useful, budget(prefill_peak))) // block_bytes * config.block_size
+    context = min(_longest(config, model_config), max(1, tokens // config.max_num_seqs))
+    before_decode = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    cache_bytes = run_profile_decode(config, model, model_config, device, dtype, context)
+    torch.cuda.synchronize(device)
+    decode_peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    decode_activations = max(0, decode_peak - before_decode - cache_bytes)
+    graphs = (
+        graph_reserve_bytes(decode_activations, config.max_num_seqs, model_config.vocab_size)
+        if config.cuda_graphs
+        else 0
     )
+    peak = max(prefill_peak, decode_peak - cache_bytes)
+    result = budget(peak, graphs)
     logger.info(
-        "KV cache budget %d bytes: %.2f of %d bytes, %d held by others at start, peak %d, outside torch %d",
-        budget,
+        "KV cache budget %d bytes: %.2f of %d bytes, %d held by others at start, peak %d (the largest prefill "
+        "%d; the largest decode, %d rows of %d tokens, %d), outside torch %d, decode graphs %d",
+        result,
         config.gpu_memory_utilization,
         total,
         total - free_at_start,
         peak,
+        prefill_peak,
+        config.max_num_seqs,
+        context,
+        decode_peak - cache_bytes,
         non_torch,
+        graphs,
     )
-    return min(useful_kv_cache_bytes(config, model_config, dtype), budget)
+    return min(useful, result)
+
+
+def _longest(config: EngineConfig, model_config) -> int:
+    return min(
+        config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+    )
 
 
 def run_profile_step(
@@ -309,10 +357,7 @@ def run_profile_step(
     """Run the largest step the scheduler may build (``max_num_batched_tokens`` over up to ``max_num_seqs``
     prompts, each sampling) through ``model`` with a cache just large enough for it, then drop that cache.
     Returns the step's token count."""
-    longest = min(
-        config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-    )
-    tokens = min(config.max_num_batched_tokens, config.max_num_seqs * longest)
+    tokens = min(config.max_num_batched_tokens, config.max_num_seqs * _longest(config, model_config))
     num_seqs = min(config.max_num_seqs, tokens)
     lengths = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
     chunks, num_blocks = [], 0
@@ -321,6 +366,40 @@ def run_profile_step(
         table = list(range(num_blocks, num_blocks + blocks))
         num_blocks += blocks
         chunks.append(SequenceChunk([0] * length, 0, table, SamplingParams(temperature=0.0, max_tokens=1)))
+    _run_once(config, model, model_config, device, dtype, chunks, num_blocks)
+    return tokens
+
+
+def run_profile_decode(
+    config: EngineConfig,
+    model: Decoder,
+    model_config,
+    device: torch.device,
+    dtype: torch.dtype,
+    context: int,
+) -> int:
+    """Run the largest decode step: ``max_num_seqs`` sequences of ``context`` tokens, each sampling. What such a
+    step allocates (the torch path's gathered context and masks, the logits, the sampler's sort) depends on the
+    rows' lengths, not on which blocks they read, so every row's table names the same blocks: the cache holds
+    one sequence. Returns that cache's bytes (the caller measures the step's peak without them)."""
+    table = list(range(-(-context // config.block_size)))
+    # sampled with top-p: the sampler's heaviest path (a sort of every row's logits)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=1)
+    chunks = [SequenceChunk([0], context - 1, table, params) for _ in range(config.max_num_seqs)]
+    _run_once(config, model, model_config, device, dtype, chunks, len(table))
+    return len(table) * kv_block_bytes(config, model_config, dtype, model.tensor_parallel_size)
+
+
+def _run_once(
+    config: EngineConfig,
+    model: Decoder,
+    model_config,
+    device: torch.device,
+    dtype: torch.dtype,
+    chunks: list[SequenceChunk],
+    num_blocks: int,
+) -> None:
+    """One step of ``chunks`` through ``model`` with a cache of ``num_blocks`` blocks, dropped after it."""
     runner = ModelRunner(
         model,
         model_config,
@@ -332,7 +411,6 @@ def run_profile_step(
     )
     try:
         output = runner.execute(ScheduledBatch(chunks, num_used_blocks=num_blocks))
-        assert len(output.token_ids) == num_seqs  # every prompt sampled
+        assert len(output.token_ids) == len(chunks)  # every sequence sampled
     finally:
         runner.kv_caches = []  # the profiling cache; the model stays with the caller
-    return tokens

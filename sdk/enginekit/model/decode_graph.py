@@ -12,7 +12,8 @@ was (or now gets) captured, and its inputs are copied into static buffers:
 
 Steps with prefill chunks, prompt embeddings or prompt logprobs, and batches larger than the largest size,
 run eagerly. Graphs are captured on first use of a shape (capturing every shape at start would cost seconds
-on every restart) and share one memory pool.
+on every restart), share one memory pool and write their logits into one static buffer of the largest batch's
+rows (what ``core/resources.py`` reserves for them as it sizes the KV cache: ``graph_reserve_bytes``).
 
 With Triton kernels (``Decoder.triton``) the graphs record them: the static buffers are their inputs too (one new
 token per row, each row's blocks, its context length), and the padded context only picks their launch shape.
@@ -105,6 +106,7 @@ class DecodeGraphs:
         self.padding = torch.tensor([[0], [0], [pad_slot], [1]], device=device)  # attending to one slot
         self.offsets = torch.arange(max_blocks * block_size, device=device)
         self.steps: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (batch, blocks) -> step
+        self.logits: torch.Tensor | None = None  # what every captured graph writes its logits into
         self._pool = None
 
     def accepts(self, chunks: list[SequenceChunk]) -> bool:
@@ -172,15 +174,24 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(batch, blocks)
+            warm = self._forward(batch, blocks)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.logits is None:
+            self.logits = torch.empty(
+                self.batch_sizes[-1], warm.shape[1], dtype=warm.dtype, device=self.device
+            )
+        del warm
+        logits = self.logits[:batch]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(batch, blocks)
+            # NOTE: every graph writes the one static buffer: a graph's own output would stay allocated in the
+            # pool for as long as the graph, a batch of logits for each of up to hundreds of shapes.
+            logits.copy_(self._forward(batch, blocks))
         self._pool = graph.pool()
         return _Replay(graph, logits)
 
     def release(self) -> None:
         """Drop the graphs and their memory pool (the caller drops the model and cache)."""
         self.steps.clear()
+        self.logits = None
         self._pool = None
