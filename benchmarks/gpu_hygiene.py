@@ -178,7 +178,8 @@ def _longest_requests(folder: str, device: str) -> dict[str, Any]:
 def check_tensor_parallel(
     folder: str, device: str, restarts: int, log: Callable[[str], None]
 ) -> dict[str, Any]:
-    """``tensor_parallel_size=2``: one rank's greedy tokens, and after restarts no engine process or worker left
+    """``tensor_parallel_size=2``: one rank's greedy tokens, eagerly and with ``cuda_graphs=True`` (every rank
+    captures the decode steps, their all-reduces included), and after restarts no engine process or worker left
     running. Skipped (passed) on CUDA with fewer than two GPUs."""
     from enginekit import Engine
 
@@ -202,15 +203,25 @@ def check_tensor_parallel(
             pids += [engine.engine_pid, *engine.call_utility("debug_process")["tensor_parallel_workers"]]
     finally:
         engine.shutdown()
+    log("tp: cuda_graphs=True")
+    with Engine(folder, cuda_graphs=True, **options) as engine:
+        graph_reference = _serve(engine)
+    with Engine(folder, tensor_parallel_size=2, cuda_graphs=True, **options) as engine:
+        same_with_graphs = _serve(engine) == graph_reference
+        pids += [engine.engine_pid, *engine.call_utility("debug_process")["tensor_parallel_workers"]]
     failures = {how: _tp_worker_failure(folder, options, how) for how in ("SIGKILL", "SIGSTOP")}
     pids += [pid for failure in failures.values() for pid in failure.pop("pids")]
     running = _wait_gone(pids, GONE_TIMEOUT_S)
     return {
         "restarts": restarts,
         "same_tokens_as_one_rank": same,
+        "same_tokens_with_graphs": same_with_graphs,
         "worker_failures": failures,
         "processes_still_running": running,
-        "passed": same and not running and all(failure["passed"] for failure in failures.values()),
+        "passed": same
+        and same_with_graphs
+        and not running
+        and all(failure["passed"] for failure in failures.values()),
     }
 
 

@@ -279,7 +279,9 @@ def _tp(tp: dict[str, Any], result: dict[str, Any]) -> str:
     verdict = "passed" if tp["passed"] else "**FAILED**"
     return (
         f"Two tensor-parallel ranks over {tp['restarts']} restarts: same tokens as one rank "
-        f"{'yes' if tp['same_tokens_as_one_rank'] else '**no**'}, processes left {tp['processes_still_running'] or 'none'}: "
+        f"{'yes' if tp['same_tokens_as_one_rank'] else '**no**'}, with `cuda_graphs` "
+        f"{'yes' if tp.get('same_tokens_with_graphs', True) else '**no**'}, "
+        f"processes left {tp['processes_still_running'] or 'none'}: "
         f"{verdict}.\n"
         + "".join(
             f"A worker's {how} during a long generate: {'EngineDeadError naming rank 1' if failure['passed'] else '**' + failure['error'] + '**'}"

@@ -74,6 +74,19 @@ def test_two_ranks_give_the_tokens_of_one(checkpoints, references, name, mode):
         assert len(workers) == 1
 
 
+def test_decode_graphs_pad_every_rank_alike(checkpoints, references):
+    """``cuda_graphs=True`` under tensor parallelism: every rank pads a pure-decode step to the same shape (on CPU
+    the padded path runs without capture), so their collectives match and the tokens are one rank's. On CUDA
+    every rank also captures the step, its all-reduces included: the GPU check's ``tp`` phase runs that."""
+    greedy, logprobs, _ = references["llama"]
+    options = dict(mode="mp", num_kv_blocks=128, tensor_parallel_size=2, cuda_graphs=True, max_num_seqs=8)
+    with Engine(str(checkpoints["llama"]), **options) as engine:
+        outputs = engine.generate(PROMPTS, GREEDY)  # 6 decodes padded to 8 rows
+        assert tokens(outputs) == greedy
+        assert torch.allclose(torch.tensor(first_logprobs(outputs)), torch.tensor(logprobs), atol=1e-4)
+        assert tokens(engine.generate(PROMPTS[:1], GREEDY)) == greedy[:1]
+
+
 def test_vocab_slices_cover_the_vocabulary_once():
     for vocab, size in [(387, 2), (384, 2), (10, 4), (7, 3)]:
         slices = [vocab_slice(vocab, rank, size) for rank in range(size)]
@@ -309,7 +322,6 @@ def test_in_process_mode_is_refused():
     ("options", "message"),
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be at least 1"),
-        ({"tensor_parallel_size": 2, "cuda_graphs": True}, "cuda_graphs=True"),
         (
             {"tensor_parallel_size": 2, "tensor_parallel_stall_timeout": 0},
             r"tensor_parallel_stall_timeout must be a positive number of seconds, got 0",

@@ -40,7 +40,7 @@ def check_data_parallel(config: EngineConfig) -> None:
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
-    """Refuse a tensor-parallel size with what its workers do not support yet (CUDA graphs, remote ranks), and a
+    """Refuse a tensor-parallel size with what its workers do not support yet (remote ranks), and a
     stall timeout that is not a positive number of seconds."""
     size = config.tensor_parallel_size
     if size < 1:
@@ -53,10 +53,6 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         )
     if size == 1:
         return
-    if config.cuda_graphs:
-        raise ValueError(
-            f"cuda_graphs=True does not run with tensor_parallel_size={size} yet: drop one of them"
-        )
     if config.data_parallel_size_local is not None:
         raise ValueError(
             f"tensor_parallel_size={size} runs its workers beside each engine core this front end starts or "

@@ -71,6 +71,7 @@ def start_model(
         if cuda_at_start is not None:
             budget = profile_cuda_kv_budget(config, model, model_config, device, dtype, *cuda_at_start)
         kv_size = size_kv_cache(config, model_config, dtype, budget)
+        max_blocks_per_seq = -(-kv_size.max_model_len // config.block_size)
         runner = ModelRunner(
             model,
             model_config,
@@ -82,11 +83,11 @@ def start_model(
             fail_at_step=config.fail_at_step,
             decode_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=-(-kv_size.max_model_len // config.block_size),
+            max_blocks_per_seq=max_blocks_per_seq,
             lora=lora_spec(config),
         )
         if executor is not None:
-            executor.attach(runner, kv_size.num_blocks)
+            executor.attach(runner, kv_size.num_blocks, max_blocks_per_seq)
     except BaseException:
         if executor is not None:
             executor.shutdown()

@@ -166,11 +166,12 @@ class TensorParallelExecutor:
                 worker.kill()
 
     # ---- the step -----------------------------------------------------------------------------------
-    def attach(self, runner: ModelRunner, num_blocks: int) -> None:
-        """Hand the workers the KV cache's size (rank 0 sized it) and keep the runner for ``execute``."""
+    def attach(self, runner: ModelRunner, num_blocks: int, max_blocks_per_seq: int) -> None:
+        """Hand the workers the KV cache's size and the longest request's blocks (rank 0 sized them: the workers'
+        decode graphs pad to the same shapes) and keep the runner for ``execute``."""
         group = self.group
         assert group is not None
-        sizes = torch.tensor([num_blocks], dtype=torch.long, device=self.device)
+        sizes = torch.tensor([num_blocks, max_blocks_per_seq], dtype=torch.long, device=self.device)
         self._collective(lambda: group.broadcast(sizes))
         self.runner = runner
 

@@ -84,15 +84,22 @@ def run_worker(args: TensorParallelWorkerArgs, stdin_fd: int) -> None:
             comm=group,
             batch_invariant=config.batch_invariant,
         )
-        sizes = group.broadcast(torch.zeros(1, dtype=torch.long, device=device))
+        num_blocks, max_blocks_per_seq = group.broadcast(
+            torch.zeros(2, dtype=torch.long, device=device)
+        ).tolist()
+        # Decode graphs as rank 0's: a pure-decode step pads to the same shape on every rank (and on CUDA every
+        # rank captures it, its collectives included), or the ranks' collectives would not match.
         runner = ModelRunner(
             model,
             spec.config,
-            num_blocks=int(sizes[0]),
+            num_blocks=num_blocks,
             block_size=config.block_size,
             device=device,
             dtype=dtype,
             seed=config.seed,
+            decode_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
             lora=lora_spec(config),
         )
         del model

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it, untyped
 
+from enginekit.model import transfer
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
 from enginekit.model.lora.weights import LoRAWeights, pack, unpack
@@ -201,10 +202,11 @@ def stop_header() -> bytes:
 
 
 def broadcast_batch(group: ProcessGroup, payload: torch.Tensor, embeddings: torch.Tensor | None) -> None:
-    """Rank 0's side: the payload, then the embeddings (after each worker has read the header)."""
-    group.broadcast(payload.to(group.device))
+    """Rank 0's side: the payload, then the embeddings (after each worker has read the header). On CUDA they go up
+    through pinned memory without blocking: from pageable memory the host would wait for the work queued before."""
+    group.broadcast(transfer.upload_tensor(payload, group.device))
     if embeddings is not None:
-        group.broadcast(embeddings.to(group.device).contiguous())
+        group.broadcast(transfer.upload_tensor(embeddings.contiguous(), group.device))
 
 
 def receive_batch(
