@@ -137,3 +137,38 @@ def test_prompt_logprobs_and_prefix_hits_mix_with_padded_decodes(engines):
     params = SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=1, ignore_eos=True)
     got, want = graphed.generate(batch, params, progress=False), eager.generate(batch, params, progress=False)
     assert token_ids(got) == token_ids(want)
+
+
+def test_shapes_prepared_at_start_write_no_cache_block_and_stop_at_the_budget(engines):
+    """``capture_at_start`` (what the engine runs on CUDA as it starts): every shape's padded step runs on padding
+    rows only, so the cache's blocks keep what they hold; the shortest contexts come first, each from the largest
+    batch; the budget ends it; then real steps refill the static buffers and give the eager engine's tokens."""
+    eager, graphed = engines
+    runner, core = graphed.client.core.runner, graphed.client.core
+    graphs, slots = runner.decode_graphs, core.num_kv_blocks * BLOCK
+    graphed.generate(prompts(4, seed=11), SamplingParams(max_tokens=6, temperature=0), progress=False)
+    cached = [cache[:, :slots].clone() for cache in runner.kv_caches]
+    graphs.steps.clear()
+    ticks = iter(range(1000))
+    count = graphs.capture_at_start(7.5, clock=lambda: float(next(ticks)))  # one tick a shape: 7 of them
+    largest_first = tuple(reversed(graphs.batch_sizes))
+    assert count == 7 and list(graphs.steps) == [(size, 1) for size in largest_first[:5]] + [
+        (size, 2) for size in largest_first[:2]
+    ]
+    for step in graphs.steps.values():
+        step()  # on CUDA the capture's warm-up runs it: the padded forward on what the buffers hold now
+    for cache, before in zip(runner.kv_caches, cached):
+        assert torch.equal(cache[:, :slots], before)
+    assert graphs.capture_at_start(1000.0) == len(graphs.batch_sizes) * len(graphs.block_buckets)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    batch = prompts(5, seed=12)
+    assert token_ids(graphed.generate(batch, params, progress=False)) == token_ids(
+        eager.generate(batch, params, progress=False)
+    )
+
+
+def test_the_capture_budget_is_checked():
+    with pytest.raises(ValueError, match="cuda_graph_capture_s must be zero or a positive number"):
+        Engine("builtin", mode="inproc", cuda_graphs=True, cuda_graph_capture_s=-1)
+    with pytest.raises(ValueError, match="cuda_graph_capture_s"):
+        Engine("builtin", mode="inproc", cuda_graphs=True, cuda_graph_capture_s=float("nan"))

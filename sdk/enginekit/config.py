@@ -163,10 +163,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         one request's decode runs the slower bf16 product (0.65-0.72x the tokens/s measured on the default model,
         0.99-1.08x at 16 requests; ``benchmarks/bench_batch_invariant.py``).
     cuda_graphs
-        Replay decode steps from captured CUDA graphs (one per padded batch size and context length, captured
-        on first use), which removes the per-kernel launch cost of small decode steps on a GPU. On CPU the
-        same padded path runs without graphs (slower; for testing it there). Off by default: not yet measured
-        on a GPU.
+        Replay decode steps from captured CUDA graphs (one per padded batch size and context length), which
+        removes the per-kernel launch cost of small decode steps on a GPU. On CPU the same padded path runs
+        without graphs (slower; for testing it there). Off by default: not yet measured on a GPU.
+    cuda_graph_capture_s
+        With ``cuda_graphs`` on CUDA: how long the engine may spend capturing graphs as it starts (logged: how
+        many shapes in how long), the shortest contexts first, each at every batch size; the shapes left are
+        captured on first use, each making its first step slower. ``0``: every shape on first use (the fastest
+        start and restart). Under tensor parallelism every shape is captured on first use.
     async_scheduling
         Overlap the engine's steps, as vLLM's option of that name does: step N+1 is scheduled and its inputs
         prepared while the device runs step N, and its decodes read step N's sampled ids on the device; step N's
@@ -238,6 +242,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tensor_parallel_size: int = 1
     tensor_parallel_stall_timeout: float = 10.0
     cuda_graphs: bool = False
+    cuda_graph_capture_s: float = 10.0
     batch_invariant: bool = False
     structured_outputs_backend: Literal["llguidance", "xgrammar"] = "llguidance"
     async_scheduling: bool | None = None
@@ -287,6 +292,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         _require(self.shutdown_timeout >= 0, "shutdown_timeout must be zero or positive")
         _require(self.max_pending_outputs >= 1, "max_pending_outputs must be at least 1")
         _require(self.stream_interval >= 1, f"stream_interval must be at least 1, got {self.stream_interval}")
+        _require(  # NOTE: also refuses nan
+            self.cuda_graph_capture_s >= 0,
+            f"cuda_graph_capture_s must be zero or a positive number of seconds, got {self.cuda_graph_capture_s}",
+        )
         if self.address is not None and not self.address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"address must start with tcp:// or ipc://, got {self.address!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):

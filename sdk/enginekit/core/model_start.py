@@ -82,6 +82,9 @@ def start_model(
             seed=config.seed,
             fail_at_step=config.fail_at_step,
             decode_graphs=config.cuda_graphs,
+            # NOTE: under tensor parallelism every rank captures a step together (its all-reduces): only as the
+            # steps come, which every rank sees alike; a time budget would end differently on each rank
+            graph_capture_s=config.cuda_graph_capture_s if executor is None else 0.0,
             max_num_seqs=config.max_num_seqs,
             max_blocks_per_seq=max_blocks_per_seq,
             lora=lora_spec(config),

@@ -11,8 +11,9 @@ was (or now gets) captured, and its inputs are copied into static buffers:
   inside the graph from the static context lengths, hides the tail and the padding.
 
 Steps with prefill chunks, prompt embeddings or prompt logprobs, and batches larger than the largest size,
-run eagerly. Graphs are captured on first use of a shape (capturing every shape at start would cost seconds
-on every restart), share one memory pool and write their logits into one static buffer of the largest batch's
+run eagerly. As the engine starts, shapes are captured for up to ``cuda_graph_capture_s`` seconds
+(``capture_at_start``: the shortest contexts first, each at every batch size from the largest, so that the pool
+is sized by the largest step first); the rest are captured on first use. Graphs share one memory pool and write their logits into one static buffer of the largest batch's
 rows (what ``core/resources.py`` reserves for them as it sizes the KV cache: ``graph_reserve_bytes``).
 
 With Triton kernels (``Decoder.triton``) the graphs record them: the static buffers are their inputs too (one new
@@ -25,6 +26,8 @@ handling is tested on CPU, and how ``EngineConfig(cuda_graphs=True)`` behaves th
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -34,6 +37,8 @@ from enginekit.model.decoder import Decoder
 from enginekit.model.input_batch import StepInputs
 from enginekit.model.kernels.triton_path import PagedAttentionInputs
 from enginekit.model.layers.paged_attention import AttentionMetadata
+
+logger = logging.getLogger("enginekit.model")
 
 
 def batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -133,6 +138,31 @@ class DecodeGraphs:
         if step is None:
             step = self.steps[batch, blocks] = self._prepare(batch, blocks)
         return step()[:count]
+
+    def capture_at_start(self, budget_s: float, clock: Callable[[], float] = time.perf_counter) -> int:
+        """Prepare shapes before the first step until ``budget_s`` seconds have passed: every context bucket from
+        the shortest, each at every batch size from the largest. Every row is a padding row (its keys and values go
+        to the scratch slot, it attends to one slot), so no block of the cache is written. Returns how many."""
+        started = clock()
+        shapes = [(batch, blocks) for blocks in self.block_buckets for batch in reversed(self.batch_sizes)]
+        self.inputs.copy_(self.padding.expand_as(self.inputs))
+        self.block_tables.zero_()
+        count = 0
+        for batch, blocks in shapes:
+            if clock() - started >= budget_s:
+                break
+            if (batch, blocks) not in self.steps:
+                self.steps[batch, blocks] = self._prepare(batch, blocks)
+            count += 1
+        logger.info(
+            "decode graphs: %d of %d shapes %s in %.1f s at start (cuda_graph_capture_s=%g); the rest on first use",
+            count,
+            len(shapes),
+            "captured" if self.capture else "prepared",
+            clock() - started,
+            budget_s,
+        )
+        return count
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The padded step on the static buffers: everything a graph of this shape records."""

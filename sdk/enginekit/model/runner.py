@@ -67,6 +67,7 @@ class ModelRunner:
         seed: int,
         fail_at_step: int | None = None,
         decode_graphs: bool = False,
+        graph_capture_s: float = 0.0,
         max_num_seqs: int = 1,
         max_blocks_per_seq: int = 1,
         lora: LoRASpec | None = None,
@@ -99,6 +100,8 @@ class ModelRunner:
                 device=device,
                 capture=device.type == "cuda",
             )
+            if device.type == "cuda" and graph_capture_s > 0:
+                self.decode_graphs.capture_at_start(graph_capture_s)
         rotary = model.rotary
         self.inputs = InputBatch(
             block_size=block_size,
