@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from enginekit import Engine, EngineConfig
-from enginekit.core import resources
+from enginekit.core import kv_profile, resources
+from enginekit.core.host_memory import host_memory_available
 from enginekit.core.resources import (
     CPU_KV_CACHE_BYTES,
     cpu_kv_cache_default,
     cuda_kv_cache_budget,
-    host_memory_available,
     kv_block_bytes,
     size_kv_cache,
 )
@@ -133,7 +133,7 @@ CGROUP_V1 = "/sys/fs/cgroup/memory"
 CHILD = """
 import json, sys
 from enginekit import Engine
-from enginekit.core.resources import host_memory_available
+from enginekit.core.host_memory import host_memory_available
 available = host_memory_available()
 ranks = int(sys.argv[2])
 with Engine("builtin", mode=sys.argv[1], data_parallel_size=ranks) as engine:
@@ -205,7 +205,7 @@ def test_the_profiling_step_runs_the_largest_step_through_the_model():
     spec = load_model_spec("builtin")
     model = load_model(spec, device=torch.device("cpu"), dtype=torch.float32, seed=0, quantization="auto")
     config = EngineConfig(max_num_batched_tokens=300, max_num_seqs=7)
-    assert resources.run_profile_step(config, model, spec.config, torch.device("cpu"), torch.float32) == 300
+    assert kv_profile.run_profile_step(config, model, spec.config, torch.device("cpu"), torch.float32) == 300
 
 
 def test_cuda_budget_counts_the_decode_graphs_reserve():
@@ -250,7 +250,7 @@ def test_the_decode_profiling_step_decodes_every_row_at_its_context_over_one_seq
         return execute(runner, batch)
 
     monkeypatch.setattr(ModelRunner, "execute", spy)
-    cache_bytes = resources.run_profile_decode(
+    cache_bytes = kv_profile.run_profile_decode(
         config, model, model_config, torch.device("cpu"), torch.float32, 300
     )
     [(slots, batch)] = seen
@@ -312,9 +312,9 @@ def test_the_cuda_budget_takes_the_largest_decode_the_cache_can_hold_and_the_gra
         device.use(cache + 2 * GiB)  # a decode heavier than the prefill: its activations set the peak
         return cache
 
-    monkeypatch.setattr(resources, "run_profile_step", prefill)
-    monkeypatch.setattr(resources, "run_profile_decode", decode)
-    budget = resources.profile_cuda_kv_budget(
+    monkeypatch.setattr(kv_profile, "run_profile_step", prefill)
+    monkeypatch.setattr(kv_profile, "run_profile_decode", decode)
+    budget = kv_profile.profile_cuda_kv_budget(
         config, model, model_config, torch.device("cuda"), torch.bfloat16, 8 * GiB, 8 * GiB
     )
     after_prefill = 4 * GiB - 2 * GiB  # half of 8, less the weights and the prefill's activations

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from enginekit.config import EngineConfig
-from enginekit.core.resources import KVCacheSize, kv_cache_budget, profile_cuda_kv_budget, size_kv_cache
+from enginekit.core.kv_profile import profile_cuda_kv_budget
+from enginekit.core.resources import KVCacheSize, kv_cache_budget, size_kv_cache
 from enginekit.core.tp_executor import TensorParallelExecutor
 from enginekit.errors import EngineStartupError
 from enginekit.model.config import ModelConfig
