@@ -329,3 +329,21 @@ def test_a_budget_sized_to_the_machine_stops_at_what_can_be_filled():
     useful = resources.useful_kv_cache_bytes(config, BUILTIN_CONFIG, torch.float32)
     assert useful == 4 * (512 // 16) * kv_block_bytes(config, BUILTIN_CONFIG, torch.float32)
     assert cpu_kv_cache_default(config, BUILTIN_CONFIG, torch.float32, 1024 * GiB) == useful
+
+
+def test_a_largest_decode_that_does_not_fit_fails_the_start_saying_what_to_lower(monkeypatch):
+    model, model_config = _builtin_model()
+    config = EngineConfig(max_num_seqs=64, max_model_len=1024, gpu_memory_utilization=0.5)
+    _FakeCudaMemory(total=8 * GiB, weights=GiB).install(monkeypatch)
+
+    def decode(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+
+    monkeypatch.setattr(kv_profile, "run_profile_step", lambda *args: 0)
+    monkeypatch.setattr(kv_profile, "run_profile_decode", decode)
+    with pytest.raises(
+        EngineStartupError, match=r"largest decode step \(64 requests of 1024 tokens.*max_num_seqs"
+    ):
+        kv_profile.profile_cuda_kv_budget(
+            config, model, model_config, torch.device("cuda"), torch.bfloat16, 8 * GiB, 8 * GiB
+        )

@@ -16,6 +16,7 @@ from enginekit.core.resources import (
     longest_request,
     useful_kv_cache_bytes,
 )
+from enginekit.errors import EngineStartupError
 from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.decoder import Decoder
 from enginekit.model.runner import ModelRunner
@@ -62,7 +63,16 @@ def profile_cuda_kv_budget(
     context = min(longest_request(config, model_config), max(1, tokens // config.max_num_seqs))
     before_decode = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    cache_bytes = run_profile_decode(config, model, model_config, device, dtype, context)
+    try:
+        cache_bytes = run_profile_decode(config, model, model_config, device, dtype, context)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        raise EngineStartupError(
+            f"the largest decode step ({config.max_num_seqs} requests of {context} tokens, what the KV cache left "
+            f"beside the weights could hold) does not fit in the device's memory: lower max_num_seqs or "
+            f"max_model_len, or raise gpu_memory_utilization",
+            phase="kv cache",
+        ) from None
     torch.cuda.synchronize(device)
     decode_peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.empty_cache()
