@@ -60,7 +60,8 @@ def profile_cuda_kv_budget(
     useful = useful_kv_cache_bytes(config, model_config, dtype)
     block_bytes = kv_block_bytes(config, model_config, dtype, model.tensor_parallel_size)
     tokens = max(0, min(useful, budget(prefill_peak))) // block_bytes * config.block_size
-    context = min(longest_request(config, model_config), max(1, tokens // config.max_num_seqs))
+    rows = decode_rows(config)
+    context = min(longest_request(config, model_config), max(1, tokens // rows))
     before_decode = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     try:
@@ -68,7 +69,7 @@ def profile_cuda_kv_budget(
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         raise EngineStartupError(
-            f"the largest decode step ({config.max_num_seqs} requests of {context} tokens, what the KV cache left "
+            f"the largest decode step ({rows} requests of {context} tokens, what the KV cache left "
             f"beside the weights could hold) does not fit in the device's memory: lower max_num_seqs or "
             f"max_model_len, or raise gpu_memory_utilization",
             phase="kv cache",
@@ -93,7 +94,7 @@ def profile_cuda_kv_budget(
         total - free_at_start,
         peak,
         prefill_peak,
-        config.max_num_seqs,
+        rows,
         context,
         decode_peak - cache_bytes,
         non_torch,
@@ -129,16 +130,21 @@ def run_profile_decode(
     dtype: torch.dtype,
     context: int,
 ) -> int:
-    """Run the largest decode step: ``max_num_seqs`` sequences of ``context`` tokens, each sampling. What such a
+    """Run the largest decode step: ``decode_rows`` sequences of ``context`` tokens, each sampling. What such a
     step allocates (the torch path's gathered context and masks, the logits, the sampler's sort) depends on the
     rows' lengths, not on which blocks they read, so every row's table names the same blocks: the cache holds
     one sequence. Returns that cache's bytes (the caller measures the step's peak without them)."""
     table = list(range(-(-context // config.block_size)))
     # sampled with top-p: the sampler's heaviest path (a sort of every row's logits)
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=1)
-    chunks = [SequenceChunk([0], context - 1, table, params) for _ in range(config.max_num_seqs)]
+    chunks = [SequenceChunk([0], context - 1, table, params) for _ in range(decode_rows(config))]
     _run_once(config, model, model_config, device, dtype, chunks, len(table))
     return len(table) * kv_block_bytes(config, model_config, dtype, model.tensor_parallel_size)
+
+
+def decode_rows(config: EngineConfig) -> int:
+    """The most sequences one decode step holds: ``max_num_seqs``, within ``max_num_batched_tokens``."""
+    return min(config.max_num_seqs, config.max_num_batched_tokens)
 
 
 def _run_once(
