@@ -3,8 +3,11 @@ beside a thread that steps back to back, never hundreds (CPython's own locks let
 
 import ctypes
 import itertools
+import signal
 import statistics
 import threading
+
+import pytest
 
 from enginekit import Engine, SamplingParams
 from enginekit.client.fair_lock import FairLock
@@ -98,3 +101,39 @@ def test_in_process_a_call_from_another_thread_waits_steps_not_hundreds():
     # GIL or a core, hence the median. Before: a median of 14, up to 300.
     between = [after - before for before, after in itertools.pairwise(steps)]
     assert statistics.median(between) <= 4, between
+
+
+class _InterruptedOnceHeld:
+    """The client's lock, with a Ctrl-C (a real SIGINT, to this thread) landing the instant it has been granted:
+    the worst moment for a lock whose acquire is Python code."""
+
+    def __init__(self, lock: FairLock) -> None:
+        self.lock = lock
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        signal.raise_signal(signal.SIGINT)  # to this thread, at once
+        _python_call()  # Python runs a pending signal's handler at a call like this one
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def _python_call() -> None:
+    pass
+
+
+def test_a_ctrl_c_as_the_in_process_lock_is_granted_is_raised_after_it_is_released():
+    with Engine("builtin", mode="inproc", num_kv_blocks=64) as engine:
+        client = engine.client
+        lock = client._lock
+        client._lock = _InterruptedOnceHeld(lock)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                engine.abort(["no-such-request"])  # this thread takes the lock (a utility call hands it on)
+        finally:
+            client._lock = lock
+        assert lock._owner is None, "the interrupt left the lock held: every later call would wait for good"
+        waiter, stats = in_thread(engine.get_stats)
+        waiter.join(HANG_GUARD_S)
+        assert not waiter.is_alive() and stats[0]["num_running_requests"] == 0

@@ -12,12 +12,14 @@ only; between steps torch runs with the user's setting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import os
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,6 +76,14 @@ class InprocClient(EngineCoreClient):
         self.kv_cache_tokens = self._core.kv_size.num_tokens
         self.engine_pid = os.getpid()
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The client's lock, taken with Ctrl-C deferred: a ``KeyboardInterrupt`` raised inside the lock's own
+        (Python) acquire, after it was granted, would leave it held for good and every later call waiting. The
+        interrupt is raised once the lock is released."""
+        with deferred_interrupts(), self._lock:
+            yield
+
     @property
     def core(self) -> EngineCore:
         if self._failure is not None:
@@ -87,16 +97,16 @@ class InprocClient(EngineCoreClient):
         return self._core is not None and self._failure is None
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        with self._lock:
+        with self._locked():
             self.core.handle(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        with self._lock:
+        with self._locked():
             self.core.handle(AbortRequest(list(request_ids)))
 
     def get_output(self, timeout: float | None = 0) -> EngineCoreOutputs | None:
         """Run one step and return what it (and any step run for a utility call meanwhile) produced."""
-        with self._lock:
+        with self._locked():
             self._step()
             if not self._undelivered:
                 return None
@@ -186,7 +196,7 @@ class InprocClient(EngineCoreClient):
         request = UtilityRequest(call_id, method_name, list(args))
         try:
             if deadline is None:
-                with self._lock:
+                with self._locked():
                     self.core.handle(request)
             else:
                 self._handle_within(request, deadline)
@@ -202,7 +212,7 @@ class InprocClient(EngineCoreClient):
         """The engine process answers a Future when it completes; here, steps run until it does. The lock is
         taken one step at a time, so other threads' calls (an abort that lets ``wait_idle`` answer) get in."""
         while True:
-            with self._lock:
+            with self._locked():
                 if call_id in self._answers:
                     return self._answers.pop(call_id)
                 if deadline is not None and time.monotonic() > deadline:
@@ -216,7 +226,7 @@ class InprocClient(EngineCoreClient):
 
         def run() -> None:
             try:
-                with self._lock:
+                with self._locked():
                     self.core.handle(request)
             except BaseException as error:
                 failure.append(error)
@@ -235,7 +245,7 @@ class InprocClient(EngineCoreClient):
         return self.call_utility(method_name, *args, timeout=timeout, rank=rank)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        with self._lock:
+        with self._locked():
             core, self._core = self._core, None
         if core is not None:
             core.shutdown()
