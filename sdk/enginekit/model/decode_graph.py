@@ -13,8 +13,9 @@ was (or now gets) captured, and its inputs are copied into static buffers:
 Steps with prefill chunks, prompt embeddings or prompt logprobs, and batches larger than the largest size,
 run eagerly. As the engine starts, shapes are captured for up to ``cuda_graph_capture_s`` seconds
 (``capture_at_start``: the shortest contexts first, each at every batch size from the largest, so that the pool
-is sized by the largest step first); the rest are captured on first use. Graphs share one memory pool and write their logits into one static buffer of the largest batch's
-rows (what ``core/resources.py`` reserves for them as it sizes the KV cache: ``graph_reserve_bytes``).
+is sized by the largest step first); the rest are captured on first use. Graphs share one memory pool and write
+their logits into one static buffer of the largest batch's rows: what the KV cache's sizing sets aside for them
+(``graph_reserve_bytes`` in ``core/resources.py``).
 
 With Triton kernels (``Decoder.triton``) the graphs record them: the static buffers are their inputs too (one new
 token per row, each row's blocks, its context length), and the padded context only picks their launch shape.
