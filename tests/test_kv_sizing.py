@@ -198,14 +198,24 @@ def _remove_cgroup(group: str) -> None:
             time.sleep(0.1)
 
 
-def test_the_profiling_step_runs_the_largest_step_through_the_model():
+def test_the_profiling_step_runs_the_largest_step_through_the_model(monkeypatch):
     """The step CUDA sizing measures, run on CPU: every prompt of the largest batch is prefilled and sampled."""
     from enginekit.model.loader import load_model, load_model_spec
+    from enginekit.model.runner import ModelRunner
 
     spec = load_model_spec("builtin")
     model = load_model(spec, device=torch.device("cpu"), dtype=torch.float32, seed=0, quantization="auto")
     config = EngineConfig(max_num_batched_tokens=300, max_num_seqs=7)
-    assert kv_profile.run_profile_step(config, model, spec.config, torch.device("cpu"), torch.float32) == 300
+    seen = []
+    execute = ModelRunner.execute
+    monkeypatch.setattr(
+        ModelRunner, "execute", lambda runner, batch: seen.append(batch) or execute(runner, batch)
+    )
+    cache_bytes = kv_profile.run_profile_step(config, model, spec.config, torch.device("cpu"), torch.float32)
+    [batch] = seen
+    assert [chunk.num_tokens for chunk in batch.chunks] == [43] * 6 + [42]  # 300 tokens
+    assert all(chunk.samples for chunk in batch.chunks)
+    assert cache_bytes == 7 * 3 * kv_block_bytes(config, spec.config, torch.float32)  # 3 blocks each
 
 
 def test_cuda_budget_counts_the_decode_graphs_reserve():
@@ -322,6 +332,37 @@ def test_the_cuda_budget_takes_the_largest_decode_the_cache_can_hold_and_the_gra
     reserve = resources.graph_reserve_bytes(2 * GiB, 1024, model_config.vocab_size) if graphs else 0
     expected = 4 * GiB - 3 * GiB - reserve  # the decode's peak: weights and 2 GiB of activations
     assert budget == min(resources.useful_kv_cache_bytes(config, model_config, torch.bfloat16), expected)
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_on_the_triton_path_the_graphs_reserve_holds_the_largest_prefill(monkeypatch, triton):
+    """With Triton kernels, steps with prefill chunks are captured too (``MixedGraphs``): the graphs' pool then
+    holds the largest prefill's activations when they exceed the largest decode's. Neither profiling step's own
+    cache counts in them."""
+    model, model_config = _builtin_model()
+    monkeypatch.setattr(model, "triton", object() if triton else None)
+    config = EngineConfig(max_num_seqs=512, max_model_len=4096, gpu_memory_utilization=0.5, cuda_graphs=True)
+    device = _FakeCudaMemory(total=16 * GiB, weights=GiB)
+    device.install(monkeypatch)
+
+    def prefill(*args):
+        device.use(GiB // 2 + 3 * GiB)  # its cache, then 3 GiB of activations
+        return GiB // 2
+
+    def decode(config, model, model_config, device_, dtype, context):
+        device.use(GiB // 4 + 2 * GiB)
+        return GiB // 4
+
+    monkeypatch.setattr(kv_profile, "run_profile_step", prefill)
+    monkeypatch.setattr(kv_profile, "run_profile_decode", decode)
+    budget = kv_profile.profile_cuda_kv_budget(
+        config, model, model_config, torch.device("cuda"), torch.bfloat16, 16 * GiB, 16 * GiB
+    )
+    captured = 3 * GiB if triton else 2 * GiB
+    reserve = resources.graph_reserve_bytes(captured, 512, model_config.vocab_size)
+    assert (
+        budget == 8 * GiB - (GiB + GiB // 2 + 3 * GiB) - reserve
+    )  # the prefill (and its cache) set the peak
 
 
 def test_a_budget_sized_to_the_machine_stops_at_what_can_be_filled():

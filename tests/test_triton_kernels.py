@@ -271,6 +271,38 @@ def test_int64_layouts_attend_as_int32_ones(ops):
     torch.testing.assert_close(step.triton(ops, window=20), expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_padded_step_attends_as_the_unpadded_one_with_zeros_past_it(ops, splits):
+    """What a mixed-step graph replays (``MixedGraphs``): the tokens padded past the sequences' (in no sequence),
+    the sequences padded with some of no new token and full-width tables. The real rows attend as before; the
+    padding rows are zeros, also where split parts are merged (a padding row has no parts to merge)."""
+    step = Step(LAYOUTS["mixed"], 8, 2, 64, 16, torch.float32)
+    expected = step.triton(ops, num_splits=splits)
+    real = PagedAttentionInputs(**vars(step.inputs))
+    tokens, seqs = step.q.shape[0], len(step.query_lens)
+    pad_tokens, pad_seqs = 13, 3
+    tables = torch.zeros(seqs + pad_seqs, real.block_tables.shape[1] + 4, dtype=torch.int32)
+    tables[:seqs, : real.block_tables.shape[1]] = real.block_tables
+    step.inputs = PagedAttentionInputs(
+        **{
+            **vars(real),
+            "slot_mapping": torch.cat([real.slot_mapping, torch.full((pad_tokens,), -1)]),
+            "block_tables": tables,
+            "query_start": torch.cat([real.query_start, torch.full((pad_seqs,), tokens, dtype=torch.int32)]),
+            "seq_lens": torch.cat([real.seq_lens, torch.zeros(pad_seqs, dtype=torch.int32)]),
+            "max_seq_len": tables.shape[1] * 16,
+            "padded": True,
+        }
+    )
+    step.q = torch.cat([step.q, torch.randn(pad_tokens, *step.q.shape[1:])])
+    step.inputs.slot_mapping = (
+        real.slot_mapping
+    )  # the test's own cache write: the real tokens' keys and values
+    got = step.triton(ops, num_splits=splits)
+    torch.testing.assert_close(got[:tokens], expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(got[tokens:], torch.zeros_like(got[tokens:]))
+
+
 def test_paged_attention_refuses_mismatched_inputs(ops):
     step = Step(LAYOUTS["decodes"], 4, 2, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="query heads over 3 KV heads"):
@@ -466,15 +498,15 @@ def gemma_checkpoint(tmp_path_factory):
         pytest.param("gemma2", False, marks=pytest.mark.slow),
         pytest.param("gemma2", True, marks=pytest.mark.slow),
     ],
-    ids=["builtin-eager", "builtin-padded-decodes", "gemma2-eager", "gemma2-padded-decodes"],
+    ids=["builtin-eager", "builtin-padded", "gemma2-eager", "gemma2-padded"],
 )
 def test_an_engine_on_the_triton_path_generates_the_torch_paths_greedy_tokens(
     ops, gemma_checkpoint, monkeypatch, model, cuda_graphs
 ):
     """The runner's ``PagedAttentionInputs`` (staged with the step's inputs, the tables' rows gathered) drive the
     kernels through decodes, chunked prefills and mixed steps: the greedy tokens are the torch path's. With
-    ``cuda_graphs`` the pure-decode steps take the padded static-buffer path that CUDA graphs record (run eagerly
-    here)."""
+    ``cuda_graphs`` the steps take the padded static-buffer paths that CUDA graphs record (run eagerly here): the
+    pure-decode steps ``DecodeGraphs``', the steps with prefill chunks ``MixedGraphs``'."""
     from enginekit import Engine, SamplingParams
 
     checkpoint = "builtin" if model == "builtin" else gemma_checkpoint
@@ -496,7 +528,23 @@ def test_an_engine_on_the_triton_path_generates_the_torch_paths_greedy_tokens(
         kernels = TritonOps()
         attend = kernels.paged_attention
         monkeypatch.setattr(kernels, "paged_attention", lambda *a, **k: calls.append(1) or attend(*a, **k))
-        engine.client.core.runner.model.use_triton(kernels)
+        runner = engine.client.core.runner
+        runner.model.use_triton(kernels)
         got = [o.outputs[0].token_ids for o in engine.generate(prompts, params, progress=False)]
+        if cuda_graphs:  # both padded paths ran: steps of decodes alone, and steps with prefill chunks
+            assert runner.decode_graphs.steps and runner.mixed_graphs.steps
+            # what the engine runs on CUDA as it starts: every token count on padding alone, writing no slot
+            mixed, cached = runner.mixed_graphs, [cache.clone() for cache in runner.kv_caches]
+            for cache in runner.kv_caches:  # every slot marked, the scratch slot of padded decodes too
+                cache.fill_(0.5)
+            mixed.steps.clear()
+            assert mixed.capture_at_start(1000.0) == len(mixed.token_buckets) == 2  # 16 and 24 tokens
+            for step in mixed.steps.values():
+                assert torch.isfinite(step()).all()
+            assert all(bool((cache == 0.5).all()) for cache in runner.kv_caches)
+            for cache, before in zip(runner.kv_caches, cached):
+                cache.copy_(before)
+            again = [o.outputs[0].token_ids for o in engine.generate(prompts, params, progress=False)]
+            assert [list(t) for t in again] == [list(t) for t in expected]
     assert calls  # the kernels did run
     assert [list(t) for t in got] == [list(t) for t in expected]

@@ -37,12 +37,14 @@ def profile_cuda_kv_budget(
     """Run the profiling steps on the loaded model and measure: the largest prefill (``run_profile_step``), then
     the largest decode the cache it leaves room for can hold (``run_profile_decode``: ``max_num_seqs`` rows of
     the longest length, shorter when the cache holds fewer tokens). The budget is ``cuda_kv_cache_budget`` of
-    their peak, with the decode graphs' reserve when ``cuda_graphs`` is on, capped by ``useful_kv_cache_bytes``."""
+    their peak, with the graphs' reserve when ``cuda_graphs`` is on, capped by ``useful_kv_cache_bytes``."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    run_profile_step(config, model, model_config, device, dtype)
+    before_prefill = torch.cuda.memory_allocated(device)
+    prefill_cache = run_profile_step(config, model, model_config, device, dtype)
     torch.cuda.synchronize(device)
     prefill_peak = torch.cuda.max_memory_allocated(device)
+    prefill_activations = max(0, prefill_peak - before_prefill - prefill_cache)
     free_now, _ = torch.cuda.mem_get_info(device)
     non_torch = max(0, (free_at_start - free_now) - torch.cuda.memory_reserved(device))
     torch.cuda.empty_cache()
@@ -78,8 +80,11 @@ def profile_cuda_kv_budget(
     decode_peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.empty_cache()
     decode_activations = max(0, decode_peak - before_decode - cache_bytes)
+    # the graphs' pool holds the largest captured step's activations: on the Triton path steps with prefill
+    # chunks are captured too (model/mixed_graph.py), up to the largest prefill
+    captured = max(decode_activations, prefill_activations if model.triton is not None else 0)
     graphs = (
-        graph_reserve_bytes(decode_activations, config.max_num_seqs, model_config.vocab_size)
+        graph_reserve_bytes(captured, config.max_num_seqs, model_config.vocab_size)
         if config.cuda_graphs
         else 0
     )
@@ -87,7 +92,7 @@ def profile_cuda_kv_budget(
     result = budget(peak, graphs)
     logger.info(
         "KV cache budget %d bytes: %.2f of %d bytes, %d held by others at start, peak %d (the largest prefill "
-        "%d; the largest decode, %d rows of %d tokens, %d), outside torch %d, decode graphs %d",
+        "%d; the largest decode, %d rows of %d tokens, %d), outside torch %d, graphs %d",
         result,
         config.gpu_memory_utilization,
         total,
@@ -108,7 +113,7 @@ def run_profile_step(
 ) -> int:
     """Run the largest step the scheduler may build (``max_num_batched_tokens`` over up to ``max_num_seqs``
     prompts, each sampling) through ``model`` with a cache just large enough for it, then drop that cache.
-    Returns the step's token count."""
+    Returns that cache's bytes (the caller measures the step's activations without them)."""
     tokens = min(config.max_num_batched_tokens, config.max_num_seqs * longest_request(config, model_config))
     num_seqs = min(config.max_num_seqs, tokens)
     lengths = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
@@ -119,7 +124,7 @@ def run_profile_step(
         num_blocks += blocks
         chunks.append(SequenceChunk([0] * length, 0, table, SamplingParams(temperature=0.0, max_tokens=1)))
     _run_once(config, model, model_config, device, dtype, chunks, num_blocks)
-    return tokens
+    return num_blocks * kv_block_bytes(config, model_config, dtype, model.tensor_parallel_size)
 
 
 def run_profile_decode(

@@ -87,6 +87,7 @@ def start_model(
             # steps come, which every rank sees alike; a time budget would end differently on each rank
             graph_capture_s=config.cuda_graph_capture_s if executor is None else 0.0,
             max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_blocks_per_seq=max_blocks_per_seq,
             lora=lora_spec(config),
         )

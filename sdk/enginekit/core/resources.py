@@ -151,11 +151,12 @@ def cuda_kv_cache_budget(
     return int(total * utilization) - (total - free_at_start) - peak_allocated - non_torch - graphs
 
 
-def graph_reserve_bytes(decode_activations: int, max_num_seqs: int, vocab_size: int) -> int:
-    """What captured decode graphs hold for as long as the engine runs: their shared memory pool, which keeps the
-    largest captured step's activations (``decode_activations``, measured by the decode profiling step), and the
-    one static logits buffer every graph writes into (``max_num_seqs`` rows of float32 logits)."""
-    return decode_activations + max_num_seqs * vocab_size * 4
+def graph_reserve_bytes(activations: int, max_num_seqs: int, vocab_size: int) -> int:
+    """What captured graphs hold for as long as the engine runs: their shared memory pool, which keeps the largest
+    captured step's ``activations`` (measured by the profiling steps: the largest decode's, or the largest
+    prefill's where steps with prefill chunks are captured too), and the one static logits buffer every graph
+    writes into (``max_num_seqs`` rows of float32 logits; ``model/graph_pool.py``)."""
+    return activations + max_num_seqs * vocab_size * 4
 
 
 def check_max_model_len(config: EngineConfig, model_config, capacity: int | None) -> int:

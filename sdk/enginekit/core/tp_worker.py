@@ -99,6 +99,7 @@ def run_worker(args: TensorParallelWorkerArgs, stdin_fd: int) -> None:
             seed=config.seed,
             decode_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_blocks_per_seq=max_blocks_per_seq,
             lora=lora_spec(config),
         )

@@ -11,16 +11,15 @@ was (or now gets) captured, and its inputs are copied into static buffers:
   inside the graph from the static context lengths, hides the tail and the padding.
 
 Steps with prefill chunks, prompt embeddings or prompt logprobs, and batches larger than the largest size,
-run eagerly. As the engine starts, shapes are captured for up to ``cuda_graph_capture_s`` seconds
-(``capture_at_start``: the shortest contexts first, each at every batch size from the largest, so that the pool
-is sized by the largest step first); the rest are captured on first use. Graphs share one memory pool and write
-their logits into one static buffer of the largest batch's rows: what the KV cache's sizing sets aside for them
-(``graph_reserve_bytes`` in ``core/resources.py``).
+run eagerly, or, on the Triton path, as padded mixed steps (``mixed_graph.py``). As the engine starts, shapes are
+captured for up to ``cuda_graph_capture_s`` seconds (``capture_at_start``: the shortest contexts first, each at
+every batch size from the largest, so that the pool is sized by the largest step first); the rest are captured on
+first use. Graphs share one memory pool and one static logits buffer (``graph_pool.py``).
 
 With Triton kernels (``Decoder.triton``) the graphs record them: the static buffers are their inputs too (one new
 token per row, each row's blocks, its context length), and the padded context only picks their launch shape.
 
-Without CUDA (``capture=False``) the same padded, static-buffer path runs eagerly: that is how its shape
+Without CUDA (``GraphPool(capture=False)``) the same padded, static-buffer path runs eagerly: that is how its shape
 handling is tested on CPU, and how ``EngineConfig(cuda_graphs=True)`` behaves there.
 """
 
@@ -35,6 +34,7 @@ import torch
 
 from enginekit.model.batch import SequenceChunk
 from enginekit.model.decoder import Decoder
+from enginekit.model.graph_pool import GraphPool
 from enginekit.model.input_batch import StepInputs
 from enginekit.model.kernels.triton_path import PagedAttentionInputs
 from enginekit.model.layers.paged_attention import AttentionMetadata
@@ -64,18 +64,6 @@ def _bucket(value: int, sizes: tuple[int, ...]) -> int:
     return sizes[bisect.bisect_left(sizes, value)]
 
 
-class _Replay:
-    """A captured graph and the static tensor its replay writes the logits into."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
-        self.graph = graph
-        self.logits = logits
-
-    def __call__(self) -> torch.Tensor:
-        self.graph.replay()
-        return self.logits
-
-
 class DecodeGraphs:
     """Pads pure-decode steps to captured shapes and replays them (or runs the padded path eagerly)."""
 
@@ -88,8 +76,7 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_blocks: int,
         pad_slot: int,
-        device: torch.device,
-        capture: bool,
+        pool: GraphPool,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -97,8 +84,8 @@ class DecodeGraphs:
         self.batch_sizes = batch_sizes(max_num_seqs)
         self.block_buckets = block_buckets(max_blocks)
         self.pad_slot = pad_slot
-        self.device = device
-        self.capture = capture
+        self.pool = pool
+        device = pool.device
         largest = self.batch_sizes[-1]
 
         # NOTE: the graphs read these addresses: fill them in place, never rebind them. The four per-row
@@ -112,8 +99,6 @@ class DecodeGraphs:
         self.padding = torch.tensor([[0], [0], [pad_slot], [1]], device=device)  # attending to one slot
         self.offsets = torch.arange(max_blocks * block_size, device=device)
         self.steps: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}  # (batch, blocks) -> step
-        self.logits: torch.Tensor | None = None  # what every captured graph writes its logits into
-        self._pool = None
 
     def accepts(self, chunks: list[SequenceChunk]) -> bool:
         """Whether this step is a pure decode step (every chunk samples) that fits the largest padded shape."""
@@ -159,7 +144,7 @@ class DecodeGraphs:
             "decode graphs: %d of %d shapes %s in %.1f s at start (cuda_graph_capture_s=%g); the rest on first use",
             count,
             len(shapes),
-            "captured" if self.capture else "prepared",
+            "captured" if self.pool.capture else "prepared",
             clock() - started,
             budget_s,
         )
@@ -198,31 +183,8 @@ class DecodeGraphs:
         )
 
     def _prepare(self, batch: int, blocks: int) -> Callable[[], torch.Tensor]:
-        if not self.capture:
-            return lambda: self._forward(batch, blocks)
-        # Warm up on a side stream first (lazy initialisation must not be recorded), as torch's docs ask.
-        # The warm-up runs on this step's real inputs, so its cache writes are the ones the replay repeats.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            warm = self._forward(batch, blocks)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self.logits is None:
-            self.logits = torch.empty(
-                self.batch_sizes[-1], warm.shape[1], dtype=warm.dtype, device=self.device
-            )
-        del warm
-        logits = self.logits[:batch]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            # NOTE: every graph writes the one static buffer: a graph's own output would stay allocated in the
-            # pool for as long as the graph, a batch of logits for each of up to hundreds of shapes.
-            logits.copy_(self._forward(batch, blocks))
-        self._pool = graph.pool()
-        return _Replay(graph, logits)
+        return self.pool.prepare(lambda: self._forward(batch, blocks), batch)
 
     def release(self) -> None:
-        """Drop the graphs and their memory pool (the caller drops the model and cache)."""
+        """Drop the graphs (the runner drops their pool, the model and the cache)."""
         self.steps.clear()
-        self.logits = None
-        self._pool = None

@@ -12,6 +12,7 @@ of the torch path's metadata: its layers then attend over the cache in place.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from enginekit.model.batch import ScheduledBatch, SequenceChunk
 from enginekit.model.config import ModelConfig
 from enginekit.model.decode_graph import DecodeGraphs
 from enginekit.model.decoder import Decoder
+from enginekit.model.graph_pool import GraphPool
 from enginekit.model.input_batch import InputBatch, StepInputs
 from enginekit.model.kernels.triton_path import PagedAttentionInputs
 from enginekit.model.layers.paged_attention import (
@@ -31,6 +33,7 @@ from enginekit.model.layers.paged_attention import (
 )
 from enginekit.model.lora.model import LoRAModel, LoRASpec
 from enginekit.model.lora.weights import LoRAWeights
+from enginekit.model.mixed_graph import MixedGraphs
 from enginekit.model.sampler import (
     DeviceSample,
     PendingSample,
@@ -69,6 +72,7 @@ class ModelRunner:
         decode_graphs: bool = False,
         graph_capture_s: float = 0.0,
         max_num_seqs: int = 1,
+        max_num_batched_tokens: int = 1,
         max_blocks_per_seq: int = 1,
         lora: LoRASpec | None = None,
     ) -> None:
@@ -87,9 +91,12 @@ class ModelRunner:
             (2, 0, block_size * shape[2] * config.head_dim), device=device, dtype=dtype
         )
         self.decode_graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
+        self.graph_pool: GraphPool | None = None
         if decode_graphs:
             for kv_cache in self.kv_caches:
                 kv_cache[:, num_blocks * block_size :].zero_()
+            self.graph_pool = GraphPool(device, max_num_seqs, capture=device.type == "cuda")
             self.decode_graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
@@ -97,11 +104,20 @@ class ModelRunner:
                 max_num_seqs=max_num_seqs,
                 max_blocks=max_blocks_per_seq,
                 pad_slot=num_blocks * block_size,
-                device=device,
-                capture=device.type == "cuda",
+                pool=self.graph_pool,
+            )
+            # steps with prefill chunks: on the Triton path only (``MixedGraphs.accepts``)
+            self.mixed_graphs = MixedGraphs(
+                model,
+                self.kv_caches,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_tokens=max_num_batched_tokens,
+                max_blocks=max_blocks_per_seq,
+                pool=self.graph_pool,
             )
             if device.type == "cuda" and graph_capture_s > 0:
-                self.decode_graphs.capture_at_start(graph_capture_s)
+                self._capture_at_start(graph_capture_s)
         rotary = model.rotary
         self.inputs = InputBatch(
             block_size=block_size,
@@ -117,8 +133,9 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Run one forward pass; returns a token for each chunk that samples, in batch order.
 
-        The batch lists its single-token decodes first: they attend in one batched call. A pure decode step
-        replays a captured CUDA graph when decode graphs are on (``DecodeGraphs``).
+        The batch lists its single-token decodes first: they attend in one batched call. With ``cuda_graphs`` a
+        pure decode step replays a captured CUDA graph (``DecodeGraphs``), and on the Triton path so does a step
+        with prefill chunks (``MixedGraphs``).
         """
         return self.sample_step(batch, self.forward_step(batch)).result()
 
@@ -147,6 +164,9 @@ class ModelRunner:
         triton = self.model.triton is not None
         # a captured graph runs no adapter: a step with adapters runs eagerly
         graphs = self.decode_graphs is not None and not lora and self.decode_graphs.accepts(chunks)
+        mixed = (
+            not graphs and self.mixed_graphs is not None and not lora and self.mixed_graphs.accepts(chunks)
+        )
         native_until = self._native_until if native and not graphs and not triton else 0
         kernel_layout = triton and not graphs
         inputs = self.inputs.prepare(
@@ -157,6 +177,8 @@ class ModelRunner:
             self.lora.begin_step([chunk.lora_slot for chunk in chunks] if lora else None, inputs.counts)
         if self.decode_graphs is not None and graphs:
             return self.decode_graphs(inputs, self.inputs.tables), {}
+        if self.mixed_graphs is not None and mixed:
+            return self.mixed_graphs(inputs, self.inputs.tables), {}
         if kernel_layout:
             meta = AttentionMetadata(
                 inputs.slot_mapping, self.block_size, kernel_inputs=self._kernel_inputs(inputs)
@@ -294,6 +316,15 @@ class ModelRunner:
                 kv_cache[:, start:end].zero_()
             self._num_zeroed_blocks = num_used_blocks
 
+    def _capture_at_start(self, budget_s: float) -> None:
+        """Capture graphs for up to ``budget_s`` seconds as the engine starts: on the Triton path every mixed-step
+        token count first (a handful, the largest activations: the pool is sized by them), then decode shapes."""
+        assert self.decode_graphs is not None and self.mixed_graphs is not None
+        started = time.perf_counter()
+        if self.model.triton is not None:
+            self.mixed_graphs.capture_at_start(budget_s)
+        self.decode_graphs.capture_at_start(max(0.0, budget_s - (time.perf_counter() - started)))
+
     def load_lora(self, slot: int, weights: LoRAWeights) -> None:
         """Write a LoRA adapter's weights into ``slot`` of the adapter pool (``enable_lora``)."""
         assert self.lora is not None
@@ -307,6 +338,12 @@ class ModelRunner:
         if self.decode_graphs is not None:
             self.decode_graphs.release()
             self.decode_graphs = None
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.release()
+            self.mixed_graphs = None
+        if self.graph_pool is not None:
+            self.graph_pool.release()
+            self.graph_pool = None
         self.kv_caches = []
         self.inputs.clear()
         self._gather_buffer = self._gather_buffer.new_empty((2, 0, 0))

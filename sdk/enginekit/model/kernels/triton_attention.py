@@ -12,7 +12,9 @@ own context. Soft-capping (``softcap * tanh(s / softcap)``) applies to the scale
 
 The query blocks of all sequences are numbered without a host sync: sequence ``s``'s blocks start at
 ``query_start[s] // BLOCK_Q + s``, so ``num_tokens // BLOCK_Q + num_seqs`` programs cover every sequence, and each
-program finds its sequence by a binary search of ``query_start``; the spare ones exit at once.
+program finds its sequence by a binary search of ``query_start``; the spare ones exit at once. A padded step (the
+CUDA graphs of mixed steps, ``mixed_graph.py``) ends with sequences of no new token, whose programs exit at once
+too, and tokens of no sequence, whose output rows stay zeros (``PagedAttentionInputs.padded``).
 
 Long contexts with few programs (a small decode batch) split each program's keys into ``SPLITS`` parts run as
 separate programs (split-K); a second launch merges their partial results (max, sum and unnormalised output
@@ -174,12 +176,18 @@ def _merge_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
+    query_start_ptr,
+    num_seqs,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
-    """One (token, head)'s output from its splits' parts: each rescaled to the largest max."""
+    """One (token, head)'s output from its splits' parts: each rescaled to the largest max. A padding token's
+    (past the sequences' tokens: a padded step) has no parts, and keeps its output."""
     row = tl.program_id(0).to(tl.int64)
+    if row >= tl.load(query_start_ptr + num_seqs) * NUM_HEADS:
+        return
     parts = row * SPLITS + tl.arange(0, SPLITS)
     dims = tl.arange(0, DIM_PAD)
     maxima = tl.load(part_max_ptr + parts)
@@ -218,7 +226,10 @@ def paged_attention(
     splits = num_splits or _splits(q.device, q_blocks * kv_heads, tokens, inputs.max_seq_len)
     if splits & (splits - 1) or not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be a power of two from 1 to {MAX_SPLITS}, got {splits}")
-    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    # a padded step's padding tokens attend to nothing: their rows stay as allocated, zeros
+    out = (torch.zeros if inputs.padded else torch.empty)(
+        (tokens, heads, head_dim), dtype=q.dtype, device=q.device
+    )
     if not tokens:
         return out
     if splits > 1:
@@ -263,7 +274,16 @@ def paged_attention(
     )
     if splits > 1:
         _merge_kernel[(tokens * heads,)](
-            out, part_out, part_max, part_sum, HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS=splits
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            inputs.query_start,
+            num_seqs,
+            NUM_HEADS=heads,
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            SPLITS=splits,
         )
     return out
 

@@ -51,6 +51,8 @@ class PagedAttentionInputs:
     block_size: int
     max_query_len: int
     max_seq_len: int
+    # a padded step (``mixed_graph.py``): rows past ``query_start[-1]`` belong to no sequence; their output is zeros
+    padded: bool = False
 
     @classmethod
     def build(
