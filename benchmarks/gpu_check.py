@@ -8,13 +8,15 @@ model's 49,152-token tokenizer (``benchmarks/gpu_model.py``), then runs its phas
 3. ``parity``: the engine's greedy tokens against transformers, float32 and bfloat16, and bfloat16 with
    ``cuda_graphs=True`` (``gpu_parity.py``);
 4. ``speed``: 1, 64 and 256 requests of 128-token prompts and 128 new tokens, enginekit mp and inproc, eager and
-   with ``cuda_graphs=True``, beside transformers ``generate`` (``gpu_speed.py``);
+   with ``cuda_graphs=True``, beside transformers ``generate``; then staggered arrivals in process (768 requests,
+   256 at a time, prompts sharing steps with decodes): a token's time in steps with a prefill chunk against pure
+   decode steps (``gpu_speed.py``);
 5. ``hygiene``: mp and in-process restarts leave the device memory, gc freeze count, threads, fds and children at
    their baseline (``gpu_hygiene.py``);
 6. ``kv_sizing`` (CUDA) and ``tp`` (two GPUs; on the CPU only when asked with ``--phases``).
 
 It writes one JSON file (on CUDA, the 1B model's, into ``benchmarks/results/gpu/``, which the benchmark page shows as its GPU
-section), prints the same tables, and says which of issue 45's targets are met. Exit status 1: parity or a
+section), prints the same tables, and says which of issues 45 and 46's targets are met. Exit status 1: parity or a
 hygiene check failed (a target not met is a finding, not a failure). ``--tiny --device cpu`` runs every phase
 on a small model of the same family on the CPU in about a minute: that is how it is tested without a GPU.
 
@@ -324,7 +326,7 @@ def _free_device_cache() -> None:
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 45's targets for the 1B model on one H200-class GPU (bfloat16, graphs on, mp: the default mode)."""
+    """Issues 45 and 46's targets for the 1B model on one H200-class GPU (bfloat16, graphs on, mp: the default mode)."""
     speed = result.get("speed") or {}
     rows = {(row["system"], row["batch"]): row for row in speed.get("rows", [])}
 
@@ -357,6 +359,17 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             digits=0,
         ),
     ]
+    for row in speed.get("staggered", []):
+        if row["cuda_graphs"]:
+            found.append(
+                target(
+                    f"GPU: staggered arrivals, {row['batch']} requests: time a token in steps with a prefill chunk "
+                    "/ in pure decode steps",
+                    1.2,
+                    row["ratio"],
+                    at_least=False,
+                )
+            )
     ratios = speed.get("mp_over_inproc", {}).get("graphs", {})
     for batch in speed.get("batch_sizes", []):
         requests = f"{batch} request{'' if batch == 1 else 's'}"

@@ -149,6 +149,35 @@ def _speed(speed: dict[str, Any], result: dict[str, Any]) -> str:
             ["system", *(_requests(batch) for batch in sizes)], rows, ["l", *("r" for _ in sizes)]
         )
         + (f"\nmp over inproc: {ratio_text}.\n" if ratio_text else "")
+        + _staggered(speed.get("staggered", []))
+    )
+
+
+def _staggered(rows: list[dict[str, Any]]) -> str:
+    """Steps with a prefill chunk against pure decode steps, per output token (``gpu_speed.measure_staggered``)."""
+    if not rows:
+        return ""
+    batch = rows[0]["batch"]
+    table = [
+        [
+            row["system"],
+            *(
+                f"{row[kind]['steps']} · {row[kind]['ms_per_step']:.2f} ms · {row[kind]['us_per_token']:.1f} µs"
+                for kind in ("decode", "mixed")
+            ),
+            f"{row['ratio']:.2f}x",
+        ]
+        for row in rows
+    ]
+    return (
+        f"\nStaggered arrivals: {3 * batch} requests, {batch} at a time, so that arriving prompts share steps with "
+        "the running decodes; steps of at least half that many sequences: how many, time a step, time an output "
+        "token; then the time a token of steps with a prefill chunk over that of pure decode steps.\n\n"
+        + markdown_table(
+            ["system", "pure decode steps", "steps with a prefill chunk", "ratio"],
+            table,
+            ["l", "r", "r", "r"],
+        )
     )
 
 
@@ -311,7 +340,8 @@ def _targets(targets: list[dict[str, Any]]) -> str:
     ]
     met = sum(1 for t in targets if t["met"])
     return (
-        "Issue 45's targets (the 1B model on one H200-class GPU, bfloat16, mp with graphs):\n\n"
+        "The GPU targets of issues 45 and 46 (the 1B model on one H200-class GPU, bfloat16, mp with graphs; "
+        "staggered arrivals in process):\n\n"
         + markdown_table(["target", "goal", "measured", "met"], rows, ["l", "l", "r", "l"])
         + f"\n{met} of {len(targets)} targets met.\n"
     )

@@ -18,6 +18,7 @@ system's time at a batch size is thus bounded: ``B * new_tokens`` at its own rat
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Callable
@@ -183,10 +184,14 @@ def measure_speed(
                         "limit_share": median / limit["limit"],
                     }
                 )
+        staggered = measure_staggered(
+            engines, max(batch_sizes), prompt_len, new_tokens, token_range, rng, log
+        )
     finally:
         for engine in engines.values():
             engine.shutdown()
     return {
+        "staggered": staggered,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "batch_sizes": list(batch_sizes),
@@ -196,6 +201,86 @@ def measure_speed(
         "rows": rows,
         "mp_over_inproc": mp_over_inproc(rows),
     }
+
+
+def measure_staggered(
+    engines: dict[str, Any],
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    token_range: tuple[int, int],
+    rng: random.Random,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Steps with a prefill chunk against pure decode steps, per output token, in one run of each in-process
+    engine: ``3 * batch`` requests submitted at once to an engine holding ``batch`` at a time, each with
+    ``new_tokens / 2`` to ``new_tokens`` new tokens, so that requests arrive as others end and their prompts
+    share steps with the running decodes. Each step's time is the time to the next step's start; only steps of
+    at least ``batch / 2`` sequences count (not the start or the drain)."""
+    from enginekit import SamplingParams
+
+    rows = []
+    for name, engine in engines.items():
+        if ENGINES[name][0] != "inproc":  # the steps are timed in this process
+            continue
+        log(f"speed: staggered arrivals, {name}, {3 * batch} requests")
+        steps = []
+        for _ in range(
+            2
+        ):  # the first run a warm-up (the shapes it meets first are captured then), fresh prompts
+            prompts = [
+                {"prompt_token_ids": [rng.randrange(*token_range) for _ in range(prompt_len)]}
+                for _ in range(3 * batch)
+            ]
+            params = [
+                SamplingParams(
+                    max_tokens=rng.randint(max(1, new_tokens // 2), new_tokens),
+                    temperature=0.0,
+                    ignore_eos=True,
+                )
+                for _ in prompts
+            ]
+            steps = _timed_steps(engine, prompts, params)
+        spans = [
+            (mixed, after[0] - start, sampled)
+            for (start, mixed, count, sampled), after in itertools.pairwise(steps)
+            if count >= batch / 2 and sampled
+        ]
+        kinds = {}
+        for kind in (False, True):
+            chosen = [(seconds, sampled) for mixed, seconds, sampled in spans if mixed == kind]
+            seconds, tokens = sum(s for s, _ in chosen), sum(t for _, t in chosen)
+            kinds["mixed" if kind else "decode"] = {
+                "steps": len(chosen),
+                "ms_per_step": 1e3 * seconds / len(chosen) if chosen else float("nan"),
+                "us_per_token": 1e6 * seconds / tokens if tokens else float("nan"),
+            }
+        ratio = kinds["mixed"]["us_per_token"] / kinds["decode"]["us_per_token"]
+        rows.append(
+            {"system": name, "cuda_graphs": ENGINES[name][1], "batch": batch, **kinds, "ratio": ratio}
+        )
+    return rows
+
+
+def _timed_steps(engine: Any, prompts: list[dict], params: list[Any]) -> list[tuple[float, bool, int, int]]:
+    """Generate ``prompts`` on an in-process engine, noting as each step starts: the time, whether it holds a
+    prefill chunk, its sequences and its sampled rows."""
+    runner = engine.client.core.runner
+    steps: list[tuple[float, bool, int, int]] = []
+    forward_step = runner.forward_step
+
+    def timed(scheduled):
+        chunks = scheduled.chunks
+        mixed = not all(chunk.is_decode for chunk in chunks)
+        steps.append((time.perf_counter(), mixed, len(chunks), sum(chunk.samples for chunk in chunks)))
+        return forward_step(scheduled)
+
+    runner.forward_step = timed
+    try:
+        engine.generate(prompts, params, progress=False)
+    finally:
+        del runner.forward_step  # the class's method again
+    return steps
 
 
 def mp_over_inproc(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

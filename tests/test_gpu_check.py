@@ -74,6 +74,10 @@ def test_tiny_check_on_cpu_passes_and_writes_its_json(tmp_path: Path) -> None:
             row["tokens_per_s"]["median"] > 0 and row["bandwidth_share"] > 0 and row["arithmetic_share"] > 0
         )
     assert set(speed["mp_over_inproc"]) == {"eager", "graphs"}
+    staggered = {row["system"]: row for row in speed["staggered"]}
+    assert set(staggered) == {"enginekit inproc, eager", "enginekit inproc, graphs"}
+    for row in staggered.values():  # arrivals did share steps with decodes, and both kinds were timed
+        assert row["decode"]["steps"] > 0 and row["mixed"]["steps"] > 0 and row["ratio"] > 0
 
     for mode in ("mp", "inproc"):
         hygiene = result["hygiene"][mode]
@@ -93,6 +97,7 @@ def test_tiny_check_on_cpu_passes_and_writes_its_json(tmp_path: Path) -> None:
     row = rows[("enginekit mp, graphs", 1)]
     assert f"| enginekit mp, graphs | {row['tokens_per_s']['median']:,.0f} · " in page
     assert "../results/gpu/check.json" in page
+    assert "| enginekit inproc, graphs | " in page.split("Staggered arrivals")[1]
 
 
 def test_page_says_when_no_gpu_was_lent(tmp_path: Path) -> None:
