@@ -163,12 +163,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         one request's decode runs the slower bf16 product (0.65-0.72x the tokens/s measured on the default model,
         0.99-1.08x at 16 requests; ``benchmarks/bench_batch_invariant.py``).
     cuda_graphs
-        Replay decode steps from captured CUDA graphs (one per padded batch size and context length), which
-        removes the per-kernel launch cost of small decode steps on a GPU. On CPU the same padded path runs
-        without graphs (slower; for testing it there). Off by default: not yet measured on a GPU.
+        Replay steps from captured CUDA graphs, which removes the per-kernel launch cost of small steps on a
+        GPU: decode steps (one graph per padded batch size and context length) and, with the Triton kernels,
+        steps with prefill chunks (one per padded token count). On CPU the same padded paths run without graphs
+        (slower; for testing them there). Off by default: not yet measured on a GPU.
     cuda_graph_capture_s
         With ``cuda_graphs`` on CUDA: how long the engine may spend capturing graphs as it starts (logged: how
-        many shapes in how long), the shortest contexts first, each at every batch size; the shapes left are
+        many shapes in how long): with the Triton kernels the token counts of steps with prefill chunks first,
+        then the decode shapes, the shortest contexts first, each at every batch size; the shapes left are
         captured on first use, each making its first step slower. ``0``: every shape on first use (the fastest
         start and restart). Under tensor parallelism every shape is captured on first use.
     async_scheduling

@@ -49,13 +49,22 @@ class GraphPool:
         with torch.cuda.stream(stream):
             warm = forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self.logits is None:
+        # a tensor-parallel worker's step computes no logits (rank 0's does): its graph has no output to keep
+        has_logits = warm.dim() == 2
+        if has_logits and self.logits is None:
             self.logits = torch.empty(self.max_rows, warm.shape[1], dtype=warm.dtype, device=self.device)
         del warm
-        logits = self.logits[:rows]
+        logits = (
+            self.logits[:rows]
+            if has_logits and self.logits is not None
+            else torch.empty(0, device=self.device)
+        )
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits.copy_(forward())
+            out = forward()
+            if has_logits:
+                logits.copy_(out)
+            del out
         self._pool = graph.pool()
         return _Replay(graph, logits)
 
