@@ -11,9 +11,12 @@ model's 49,152-token tokenizer (``benchmarks/gpu_model.py``), then runs its phas
    with ``cuda_graphs=True``, beside transformers ``generate``; then staggered arrivals in process (768 requests,
    256 at a time, prompts sharing steps with decodes): a token's time in steps with a prefill chunk against pure
    decode steps (``gpu_speed.py``);
-5. ``hygiene``: mp and in-process restarts leave the device memory, gc freeze count, threads, fds and children at
+5. ``kernels``: the Triton path against the torch path: the start with an empty and a warm Triton cache, the
+   device operations of a decode step, and 256 requests at context 4,096 against the KV + weight bytes limit
+   (``gpu_kernels.py``);
+6. ``hygiene``: mp and in-process restarts leave the device memory, gc freeze count, threads, fds and children at
    their baseline (``gpu_hygiene.py``);
-6. ``kv_sizing`` (CUDA) and ``tp`` (two GPUs; on the CPU only when asked with ``--phases``).
+7. ``kv_sizing`` (CUDA) and ``tp`` (two GPUs; on the CPU only when asked with ``--phases``).
 
 It writes one JSON file (on CUDA, the 1B model's, into ``benchmarks/results/gpu/``, which the benchmark page shows as its GPU
 section), prints the same tables, and says which of issues 45 and 46's targets are met. Exit status 1: parity or a
@@ -48,7 +51,7 @@ from .gpu_model import LLAMA_1B, SPECIAL_TOKENS, TINY, build_model_folder, load_
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GPU_RESULTS = REPO_ROOT / "benchmarks" / "results" / "gpu"
-PHASES = ("limits", "parity", "speed", "hygiene", "kv_sizing", "tp")
+PHASES = ("limits", "parity", "speed", "kernels", "hygiene", "kv_sizing", "tp")
 SCHEMA = 1
 FULL = {"batch_sizes": "1,64,256", "prompt_len": 128, "new_tokens": 128, "restarts": 3, "parity_tokens": 24}
 SMALL = {"batch_sizes": "1,8,32", "prompt_len": 16, "new_tokens": 8, "restarts": 2, "parity_tokens": 8}
@@ -187,6 +190,7 @@ def run_check(args: argparse.Namespace, device: str, workdir: Path) -> dict[str,
         "limits": lambda: _limits(device),
         "parity": lambda: _parity(state, str(folder), device, token_range, args),
         "speed": lambda: _speed(args, state, str(folder), device, token_range, result, log),
+        "kernels": lambda: _kernels(args, state, str(folder), device, token_range, result, log),
         "hygiene": lambda: _hygiene(state, str(folder), device, args.restarts, log),
         "kv_sizing": lambda: _kv_sizing(state, str(folder), device, log),
         "tp": lambda: _tp(state, str(folder), device, log),
@@ -276,6 +280,27 @@ def _speed(
         limits=limits,
         model=result["model"],
         log=log,
+    )
+
+
+def _kernels(
+    args: argparse.Namespace,
+    state: dict[str, Any],
+    folder: str,
+    device: str,
+    token_range: tuple[int, int],
+    result: dict[str, Any],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    from .gpu_kernels import measure_kernels
+    from .gpu_speed import measure_limits
+
+    _drop_hf_model(state)  # transformers is done by now
+    limits = result.get("limits")
+    if not limits or "error" in limits:
+        limits = measure_limits(device)
+    return measure_kernels(
+        folder, device, result["model"], limits, tiny=args.tiny, token_range=token_range, log=log
     )
 
 
@@ -370,6 +395,26 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     at_least=False,
                 )
             )
+    found.append(
+        target(
+            "GPU: 1 request, share of the bandwidth limit (issue 46)",
+            0.60,
+            figure(1, "bandwidth_share"),
+            unit="%",
+            digits=0,
+        )
+    )
+    long = ((result.get("kernels") or {}).get("paths") or {}).get("triton", {}).get("long")
+    found.append(
+        target(
+            "GPU: 256 requests at context 4,096, a decode step's share of the KV + weight bytes limit (Triton, "
+            "graphs, inproc)",
+            0.50,
+            long["limit_share"] if long else float("nan"),
+            unit="%",
+            digits=0,
+        )
+    )
     ratios = speed.get("mp_over_inproc", {}).get("graphs", {})
     for batch in speed.get("batch_sizes", []):
         requests = f"{batch} request{'' if batch == 1 else 's'}"

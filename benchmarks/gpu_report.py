@@ -56,6 +56,7 @@ def render_gpu_check(result: dict[str, Any], json_link: str) -> str:
         ("limits", _limits),
         ("speed", _speed),
         ("parity", _parity),
+        ("kernels", _kernels),
         ("hygiene", _hygiene),
         ("kv_sizing", _kv_sizing),
         ("tp", _tp),
@@ -176,6 +177,39 @@ def _staggered(rows: list[dict[str, Any]]) -> str:
         + markdown_table(
             ["system", "pure decode steps", "steps with a prefill chunk", "ratio"],
             table,
+            ["l", "r", "r", "r"],
+        )
+    )
+
+
+def _kernels(kernels: dict[str, Any], result: dict[str, Any]) -> str:
+    """The Triton path against the torch path (``gpu_kernels.py``)."""
+    rows = []
+    for path, row in kernels["paths"].items():
+        start, launches, long = row["start"], row["launches"], row["long"]
+        rows.append(
+            [
+                path,
+                f"{start['cold']['engine_start_s'] + start['cold']['first_generate_s']:.1f} s · "
+                f"{start['warm']['engine_start_s'] + start['warm']['first_generate_s']:.1f} s",
+                f"{launches['per_decode_step']:.0f} · {launches['per_layer']:.1f}",
+                f"{long['decode_tokens_per_s']:,.0f} tok/s · {long['median_step_ms']:.2f} ms · "
+                f"{_percent(long['limit_share'])}",
+            ]
+        )
+    first = next(iter(kernels["paths"].values()))
+    long = first["long"]
+    return (
+        "The attention and layer kernels: the Triton path (the default on CUDA) against the torch path "
+        "(`ENGINEKIT_TRITON_KERNELS=0`). Start: a fresh process's engine start and first 2-token generate, with an "
+        "empty Triton cache · with the cache that left. Launches: "
+        f"{first['launches']['counted']} of one eager decode step · per layer. Long contexts: "
+        f"{long['requests']} requests of {long['prompt_len']}-token prompts and {long['new_tokens']} new tokens "
+        "with graphs, the median pure decode step: tokens/s · time · share of what reading the weights and every "
+        "request's KV cache once allows at the measured copy bandwidth.\n\n"
+        + markdown_table(
+            ["path", "start (cold · warm)", "launches (step · layer)", "long contexts"],
+            rows,
             ["l", "r", "r", "r"],
         )
     )

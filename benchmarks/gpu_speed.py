@@ -240,10 +240,10 @@ def measure_staggered(
                 )
                 for _ in prompts
             ]
-            steps = _timed_steps(engine, prompts, params)
+            steps = timed_steps(engine, prompts, params)
         spans = [
             (mixed, after[0] - start, sampled)
-            for (start, mixed, count, sampled), after in itertools.pairwise(steps)
+            for (start, mixed, count, sampled, _), after in itertools.pairwise(steps)
             if count >= batch / 2 and sampled
         ]
         kinds = {}
@@ -262,17 +262,21 @@ def measure_staggered(
     return rows
 
 
-def _timed_steps(engine: Any, prompts: list[dict], params: list[Any]) -> list[tuple[float, bool, int, int]]:
+def timed_steps(
+    engine: Any, prompts: list[dict], params: list[Any]
+) -> list[tuple[float, bool, int, int, int]]:
     """Generate ``prompts`` on an in-process engine, noting as each step starts: the time, whether it holds a
-    prefill chunk, its sequences and its sampled rows."""
+    prefill chunk, its sequences, its sampled rows and the tokens its sequences attend to (their contexts)."""
     runner = engine.client.core.runner
-    steps: list[tuple[float, bool, int, int]] = []
+    steps: list[tuple[float, bool, int, int, int]] = []
     forward_step = runner.forward_step
 
     def timed(scheduled):
         chunks = scheduled.chunks
         mixed = not all(chunk.is_decode for chunk in chunks)
-        steps.append((time.perf_counter(), mixed, len(chunks), sum(chunk.samples for chunk in chunks)))
+        samples = sum(chunk.samples for chunk in chunks)
+        contexts = sum(chunk.start + chunk.num_tokens for chunk in chunks)
+        steps.append((time.perf_counter(), mixed, len(chunks), samples, contexts))
         return forward_step(scheduled)
 
     runner.forward_step = timed

@@ -52,7 +52,7 @@ def test_tiny_check_on_cpu_passes_and_writes_its_json(tmp_path: Path) -> None:
     assert done.stdout.rstrip().endswith("PASSED")
     result = json.loads(result_path.read_text())
     assert result["kind"] == "gpu_check" and result["device"] == "cpu" and result["tiny"] is True
-    assert set(result["phase_s"]) == {"build", "limits", "parity", "speed", "hygiene", "kv_sizing"}
+    assert set(result["phase_s"]) == {"build", "limits", "parity", "speed", "kernels", "hygiene", "kv_sizing"}
 
     config = json.loads((workdir / "model" / "config.json").read_text())  # the model the engine loaded
     assert config["tie_word_embeddings"] is True and config["vocab_size"] == 49152
@@ -79,6 +79,12 @@ def test_tiny_check_on_cpu_passes_and_writes_its_json(tmp_path: Path) -> None:
     for row in staggered.values():  # arrivals did share steps with decodes, and both kinds were timed
         assert row["decode"]["steps"] > 0 and row["mixed"]["steps"] > 0 and row["ratio"] > 0
 
+    [(path, kernels)] = result["kernels"]["paths"].items()  # the torch path alone off CUDA
+    assert path == "torch" and not kernels["launches"]["triton"] and not kernels["start"]["cold"]["triton"]
+    assert kernels["launches"]["per_decode_step"] > kernels["launches"]["per_layer"] > 0
+    assert kernels["start"]["warm"]["first_generate_s"] > 0
+    assert kernels["long"]["decode_steps"] > 0 and kernels["long"]["limit_share"] > 0
+
     for mode in ("mp", "inproc"):
         hygiene = result["hygiene"][mode]
         assert hygiene["passed"] and hygiene["same_tokens_every_start"] and not hygiene["leaks"]
@@ -98,6 +104,7 @@ def test_tiny_check_on_cpu_passes_and_writes_its_json(tmp_path: Path) -> None:
     assert f"| enginekit mp, graphs | {row['tokens_per_s']['median']:,.0f} · " in page
     assert "../results/gpu/check.json" in page
     assert "| enginekit inproc, graphs | " in page.split("Staggered arrivals")[1]
+    assert "| torch | " in page.split("The attention and layer kernels")[1]
 
 
 def test_page_says_when_no_gpu_was_lent(tmp_path: Path) -> None:
