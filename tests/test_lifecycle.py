@@ -296,45 +296,46 @@ def test_an_interrupt_while_a_batch_is_routed_loses_nothing_of_another_threads_r
     with Engine("builtin", mode=mode, **OPTIONS) as engine:
         params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)  # overlaps the other call
         expected = engine.generate("another thread", params)[0].outputs[0].token_ids
-        processor = engine._router.processor
-        process = processor.process
+        router = engine._router
+        processor = router.processor
+        process, take = processor.process, router.take
+        interrupted, released, result = [], threading.Event(), {}
 
-        def attempt() -> bool:
-            interrupted, result = [], {}
+        def process_after_an_interrupt(batch):
+            main = threading.current_thread() is threading.main_thread()
+            if main and not interrupted and len({output.request_id for output in batch.outputs}) > 1:
+                interrupted.append(True)
+                released.set()
+                signal.raise_signal(signal.SIGINT)  # Python runs the handler here, before the batch is routed
+            process(batch)
 
-            def process_after_an_interrupt(batch):
-                main = threading.current_thread() is threading.main_thread()
-                if main and not interrupted and len({output.request_id for output in batch.outputs}) > 1:
-                    interrupted.append(True)
-                    signal.raise_signal(
-                        signal.SIGINT
-                    )  # Python runs the handler here, before the batch is routed
-                process(batch)
+        def take_after_the_interrupt():
+            # NOTE: whichever thread takes a batch routes all of it, and a lock released is often taken back by
+            # the thread that released it: the worker waits, so that the main thread routes a batch of both.
+            if threading.current_thread() is worker:
+                released.wait(60)
+            return take()
 
-            processor.process = process_after_an_interrupt
-            worker = threading.Thread(
-                target=lambda: result.update(
-                    ids=process_support.generate_with_deltas(engine, "another thread", params)[0]
-                    .outputs[0]
-                    .token_ids
-                )
+        processor.process, router.take = process_after_an_interrupt, take_after_the_interrupt
+        worker = threading.Thread(
+            target=lambda: result.update(
+                ids=process_support.generate_with_deltas(engine, "another thread", params)[0]
+                .outputs[0]
+                .token_ids
             )
-            worker.start()
-            try:
+        )
+        worker.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
                 process_support.generate_with_deltas(engine, "interrupt me", long_params(engine))
-                raised = False
-            except KeyboardInterrupt:
-                raised = True
+        finally:
+            released.set()
             worker.join(60)
             processor.process = process
-            assert raised == bool(interrupted) and not worker.is_alive()
-            assert result == {"ids": expected}
-            assert engine.call_utility("get_request_ids") == []
-            return raised
-
-        # NOTE: in-process, the thread that steps routes the whole batch; which thread holds the engine's lock
-        # while both requests run is up to the scheduler, so the main thread may route none of their batches.
-        assert any(attempt() for _ in range(5))
+            del router.take  # the class's method again
+        assert interrupted and not worker.is_alive()
+        assert result == {"ids": expected}
+        assert engine.call_utility("get_request_ids") == []
 
 
 def test_a_second_interrupt_that_cuts_an_inproc_step_short_marks_the_engine_dead():

@@ -75,11 +75,16 @@ def compile_every_kernel() -> list[str]:
             )
             _compile(attention._attention_kernel, types, constants, 4 if block_m * head_dim <= 4096 else 8)
             built.append(f"attention {dtype} window={window} softcap={softcap} splits={splits}")
-        merge_types = {
-            "out_ptr": pointer,
-            **dict.fromkeys(("part_out_ptr", "part_max_ptr", "part_sum_ptr"), "*fp32"),
-        }
-        _compile(attention._merge_kernel, merge_types, dict(HEAD_DIM=128, DIM_PAD=128, SPLITS=4))
+        for index in ("i64", "i32"):  # the runner's query starts and build's
+            merge_types = {
+                "out_ptr": pointer,
+                **dict.fromkeys(("part_out_ptr", "part_max_ptr", "part_sum_ptr"), "*fp32"),
+                "query_start_ptr": "*" + index,
+                "num_seqs": "i32",
+            }
+            _compile(
+                attention._merge_kernel, merge_types, dict(NUM_HEADS=32, HEAD_DIM=128, DIM_PAD=128, SPLITS=4)
+            )
         rope_types = {
             **dict.fromkeys(
                 ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"), pointer
