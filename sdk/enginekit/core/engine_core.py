@@ -1,7 +1,8 @@
 """EngineCore: the one dispatch point and the one step loop, whichever process it runs in.
 
 Every front-end message arrives through ``handle``: requests are validated and added or refused, aborts
-applied, utilities called (a Future result is answered when it completes) and shutdown started. ``step``
+applied, utilities called (the ``utility_*`` methods, ``core/utilities.py``; a Future result is answered when it
+completes) and shutdown started. ``step``
 schedules, runs the model once and returns everything produced since the last step: token deltas, refusals
 and utility answers (each request's output is built by ``StepOutputs``, ``core/step_outputs.py``). In-process
 mode calls both directly; the engine process feeds ``handle`` from its input queue and sends what ``step``
@@ -36,8 +37,8 @@ from enginekit.core.speculative.plan import ROW_COST, Speculation, make_proposer
 from enginekit.core.step_outputs import StepOutputs, status_changes
 from enginekit.core.structured.manager import StructuredOutputManager
 from enginekit.core.tp_executor import TensorParallelExecutor
+from enginekit.core.utilities import EngineUtilities
 from enginekit.core.validation import RequestLimits, validate_request
-from enginekit.model.kernels.library import native_kernels_status
 from enginekit.model.loader import ModelSpec
 from enginekit.model.runner import ModelRunner
 from enginekit.model.sampler import SamplerOutput
@@ -66,7 +67,7 @@ class ShutdownState(enum.Enum):
     DONE = 2
 
 
-class EngineCore:
+class EngineCore(EngineUtilities):
     def __init__(self, config: EngineConfig, spec: ModelSpec | None = None, *, engine_index: int = 0) -> None:
         self.config = config
         self.engine_index = engine_index
@@ -430,71 +431,6 @@ class EngineCore:
         stats = self.utility_get_stats()
         for future in waiters:
             future.set_result(stats)
-
-    # ---- utilities: call_utility("name", ...) runs utility_name(...) -------------------------------
-    def utility_ping(self) -> str:
-        return "pong"
-
-    def utility_get_stats(self) -> dict[str, Any]:
-        kv = self.kv_cache
-        return {
-            "num_running_requests": len(self.scheduler.running),
-            "num_waiting_requests": len(self.scheduler.waiting),
-            "kv_cache_usage": kv.usage,
-            "num_kv_blocks": kv.pool.num_blocks,
-            "kv_cache_bytes": self.kv_size.num_bytes,
-            "kv_cache_tokens": self.kv_size.num_tokens,
-            "num_free_kv_blocks": kv.pool.num_free_blocks,
-            "prefix_cache_queries": kv.num_prefix_queries,
-            "prefix_cache_hits": kv.num_prefix_hits,
-            "prefix_cache_hit_rate": kv.num_prefix_hits / kv.num_prefix_queries
-            if kv.num_prefix_queries
-            else 0.0,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
-            "num_idle_waiters": len(self._idle_waiters),
-            "num_generated_tokens": self.outputs.num_generated_tokens,
-            "uptime_s": time.monotonic() - self.start_time,
-            "data_parallel_rank": self.engine_index,
-            "native_kernels": native_kernels_status(),
-            **self.structured.stats(),
-            **self.speculation.stats(),
-            **(self.loras.stats() if self.loras is not None else {}),
-        }
-
-    def utility_wait_idle(self) -> concurrent.futures.Future[dict[str, Any]]:
-        """A Future that completes (with the stats) once no request is running or waiting."""
-        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-        self._idle_waiters.append(future)
-        return future
-
-    def utility_reset_prefix_cache(self) -> bool:
-        return self.kv_cache.pool.reset_prefix_cache()
-
-    def utility_get_request_ids(self) -> list[str]:
-        return list(self.scheduler.requests)
-
-    def utility_add_lora(self, lora_request: Any) -> bool:
-        return self._lora_manager().add(lora_request)
-
-    def utility_remove_lora(self, lora_int_id: int) -> bool:
-        return self._lora_manager().remove(lora_int_id)
-
-    def utility_pin_lora(self, lora_int_id: int) -> bool:
-        return self._lora_manager().pin(lora_int_id)
-
-    def utility_list_loras(self) -> list[int]:
-        return self._lora_manager().list()
-
-    def _lora_manager(self) -> LoRAManager:
-        if self.loras is None:
-            raise ValueError("LoRA is off in this engine: start it with enable_lora=True")
-        return self.loras
-
-    def utility_sleep(self, seconds: float) -> float:
-        """Block the engine loop for a while (tests use it to hold a step open)."""
-        time.sleep(seconds)
-        return seconds
 
     # ---- teardown -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
