@@ -286,3 +286,28 @@ def test_an_inproc_engine_restores_the_users_thread_count_at_shutdown(adaptive_t
 def test_an_inproc_engine_with_fixed_threads_has_no_governor():
     with Engine("builtin", mode="inproc", num_kv_blocks=64, num_threads=2, adaptive_threads=False) as engine:
         assert engine.client.thread_governor is None
+
+
+def test_utility_calls_between_runs_neither_read_the_machine_nor_end_the_wait():
+    """A step that only answers a utility call (a ping, ``get_stats``) is no model work: the governor reads
+    nothing for it (two ``/proc/stat`` readings a call were a fifth of a round trip) and the wait it falls in goes
+    on; the next run's first step ends the wait."""
+    users = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with Engine("builtin", mode="inproc", num_kv_blocks=64, num_threads=2) as engine:
+            governor = engine.client.thread_governor
+            assert governor is not None
+            engine.generate(BATCH, PARAMS, progress=False)
+            assert governor._paused is not None  # the run ended: a wait began
+            reads = []
+            read = governor._read_busy
+            governor._read_busy = lambda cpus: reads.append(1) or read(cpus)
+            for _ in range(20):
+                engine.call_utility("ping")
+                engine.get_stats()
+            assert reads == [] and governor._paused is not None
+            engine.generate(BATCH, PARAMS, progress=False)
+            assert reads  # the run's first step took the wait out of the window
+    finally:
+        torch.set_num_threads(users)

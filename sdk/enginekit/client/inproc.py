@@ -153,7 +153,7 @@ class InprocClient(EngineCoreClient):
     def _governed_step(self, core: EngineCore) -> EngineCoreOutputs | None:
         """``core.step()`` on the governor's thread count, the user's count back after it."""
         governor = self.thread_governor
-        if governor is None or not core.has_work():
+        if governor is None or not core.has_requests():  # answers and outputs alone are no model work
             return core.step()[0]
         governor.poll()
         if governor.threads == governor.max_threads:
@@ -165,7 +165,7 @@ class InprocClient(EngineCoreClient):
                 outputs = core.step()[0]
             finally:
                 torch.set_num_threads(users)
-        if not core.has_work():
+        if not core.has_requests():
             governor.pause()  # until the next step: what others do meanwhile says nothing of sharing the cores
         return outputs
 

@@ -284,6 +284,10 @@ class EngineCore(EngineUtilities):
             or self.shutdown_state is ShutdownState.REQUESTED
         )
 
+    def has_requests(self) -> bool:
+        """Whether requests are running or waiting: model work (``has_work`` without answers to send alone)."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
     def step(self) -> tuple[EngineCoreOutputs | None, bool]:
         """Run one forward pass if anything is scheduled; return what was produced and whether it ran."""
         if self.shutdown_state is ShutdownState.REQUESTED and time.monotonic() >= self.shutdown_deadline:

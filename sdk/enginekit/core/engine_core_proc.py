@@ -182,7 +182,7 @@ class EngineCoreProc(EngineCore):
                 break
         if self.output_queue.qsize() >= self.config.max_pending_outputs:
             self._wait_for_the_reader()
-        if self.thread_governor is not None:
+        if self.thread_governor is not None and self.has_requests():  # answers alone are no model work
             self.thread_governor.poll()
         try:
             outputs, ran_forward = self.step()

@@ -15,7 +15,9 @@ process can take seconds (the real model's took 1.7 s against 0.1 s on one threa
 confirm it costs one more such step. More threads need two readings in a row that agree, so one burst costs at
 most half a second on one thread and the count does not flap. Only working time counts: the engine marks each
 wait for requests (``pause``), and the first step after it takes the wait out of the window, the other
-processes' CPU during it included. What other processes do with the cores while the engine has nothing to do
+processes' CPU during it included. A step that runs no request (it only answers a utility call, such as a
+ping or ``get_stats``, or hands outputs over) is no work and ends no wait: the governor is not called for it
+(two readings of ``/proc/stat`` a call, ~50 µs each, were a fifth of a utility round trip). What other processes do with the cores while the engine has nothing to do
 says nothing about how they share them with its work (a benchmark that alternates engines kept an engine of
 short runs on one thread that way: each reading then held the other engines' runs). An engine opens its first
 window before it loads the model (a first ``poll``, then ``pause`` once it is built): loading is work too, and
