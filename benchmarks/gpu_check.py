@@ -262,11 +262,9 @@ def _speed(
     result: dict[str, Any],
     log: Callable[[str], None],
 ) -> dict[str, Any]:
-    from .gpu_speed import measure_limits, measure_speed
+    from .gpu_speed import measure_speed
 
-    limits = result.get("limits")
-    if not limits or "error" in limits:
-        limits = measure_limits(device)
+    limits = _measured_limits(result, device)
     return measure_speed(
         folder,
         _hf_model(state, folder, device),
@@ -293,15 +291,25 @@ def _kernels(
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     from .gpu_kernels import measure_kernels
-    from .gpu_speed import measure_limits
 
     _drop_hf_model(state)  # transformers is done by now
-    limits = result.get("limits")
-    if not limits or "error" in limits:
-        limits = measure_limits(device)
     return measure_kernels(
-        folder, device, result["model"], limits, tiny=args.tiny, token_range=token_range, log=log
+        folder,
+        device,
+        result["model"],
+        _measured_limits(result, device),
+        tiny=args.tiny,
+        token_range=token_range,
+        log=log,
     )
+
+
+def _measured_limits(result: dict[str, Any], device: str) -> dict[str, Any]:
+    """The ``limits`` phase's figures, measured now when that phase did not run or failed."""
+    from .gpu_speed import measure_limits
+
+    limits = result.get("limits")
+    return limits if limits and "error" not in limits else measure_limits(device)
 
 
 def _hygiene(

@@ -26,7 +26,6 @@ handling is tested on CPU, and how ``EngineConfig(cuda_graphs=True)`` behaves th
 from __future__ import annotations
 
 import bisect
-import logging
 import time
 from collections.abc import Callable
 
@@ -38,8 +37,6 @@ from enginekit.model.graph_pool import GraphPool
 from enginekit.model.input_batch import StepInputs
 from enginekit.model.kernels.triton_path import PagedAttentionInputs
 from enginekit.model.layers.paged_attention import AttentionMetadata
-
-logger = logging.getLogger("enginekit.model")
 
 
 def batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -129,26 +126,12 @@ class DecodeGraphs:
         """Prepare shapes before the first step until ``budget_s`` seconds have passed: every context bucket from
         the shortest, each at every batch size from the largest. Every row is a padding row (its keys and values go
         to the scratch slot, it attends to one slot), so no block of the cache is written. Returns how many."""
-        started = clock()
         shapes = [(batch, blocks) for blocks in self.block_buckets for batch in reversed(self.batch_sizes)]
         self.inputs.copy_(self.padding.expand_as(self.inputs))
         self.block_tables.zero_()
-        count = 0
-        for batch, blocks in shapes:
-            if clock() - started >= budget_s:
-                break
-            if (batch, blocks) not in self.steps:
-                self.steps[batch, blocks] = self._prepare(batch, blocks)
-            count += 1
-        logger.info(
-            "decode graphs: %d of %d shapes %s in %.1f s at start (cuda_graph_capture_s=%g); the rest on first use",
-            count,
-            len(shapes),
-            "captured" if self.pool.capture else "prepared",
-            clock() - started,
-            budget_s,
+        return self.pool.prepare_ahead(
+            "decode graphs", self.steps, shapes, lambda shape: self._prepare(*shape), budget_s, clock
         )
-        return count
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The padded step on the static buffers: everything a graph of this shape records."""

@@ -10,9 +10,14 @@ graph lives. Both are what the KV cache's sizing sets aside for graphs (``graph_
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
+
+logger = logging.getLogger("enginekit.model")
+Shape = TypeVar("Shape", bound=Hashable)
 
 
 class _Replay:
@@ -67,6 +72,36 @@ class GraphPool:
             del out
         self._pool = graph.pool()
         return _Replay(graph, logits)
+
+    def prepare_ahead(
+        self,
+        what: str,
+        steps: dict[Shape, Callable[[], torch.Tensor]],
+        shapes: Sequence[Shape],
+        prepare: Callable[[Shape], Callable[[], torch.Tensor]],
+        budget_s: float,
+        clock: Callable[[], float],
+    ) -> int:
+        """Prepare ``shapes`` in order into ``steps`` (shape -> step, ``prepare(shape)``) until ``budget_s`` seconds
+        have passed, the ones already there counted; log how many (``what``: their kind) and return it."""
+        started = clock()
+        count = 0
+        for shape in shapes:
+            if clock() - started >= budget_s:
+                break
+            if shape not in steps:
+                steps[shape] = prepare(shape)
+            count += 1
+        logger.info(
+            "%s: %d of %d shapes %s in %.1f s at start (cuda_graph_capture_s budget %g); the rest on first use",
+            what,
+            count,
+            len(shapes),
+            "captured" if self.capture else "prepared",
+            clock() - started,
+            budget_s,
+        )
+        return count
 
     def release(self) -> None:
         """Drop the buffer and the pool (the graphs' owners drop the graphs)."""

@@ -28,7 +28,6 @@ the tests.
 from __future__ import annotations
 
 import bisect
-import logging
 import time
 from collections.abc import Callable
 
@@ -40,8 +39,6 @@ from enginekit.model.graph_pool import GraphPool
 from enginekit.model.input_batch import StepInputs
 from enginekit.model.kernels.triton_path import PagedAttentionInputs
 from enginekit.model.layers.paged_attention import AttentionMetadata
-
-logger = logging.getLogger("enginekit.model")
 
 MIN_TOKENS = 16  # the smallest bucket: a mixed step holds a chunk of a few tokens and some decodes
 
@@ -118,8 +115,7 @@ class MixedGraphs:
         self.logits_rows[rows:] = 0
         self.query_start[: count + 1].copy_(inputs.query_start)
         self.query_start[count + 1 :] = tokens  # padding sequences: no new token
-        self.seq_lens[:count].copy_(inputs.seq_lens)
-        self.seq_lens[count:] = 0
+        self.seq_lens[:count].copy_(inputs.seq_lens)  # (a padding sequence's length is never read)
         width = -(-int((inputs.starts + inputs.counts).max()) // self.block_size)
         self.block_tables[:count, :width] = tables[:, :width].index_select(0, inputs.chunk_rows)
         step = self.steps.get(padded)
@@ -131,26 +127,13 @@ class MixedGraphs:
         """Prepare token counts before the first step, the largest first, until ``budget_s`` seconds have passed.
         Every token is a padding token and every sequence a padding one: nothing is written to the cache.
         Returns how many."""
-        started = clock()
         self.inputs.copy_(self.padding.expand_as(self.inputs))
         self.query_start.zero_()
         self.seq_lens.zero_()
         self.logits_rows.zero_()
-        count = 0
-        for tokens in reversed(self.token_buckets):
-            if clock() - started >= budget_s:
-                break
-            if tokens not in self.steps:
-                self.steps[tokens] = self._prepare(tokens)
-            count += 1
-        logger.info(
-            "mixed-step graphs: %d of %d token counts %s in %.1f s at start; the rest on first use",
-            count,
-            len(self.token_buckets),
-            "captured" if self.pool.capture else "prepared",
-            clock() - started,
+        return self.pool.prepare_ahead(
+            "mixed-step graphs", self.steps, self.token_buckets[::-1], self._prepare, budget_s, clock
         )
-        return count
 
     def _logits_rows(self, tokens: int) -> int:
         return min(tokens, self.max_num_seqs)
