@@ -372,19 +372,35 @@ def test_a_gguf_base_kept_as_stored(tmp_path):
     assert tokens(outputs)[len(prompts) :] == hf_greedy(base, prompts, MAX_TOKENS)
 
 
-def test_decode_graphs_run_the_steps_without_adapters(lora_case):
-    # with cuda_graphs, pure-decode steps without adapters replay the padded path; steps with adapters run eagerly
-    prompts, adapters, expected = mixed_batch(lora_case, ["all", None])
+def test_decode_graphs_run_the_steps_with_adapters(lora_case):
+    # with cuda_graphs, pure-decode steps replay the padded path (run eagerly on CPU) whether or not their rows use
+    # adapters: the adapters' dense product, masked per row, is part of every graph
+    prompts, adapters, expected = mixed_batch(lora_case, ["all", None, "qv"])
     with Engine(str(lora_case["base"]), mode="inproc", enable_lora=True, cuda_graphs=True, **SMALL) as engine:
+        lora = engine.client.core.runner.lora
+        static_steps = []
+        begin_static = lora.begin_static
+        lora.begin_static = lambda slots, counts: static_steps.append(slots) or begin_static(slots, counts)
         assert tokens(engine.generate(lora_case["prompts"], GREEDY)) == lora_case["expected"][None]
+        assert static_steps and not any(static_steps)  # padded steps, none with an adapter
+        static_steps.clear()
         assert tokens(engine.generate(prompts, GREEDY, lora_request=adapters)) == expected
+        assert any(slots and min(slots) < 0 < max(slots) for slots in static_steps)  # adapters and the base
         assert tokens(engine.generate(lora_case["prompts"], GREEDY)) == lora_case["expected"][None]
 
 
-def test_two_tensor_parallel_ranks_split_the_adapters_as_the_base_layers(lora_case):
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "padded"])
+def test_two_tensor_parallel_ranks_split_the_adapters_as_the_base_layers(lora_case, cuda_graphs):
+    # padded: each rank's decode steps run the dense product on its slice of the adapters
     prompts, adapters, expected = mixed_batch(lora_case, [None, "all", "attn"])
     with Engine(
-        str(lora_case["base"]), mode="mp", enable_lora=True, tensor_parallel_size=2, max_loras=1, **SMALL
+        str(lora_case["base"]),
+        mode="mp",
+        enable_lora=True,
+        tensor_parallel_size=2,
+        max_loras=1,
+        cuda_graphs=cuda_graphs,
+        **SMALL,
     ) as engine:
         assert tokens(engine.generate(prompts, GREEDY, lora_request=adapters)) == expected
 
@@ -443,3 +459,20 @@ def test_the_batched_product_equals_each_rows_own_adapter(chunk_slots, counts, s
     torch.testing.assert_close(out, expected)
     no_adapter = [row for row, slot in enumerate(row_slots) if slot < 0]
     assert torch.equal(out[no_adapter], base[no_adapter])  # the base layer's rows, exactly
+
+    # a graph's step: the dense product over every slot, masked per row, on 9 rows (two of padding), after a step
+    # that set more rows than this one (its mask rows must not linger)
+    step.allow_static(10, 4, cpu, torch.float32)
+    step.begin_static([1] * 10, [1] * 10)
+    step.begin_static(chunk_slots, counts)
+    assert step.active and not step.segments
+    padded_x, padded_base = torch.cat([x, torch.randn(2, 5)]), torch.cat([base, torch.randn(2, 14)])
+    dense = padded_base.clone()
+    slots(padded_x, dense)
+    torch.testing.assert_close(dense[:7], expected)
+    untouched = [*no_adapter, 7, 8]
+    assert torch.equal(dense[untouched], padded_base[untouched])
+    step.begin_static(None, ())  # no row uses an adapter: the whole mask is zeros
+    assert not step.mask.any()
+    step.begin(chunk_slots, counts, cpu)  # an eager step after it splits its rows again
+    assert not step.static and step.segments

@@ -548,3 +548,47 @@ def test_an_engine_on_the_triton_path_generates_the_torch_paths_greedy_tokens(
             assert [list(t) for t in again] == [list(t) for t in expected]
     assert calls  # the kernels did run
     assert [list(t) for t in got] == [list(t) for t in expected]
+
+
+@pytest.mark.slow  # about 30-60 s on a busy machine: transformers' references, then the interpreted kernels
+def test_adapters_run_in_the_padded_steps_of_the_triton_path(ops, tmp_path):
+    """With ``cuda_graphs`` and LoRA, the steps whose rows use adapters take the padded paths too, mixed steps
+    included: the adapters' dense product, masked per row, is part of every graph. The greedy tokens are
+    transformers' on the merged model (and on the base for the rows of no adapter)."""
+    from enginekit import Engine, LoRARequest, SamplingParams
+    from hf_checkpoints import build_checkpoint, hf_greedy
+    from lora_adapters import build_adapter, merge_adapter
+
+    base = build_checkpoint(tmp_path / "base", "llama")
+    adapter = build_adapter(base, tmp_path / "adapter", seed=1)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (3, 30, 11, 19)]
+    with_adapter = hf_greedy(merge_adapter(base, adapter, tmp_path / "merged"), prompts, 10)
+    without = hf_greedy(base, prompts, 10)
+    expected = [with_adapter[0], without[1], with_adapter[2], with_adapter[3]]
+    request = LoRARequest("all", 1, str(adapter))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    options = dict(
+        block_size=8, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=128
+    )
+    with Engine(
+        str(base), mode="inproc", enable_lora=True, max_loras=2, cuda_graphs=True, **options
+    ) as engine:
+        runner = engine.client.core.runner
+        runner.model.use_triton(ops)
+        static_steps = []
+        begin_static = runner.lora.begin_static
+        runner.lora.begin_static = lambda slots, counts: (
+            static_steps.append((slots, list(counts))) or begin_static(slots, counts)
+        )
+        outputs = engine.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            params,
+            lora_request=[request, None, request, request],
+            progress=False,
+        )
+        assert runner.decode_graphs.steps and runner.mixed_graphs.steps
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    with_adapters = [counts for slots, counts in static_steps if slots and max(slots) >= 0]
+    assert any(max(counts) > 1 for counts in with_adapters)  # a mixed step's prefill chunk, with an adapter
+    assert any(max(counts) == 1 for counts in with_adapters)  # a pure decode step

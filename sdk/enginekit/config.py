@@ -165,7 +165,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cuda_graphs
         Replay steps from captured CUDA graphs, which removes the per-kernel launch cost of small steps on a
         GPU: decode steps (one graph per padded batch size and context length) and, with the Triton kernels,
-        steps with prefill chunks (one per padded token count). On CPU the same padded paths run without graphs
+        steps with prefill chunks (one per padded token count). With ``enable_lora`` the graphs include the
+        adapters' product, so steps with adapters replay them too. On CPU the same padded paths run without graphs
         (slower; for testing them there). Off by default: not yet measured on a GPU.
     cuda_graph_capture_s
         With ``cuda_graphs`` on CUDA: how long the engine may spend capturing graphs as it starts (logged: how

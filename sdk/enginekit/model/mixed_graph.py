@@ -16,8 +16,9 @@ inside the kernel, so a graph recorded for one token count replays every split o
 
 So the shapes are one per token bucket, few enough to capture all of them at start. The launch shape of
 attention is fixed per bucket: the rows per program of a prefill chunk, and the split of long contexts chosen for
-the longest a sequence may have. Steps with prompt embeddings or prompt logprobs, adapters, more tokens than the
-largest bucket or more logits rows than ``max_num_seqs`` (long proposals) run eagerly, and so does every step of
+the longest a sequence may have. LoRA adapters run in the graphs as a dense product masked per row
+(``lora/slots.py``). Steps with prompt embeddings or prompt logprobs, more tokens than the largest bucket or more
+logits rows than ``max_num_seqs`` (long proposals) run eagerly, and so does every step of
 a model without Triton kernels (the torch path's prefill attention follows each chunk's length on the host).
 Pure decode steps keep their own graphs (``decode_graph.py``: fewer rows per attention program).
 

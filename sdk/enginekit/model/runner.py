@@ -116,6 +116,8 @@ class ModelRunner:
                 max_blocks=max_blocks_per_seq,
                 pool=self.graph_pool,
             )
+            if self.lora is not None:  # a graph's step runs every slot's product, masked per row
+                self.lora.allow_static(max(max_num_seqs, self.mixed_graphs.token_buckets[-1]))
             if device.type == "cuda" and graph_capture_s > 0:
                 self._capture_at_start(graph_capture_s)
         rotary = model.rotary
@@ -162,11 +164,8 @@ class ModelRunner:
         native = self.model.layer_ops is not None
         lora = self.lora is not None and any(chunk.lora_slot >= 0 for chunk in chunks)
         triton = self.model.triton is not None
-        # a captured graph runs no adapter: a step with adapters runs eagerly
-        graphs = self.decode_graphs is not None and not lora and self.decode_graphs.accepts(chunks)
-        mixed = (
-            not graphs and self.mixed_graphs is not None and not lora and self.mixed_graphs.accepts(chunks)
-        )
+        graphs = self.decode_graphs is not None and self.decode_graphs.accepts(chunks)
+        mixed = not graphs and self.mixed_graphs is not None and self.mixed_graphs.accepts(chunks)
         native_until = self._native_until if native and not graphs and not triton else 0
         kernel_layout = triton and not graphs
         inputs = self.inputs.prepare(
@@ -174,7 +173,11 @@ class ModelRunner:
         )
         self._zero_new_blocks(batch.num_used_blocks)
         if self.lora is not None:  # each adapter's rows, laid out as the inputs lay out the chunks' rows
-            self.lora.begin_step([chunk.lora_slot for chunk in chunks] if lora else None, inputs.counts)
+            slots = [chunk.lora_slot for chunk in chunks] if lora else None
+            if graphs or mixed:  # the graphs run the adapters' dense product, masked per row
+                self.lora.begin_static(slots, inputs.counts)
+            else:
+                self.lora.begin_step(slots, inputs.counts)
         if self.decode_graphs is not None and graphs:
             return self.decode_graphs(inputs, self.inputs.tables), {}
         if self.mixed_graphs is not None and mixed:
@@ -321,6 +324,8 @@ class ModelRunner:
         token count first (a handful, the largest activations: the pool is sized by them), then decode shapes."""
         assert self.decode_graphs is not None and self.mixed_graphs is not None
         started = time.perf_counter()
+        if self.lora is not None:  # no row uses an adapter, and the graphs record the adapters' product
+            self.lora.begin_static(None, ())
         if self.model.triton is not None:
             self.mixed_graphs.capture_at_start(budget_s)
         self.decode_graphs.capture_at_start(max(0.0, budget_s - (time.perf_counter() - started)))

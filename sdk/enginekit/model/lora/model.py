@@ -87,6 +87,16 @@ class LoRAModel:
         self.step.begin(chunk_slots, counts, self.device)
         self.decoder.lora_active = self.step.active
 
+    def allow_static(self, max_rows: int) -> None:
+        """Let steps of up to ``max_rows`` rows run with fixed shapes (``begin_static``): the runner's graphs."""
+        self.step.allow_static(max_rows, self.spec.max_loras, self.device, self.dtype)
+
+    def begin_static(self, chunk_slots: list[int] | None, counts: Iterable[int]) -> None:
+        """``begin_step`` for a step replayed from (or captured into) a CUDA graph: every projection runs the dense
+        product over all the slots, masked per row on the device, whether or not a row uses an adapter."""
+        self.step.begin_static(chunk_slots, counts)
+        self.decoder.lora_active = True
+
     def release(self) -> None:
         for layer in self.decoder.layers:
             for projection in PROJECTIONS:

@@ -9,6 +9,12 @@ out), and every projection then runs two products per adapter the step uses, wha
 ``h = x[rows] @ A^T``, ``out[rows] += h @ B``. An adapter's rows that lie together (one request, or requests side by
 side) are a slice of the batch, read and written in place; scattered ones are gathered with one index and added
 back with another. Rows of no adapter are not touched: the base model's rows are the base model's.
+
+A step replayed from a CUDA graph (``cuda_graphs``) cannot split its rows on the host: the graph recorded fixed
+shapes. There every projection runs one dense product instead (``LoRAStep.begin_static``): every slot's ``A`` over
+every row, each row's own slot kept by a one-hot mask on the device (zeros for rows of no adapter and for padding),
+then every slot's ``B``. That is ``max_loras`` times the adapters' arithmetic, small beside the base layer's (rank
+16, 4 slots: under 2% of a 4,096-wide projection), and it is the same kernels whichever adapters the step uses.
 """
 
 from __future__ import annotations
@@ -16,8 +22,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 from torch.nn import functional as F
+
+from enginekit.model import transfer
 
 Shard = Callable[[str, torch.Tensor], torch.Tensor]
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -36,22 +45,54 @@ class Segment:
 
 
 class LoRAStep:
-    """This step's rows gathered per adapter slot, shared by every adapted projection of one model."""
+    """This step's rows gathered per adapter slot, shared by every adapted projection of one model; in a step of
+    fixed shapes (``static``), every row's slot as a one-hot row of ``mask``."""
 
-    __slots__ = ("segments",)
+    __slots__ = ("_mask_rows", "mask", "segments", "static")
 
     def __init__(self) -> None:
         self.segments: list[Segment] = []
+        self.static = False  # the step runs the dense product (a graph's step): see begin_static
+        # NOTE: graphs read this address: fill it in place, never rebind it
+        self.mask: torch.Tensor | None = None  # [rows, slots]: 1 where the row uses the slot
+        self._mask_rows = 0  # the mask's rows that may hold a 1 (the rest are zeros)
 
     @property
     def active(self) -> bool:
-        """Whether some row of the step uses an adapter."""
-        return bool(self.segments)
+        """Whether the step runs the adapters' product: some row uses an adapter, or the step has fixed shapes."""
+        return self.static or bool(self.segments)
+
+    def allow_static(self, max_rows: int, max_loras: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Hold the mask for static steps of up to ``max_rows`` rows."""
+        self.mask = torch.zeros(max_rows, max_loras, device=device, dtype=dtype)
+
+    def begin_static(self, chunk_slots: list[int] | None, counts: Iterable[int]) -> None:
+        """Set a step of fixed shapes (a graph's capture or replay, ``allow_static`` first): each chunk's slot
+        (``-1`` for none; ``None``: no chunk uses an adapter) and its token count, written into the mask, whose
+        other rows (the padding) are zeros."""
+        mask = self.mask
+        assert mask is not None
+        self.segments = []
+        self.static = True
+        rows = 0
+        if chunk_slots:
+            slots = np.repeat(
+                np.asarray(chunk_slots, np.int64), np.fromiter(counts, np.int64, len(chunk_slots))
+            )
+            rows = len(slots)
+            used = np.flatnonzero(slots >= 0)
+            onehot = np.zeros((rows, mask.shape[1]), np.float32)
+            onehot[used, slots[used]] = 1.0
+            mask[:rows].copy_(transfer.upload(onehot, mask.dtype, mask.device))
+        if self._mask_rows > rows:  # rows the step before set that this one does not
+            mask[rows : self._mask_rows].zero_()
+        self._mask_rows = rows
 
     def begin(self, chunk_slots: list[int] | None, counts: Iterable[int], device: torch.device) -> None:
         """Set the step's rows from its chunks: each chunk's slot (``-1`` for none; ``None``: no chunk uses an
         adapter) and its token count, the chunks' rows lying one after another in their order."""
         self.segments = []
+        self.static = False
         if not chunk_slots:
             return
         runs: dict[int, list[tuple[int, int]]] = {}  # slot -> its runs of rows [start, end)
@@ -69,7 +110,7 @@ class LoRAStep:
             if len(spans) == 1:
                 self.segments.append(Segment(slot, *spans[0]))
             else:
-                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
+                rows = transfer.upload_tensor(torch.cat([torch.arange(a, b) for a, b in spans]), device)
                 self.segments.append(Segment(slot, 0, 0, rows))
 
 
@@ -115,6 +156,9 @@ class LoRASlots:
         self.b_blocks = [
             [self.b[slot, inner, outer] for inner, outer in self.blocks] for slot in range(max_loras)
         ]
+        # every slot at once, for the dense product (views: a slot written in place is what the graphs read)
+        self.a_all = self.a.view(max_loras * width, in_features)
+        self.b_all = self.b.view(max_loras * width, self.out_features)
 
     def write(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Put an adapter's whole-model ``A`` ``[parts x r, in]`` and ``B`` ``[out, r]`` (``LoRAWeights``) in ``slot``."""
@@ -138,6 +182,9 @@ class LoRASlots:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the adapters' product of ``x`` ``[rows, in]`` to the base layer's ``out`` ``[rows, out]``, in place."""
+        if self.step.static:
+            self._dense(x, out)
+            return
         for segment in self.step.segments:
             slot = segment.slot
             if segment.rows is not None:
@@ -152,3 +199,13 @@ class LoRASlots:
             rows = out[start:end]
             for (inner, outer), block in zip(self.blocks, self.b_blocks[slot]):
                 rows[:, outer].addmm_(h[:, inner], block)
+
+    def _dense(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The static step's product: every slot's ``A`` over every row, each row's own slot kept by the mask (a
+        row of no adapter keeps none: its output gains exact zeros), then every slot's ``B``."""
+        mask = self.step.mask
+        assert mask is not None
+        rows, slots = x.shape[0], mask.shape[1]
+        h = self.kernel(x, self.a_all, None).view(rows, slots, -1)
+        h = h * mask[:rows, :, None]
+        out.addmm_(h.view(rows, -1), self.b_all)
