@@ -88,6 +88,13 @@ def test_stop_accepts_a_single_string_or_a_list():
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
 
 
+def test_none_is_no_stops_and_no_bad_words_as_in_vllm():
+    # vLLM's defaults: code that passes its request's fields on (``stop=request.stop``) gives None
+    params = SamplingParams(stop=None, stop_token_ids=None, bad_words=None)
+    assert (params.stop, params.stop_token_ids, params.bad_words) == ((), (), ())
+    assert params == SamplingParams()
+
+
 def test_greedy_means_temperature_zero():
     assert SamplingParams(temperature=0).is_greedy
     assert not SamplingParams().is_greedy
