@@ -172,3 +172,34 @@ def test_the_capture_budget_is_checked():
         Engine("builtin", mode="inproc", cuda_graphs=True, cuda_graph_capture_s=-1)
     with pytest.raises(ValueError, match="cuda_graph_capture_s"):
         Engine("builtin", mode="inproc", cuda_graphs=True, cuda_graph_capture_s=float("nan"))
+
+
+def test_penalties_token_controls_and_structured_outputs_equal_the_eager_path(engines):
+    # the sampler runs on the graph's logits: every sampling option of a decode step works on the padded path
+    from enginekit import StructuredOutputsParams
+
+    eager, graphed = engines
+    batch = prompts(4, seed=11)
+    params = [
+        SamplingParams(
+            max_tokens=16,
+            temperature=0,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            ignore_eos=True,
+        ),
+        SamplingParams(max_tokens=16, temperature=0, logit_bias={7: 4.0}, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=3, allowed_token_ids=list(range(40, 90))),
+        SamplingParams(
+            max_tokens=16, temperature=0, structured_outputs=StructuredOutputsParams(regex="[0-9]{4,12}")
+        ),
+    ]
+    graphs = graphed.client.core.runner.decode_graphs
+    graphs.steps.clear()
+    expected = eager.generate(batch, params, progress=False)
+    actual = graphed.generate(batch, params, progress=False)
+    assert token_ids(actual) == token_ids(expected)
+    assert graphs.steps  # the decodes took the padded path
+    assert all(40 <= t < 90 for t in actual[2].outputs[0].token_ids)
+    assert actual[3].outputs[0].text.isdigit() and 4 <= len(actual[3].outputs[0].text) <= 12
