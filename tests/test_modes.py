@@ -141,6 +141,23 @@ def test_utility_timeout(engine):
     assert engine.ping()
 
 
+def test_an_async_utility_call_raises_at_its_timeout_and_a_cancelled_one_leaves_nothing_pending():
+    async def calls(engine):
+        with pytest.raises(TimeoutError, match=r"utility 'sleep' did not answer within 0\.05s"):
+            await engine.acall_utility("sleep", 2.0, timeout=0.05)
+        waiter = asyncio.create_task(engine.acall_utility("ping", timeout=HANG_GUARD_S))
+        await asyncio.sleep(0)  # one pass of the loop: the call is sent and awaits its answer
+        assert len(engine.client._pending) == 1
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return await engine.acall_utility("ping", timeout=HANG_GUARD_S)  # answered after the sleep
+
+    with Engine("builtin", mode="async", num_kv_blocks=16) as engine:
+        assert asyncio.run(calls(engine)) == "pong"
+        assert len(engine.client._pending) == 0
+
+
 @pytest.mark.parametrize("mode", ["inproc", "mp", "async"])
 def test_ping_is_false_while_the_engine_cannot_answer_in_time_and_true_once_it_can(mode):
     with Engine("builtin", mode=mode, num_kv_blocks=64) as engine:
