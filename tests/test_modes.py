@@ -4,6 +4,7 @@ import asyncio
 import os
 import stat
 import threading
+import time
 
 import pytest
 import torch
@@ -352,3 +353,32 @@ def test_cumulative_logprob_sums_the_sampled_tokens_logprobs_when_asked(mode):
         assert pieces[-1].cumulative_logprob == pytest.approx(total, abs=1e-5)  # the whole sum, as in vLLM
         plain = engine.generate("sum me", SamplingParams(max_tokens=3))[0].outputs[0]
         assert plain.cumulative_logprob is None
+
+
+@pytest.mark.parametrize("mode", ["inproc", "mp", "async"])
+def test_a_threads_stream_ends_when_another_thread_routes_its_last_output(mode, monkeypatch):
+    # Eight threads stream at once; each batch holds all their updates and one thread routes it. The others must
+    # wake for their own updates, the last ones included: no batch comes after them. With the blocking wait's
+    # guard set past the hang guard, a thread that waited for another batch instead would never end in time.
+    from enginekit.frontend import output_router
+
+    monkeypatch.setattr(output_router, "_POLL_S", 10 * HANG_GUARD_S)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with Engine("builtin", mode=mode, num_kv_blocks=128) as engine:
+        for _ in range(3):
+            ends, errors = [], []
+
+            def consume(index, ends=ends, errors=errors):
+                try:
+                    ends.append(list(engine.stream(f"thread {index}", params))[-1])
+                except BaseException as error:
+                    errors.append(error)
+
+            threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + HANG_GUARD_S
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            assert not errors and not any(thread.is_alive() for thread in threads)
+            assert len(ends) == 8 and all(o.finished and len(o.outputs[0].token_ids) == 24 for o in ends)

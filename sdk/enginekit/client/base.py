@@ -3,7 +3,8 @@
 Every client offers the same calls, each waiting one with a blocking and an ``*_async`` form, so the
 facade never asks which mode it runs in. Submissions (``add_request``, ``abort_requests``) never block and are
 safe from any thread. Waiting and taking are separate: ``wait_for_output`` (or ``wait_for_output_async``)
-returns once a batch of step outputs may be ready, and ``get_output(0)`` takes it (``None`` if there is none;
+returns once a batch of step outputs may be ready (or the waiter's own condition holds: another thread routed
+its outputs, and said so with ``wake_waiters``), and ``get_output(0)`` takes it (``None`` if there is none;
 in-process, it runs a step). The facade takes and routes a batch in one short critical section, so batches are
 applied in order whichever thread or task takes them. ``get_output(timeout)`` does both. Once the engine is
 gone, every call raises ``EngineDeadError``.
@@ -12,6 +13,7 @@ gone, every call raises ``EngineDeadError``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from enginekit.config import EngineMode
@@ -38,7 +40,14 @@ class EngineCoreClient(ABC):
     def get_output(self, timeout: float | None = 0) -> EngineCoreOutputs | None: ...
 
     @abstractmethod
-    def wait_for_output(self, timeout: float | None) -> None: ...
+    def wait_for_output(self, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
+        """Until a batch may be ready, the engine is gone, ``until()`` holds (re-checked at each
+        ``wake_waiters``), or ``timeout``."""
+
+    @abstractmethod
+    def wake_waiters(self) -> None:
+        """Have the threads blocked in ``wait_for_output`` check their ``until`` again: a batch was routed, and
+        with it perhaps what they wait for."""
 
     @abstractmethod
     async def wait_for_output_async(self) -> None: ...

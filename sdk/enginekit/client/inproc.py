@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -115,9 +115,12 @@ class InprocClient(EngineCoreClient):
             return batches[0]
         return EngineCoreOutputs([output for batch in batches for output in batch.outputs])
 
-    def wait_for_output(self, timeout: float | None) -> None:
+    def wait_for_output(self, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
         """Nothing to wait for: ``get_output`` computes the next batch."""
         self.core  # noqa: B018  (raises once the engine is gone)
+
+    def wake_waiters(self) -> None:
+        """Nobody blocks in ``wait_for_output`` here."""
 
     async def wait_for_output_async(self) -> None:
         self.core  # noqa: B018

@@ -18,6 +18,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
@@ -281,8 +282,13 @@ class MPClient(EngineCoreClient):
             raise EngineDeadError("the engine is gone")
         return batch
 
-    def wait_for_output(self, timeout: float | None) -> None:
-        self._receiver().wait(timeout)
+    def wait_for_output(self, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
+        self._receiver().wait(timeout, until)
+
+    def wake_waiters(self) -> None:
+        receiver = self.receiver
+        if receiver is not None:
+            receiver.wake_waiters()
 
     async def wait_for_output_async(self) -> None:
         await self._receiver().wait_async()

@@ -95,6 +95,9 @@ class _Receiver:
         except IndexError:
             return None
 
+    def wake_waiters(self) -> None:
+        """Have blocked ``wait`` calls check their ``until`` again (a loop's sync readers do so between reads)."""
+
     def _read_available(self) -> bool:
         """Handle every message ready on the socket; False once the receiver is closed."""
         raise NotImplementedError
@@ -193,9 +196,18 @@ class ThreadReceiver(_Receiver):
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_wake, waiter)
 
-    def wait(self, timeout: float | None) -> None:
+    def wait(self, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
+        """Until a batch is queued, the engine is gone, ``until()`` holds (checked again at each
+        ``wake_waiters``), or ``timeout``."""
         with self._arrived:
-            self._arrived.wait_for(lambda: self._batches or self.dead, timeout)
+            if until is None:
+                self._arrived.wait_for(lambda: self._batches or self.dead, timeout)
+            else:
+                self._arrived.wait_for(lambda: self._batches or self.dead or until(), timeout)
+
+    def wake_waiters(self) -> None:
+        with self._arrived:
+            self._arrived.notify_all()
 
     async def wait_async(self) -> None:
         with self._arrived:
@@ -325,14 +337,16 @@ class LoopReceiver(_Receiver):
                 self._wake()
 
     # ---- the blocking side --------------------------------------------------------------------------
-    def wait(self, timeout: float | None) -> None:
-        """Read the socket on the calling thread until a batch is queued, the engine is gone, or ``timeout``."""
+    def wait(self, timeout: float | None, until: Callable[[], bool] | None = None) -> None:
+        """Read the socket on the calling thread until a batch is queued, the engine is gone, ``until()`` holds
+        (checked between reads: a thread waiting for the reader's lock does so at least every read slice), or
+        ``timeout``."""
         self._check_not_driven_elsewhere()
         deadline = None if timeout is None else time.monotonic() + timeout
         # NOTE: pyzmq runs signal handlers inside recv (after part of a message: lost) and in a frame's
         # destructor (dropped there): a Ctrl-C is raised between messages instead.
         with deferred_interrupts() as interrupted:
-            while not (self._batches or self.dead or interrupted):
+            while not (self._batches or self.dead or interrupted or (until is not None and until())):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("enginekit")
 
-_POLL_S = 0.05  # how long a blocking wait sleeps before it re-checks its own request
+_POLL_S = 0.05  # a blocking wait's longest sleep (a guard: batches and routed updates wake it sooner)
 
 
 class Watcher(Protocol):
@@ -64,6 +64,7 @@ class OutputRouter:
     def fail_all(self, error: BaseException) -> None:
         with self._lock:
             self.processor.fail_all(error)
+        self.client.wake_waiters()
 
     def take(self) -> bool:
         """Take one batch, if there is one, and route it; False if there was none.
@@ -79,7 +80,8 @@ class OutputRouter:
             if batch is None:
                 return False
             self.processor.process(batch)
-            return True
+        self.client.wake_waiters()  # threads whose requests this batch updated stop waiting for a batch
+        return True
 
     def abort_unfinished(self, states: list[RequestState]) -> None:
         """Forget and abort a call's unfinished requests (it was interrupted, cancelled or left early)."""
@@ -150,7 +152,7 @@ class OutputRouter:
         """Until every request in ``states`` has ended; raises the first one's error."""
         for state in states:
             while not state.finished:
-                self._pump()
+                self._pump(state, state.version)
                 if watcher is not None:
                     watcher.update()
             if state.error is not None:
@@ -159,14 +161,15 @@ class OutputRouter:
     def wait_update(self, state: RequestState, seen: int) -> None:
         """Until ``state`` has changed since version ``seen``; raises its error if it failed."""
         while state.version == seen:
-            self._pump()
+            self._pump(state, seen)
         if state.error is not None:
             raise state.error
 
-    def _pump(self) -> None:
-        if not self.take():
-            self.client.wait_for_output(_POLL_S)
-            self.take()
+    def _pump(self, state: RequestState, seen: int) -> None:
+        """Route a batch, or wait for one until ``state`` changes from version ``seen`` (another thread may route
+        its update: ``take`` wakes the waiters)."""
+        if not self.take() and state.version == seen:
+            self.client.wait_for_output(_POLL_S, lambda: state.version != seen)
 
     # ---- async waits --------------------------------------------------------------------------------
     async def wait_async(self, states: list[RequestState], watcher: Watcher | None = None) -> None:
