@@ -201,6 +201,8 @@ ATTENTION_SHAPES = [  # heads, kv heads, head size, block size
     (4, 4, 24, 4),  # no grouping; a head size with a vector tail and a rotary half off the vector width
     (8, 1, 80, 1),  # one KV head; a head size past 64 columns; one token per block
     (2, 2, 16, 512),  # blocks longer than the 256 tokens scored at once
+    (4, 2, 32, 16),  # the built-in model's: values four vectors wide
+    (6, 2, 120, 8),  # values 64 + 32 + 16 + 8 columns wide
 ]
 
 

@@ -201,20 +201,29 @@ AVX2 static inline void score_span(const float *q, const float *k, long stride, 
 
 /* acc = acc * correction + sum_t weights[t] v_t over `count` values `stride` floats apart, 64 columns at a time in
  * eight registers. */
+/* acc[j0 .. j0 + 8 NV) = acc * correction + sum_t weights[t] v_t, NV vectors of 8 columns held in registers. */
+#define ACCUMULATE_COLUMNS(NV)                                                                                  \
+  for (; j0 + 8 * (NV) <= d; j0 += 8 * (NV)) {                                                                  \
+    __m256 r[NV];                                                                                               \
+    for (int i = 0; i < (NV); i++) r[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + j0 + 8 * i), c);                   \
+    for (long t = 0; t < count; t++) {                                                                          \
+      __m256 w = _mm256_set1_ps(weights[t]);                                                                    \
+      const float *vt = v + t * stride + j0;                                                                    \
+      for (int i = 0; i < (NV); i++) r[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * i), r[i]);              \
+    }                                                                                                           \
+    for (int i = 0; i < (NV); i++) _mm256_storeu_ps(acc + j0 + 8 * i, r[i]);                                     \
+  }
+
+/* acc = acc * correction + sum_t weights[t] v_t over a span of count values: 64 columns at a time, then 32, 16 and
+ * 8 (a head of 32 or 40 columns is vectors too), the last d % 8 columns one by one. */
 AVX2 static inline void accumulate_values(float *acc, float correction, const float *v, long stride, long d,
                                           const float *weights, long count) {
   long j0 = 0;
   __m256 c = _mm256_set1_ps(correction);
-  for (; j0 + 64 <= d; j0 += 64) {
-    __m256 r[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + j0 + 8 * i), c);
-    for (long t = 0; t < count; t++) {
-      __m256 w = _mm256_set1_ps(weights[t]);
-      const float *vt = v + t * stride + j0;
-      for (int i = 0; i < 8; i++) r[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vt + 8 * i), r[i]);
-    }
-    for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + j0 + 8 * i, r[i]);
-  }
+  ACCUMULATE_COLUMNS(8)
+  ACCUMULATE_COLUMNS(4)
+  ACCUMULATE_COLUMNS(2)
+  ACCUMULATE_COLUMNS(1)
   for (long j = j0; j < d; j++) {
     float sum = acc[j] * correction;
     for (long t = 0; t < count; t++) sum += weights[t] * v[t * stride + j];
