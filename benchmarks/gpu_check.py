@@ -55,10 +55,11 @@ PHASES = ("limits", "parity", "speed", "kernels", "hygiene", "kv_sizing", "tp")
 SCHEMA = 1
 FULL = {"batch_sizes": "1,64,256", "prompt_len": 128, "new_tokens": 128, "restarts": 3, "parity_tokens": 24}
 SMALL = {"batch_sizes": "1,8,32", "prompt_len": 16, "new_tokens": 8, "restarts": 2, "parity_tokens": 8}
-PARITY_RUNS = {
-    "float32": ("float32", False),
-    "bfloat16": ("bfloat16", False),
-    "bfloat16, graphs": ("bfloat16", True),
+PARITY_RUNS = {  # name: dtype, cuda_graphs, a LoRA adapter on half the rows
+    "float32": ("float32", False, False),
+    "bfloat16": ("bfloat16", False, False),
+    "bfloat16, graphs": ("bfloat16", True, False),
+    "bfloat16, graphs, LoRA": ("bfloat16", True, True),
 }
 SMALL_PARITY_PROMPTS = (5, 17, 40)  # besides the text prompt; the 1B model's: gpu_parity.PROMPT_LENGTHS
 
@@ -228,18 +229,19 @@ def _parity(
 ) -> dict[str, Any]:
     from enginekit.model.text.tokenizer import load_tokenizer
 
-    from .gpu_parity import PROMPT_LENGTHS, check_parity, parity_prompts
+    from .gpu_parity import PROMPT_LENGTHS, check_parity, parity_prompts, write_adapter
 
     lengths = SMALL_PARITY_PROMPTS if args.tiny else PROMPT_LENGTHS
     prompts = parity_prompts(load_tokenizer(Path(folder)), token_range, lengths)
     checks = {}
-    for name, (dtype, graphs) in PARITY_RUNS.items():
+    for name, (dtype, graphs, lora) in PARITY_RUNS.items():
         if dtype == "bfloat16":
             reference = _hf_model(state, folder, device)
         else:
             reference = load_transformers(folder, dtype, device)
+        adapter = write_adapter(reference, Path(folder).parent / "adapter") if lora else None
         checks[name] = check_parity(
-            reference, folder, device, dtype, prompts, args.parity_tokens, cuda_graphs=graphs
+            reference, folder, device, dtype, prompts, args.parity_tokens, cuda_graphs=graphs, adapter=adapter
         )
         del reference
         _free_device_cache()

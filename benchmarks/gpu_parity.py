@@ -10,20 +10,34 @@ transformers' log-probabilities (a near-tie, which two correct implementations m
 bfloat16), and the engine's log-probability of its token must be within the same tolerance of transformers'.
 Because the context is always the engine's, every step is compared, also after a near-tie.
 
+With an adapter (``write_adapter``: a random peft LoRA folder over every projection) the engine runs each prompt
+twice in one batch, once with the adapter and once without (``enable_lora``), and the adapter's rows are compared
+with transformers on the merged weights (``merged``: ``W + scale B A`` in place, put back after), the others with
+the base model: on CUDA with ``cuda_graphs=True`` this checks the adapters' dense product that the graphs record.
+
 The model's logits have a standard deviation of about 4 (``gpu_model.LOGIT_STD``), so a wrong token is typically
 several nats below the best one: the tolerances are far below that, and far above rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 # nats. bfloat16 rounds a logit near the top (about 16) to steps of 0.125, and 16 layers add their own rounding.
 TOLERANCE = {"float32": 0.02, "bfloat16": 1.0}
 TEXT_PROMPT = "The engine reads a prompt, splits it into tokens and runs the model one step at a time."
 PROMPT_LENGTHS = (1, 5, 16, 17, 100, 128)  # across KV-block boundaries (16 tokens a block)
+ADAPTER_RANK, ADAPTER_ALPHA = 8, 16.0
+ADAPTED = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
 
 
 def parity_prompts(
@@ -45,20 +59,33 @@ def check_parity(
     max_tokens: int,
     *,
     cuda_graphs: bool = False,
+    adapter: Path | None = None,
 ) -> dict[str, Any]:
-    """Engine against transformers (``hf_model``: ``folder``'s model loaded in ``dtype`` on ``device``)."""
+    """Engine against transformers (``hf_model``: ``folder``'s model loaded in ``dtype`` on ``device``); with an
+    ``adapter`` (``write_adapter``), each prompt with it and without it."""
     started = time.perf_counter()
-    engine_tokens, engine_logprobs = _engine_greedy(folder, device, dtype, prompts, max_tokens, cuda_graphs)
-    reference = [
-        _hf_logprobs(hf_model, prompt, tokens, device) for prompt, tokens in zip(prompts, engine_tokens)
-    ]
+    adapters = (
+        [True] * len(prompts) + [False] * len(prompts) if adapter is not None else [False] * len(prompts)
+    )
+    runs = prompts * 2 if adapter is not None else prompts
+    engine_tokens, engine_logprobs = _engine_greedy(
+        folder, device, dtype, runs, max_tokens, cuda_graphs, adapter, adapters
+    )
+    reference = []
+    for use_adapter in (True, False):
+        rows = [(p, t) for p, t, a in zip(runs, engine_tokens, adapters) if a == use_adapter]
+        if not rows:
+            continue
+        with merged(hf_model, adapter) if use_adapter and adapter is not None else contextlib.nullcontext():
+            reference += [_hf_logprobs(hf_model, prompt, tokens, device) for prompt, tokens in rows]
     tolerance = TOLERANCE[dtype]
     rows = [compare(*args, tolerance) for args in zip(engine_tokens, engine_logprobs, reference)]
     return {
         "dtype": dtype,
         "cuda_graphs": cuda_graphs,
-        "prompts": len(prompts),
-        "prompt_lengths": [len(p) for p in prompts],
+        "lora": adapter is not None,
+        "prompts": len(runs),
+        "prompt_lengths": [len(p) for p in runs],
         "tokens_per_prompt": max_tokens,
         "tokens": sum(len(tokens) for tokens in engine_tokens),
         "greedy_equal": sum(row["greedy_equal"] for row in rows),
@@ -100,9 +127,17 @@ def compare(tokens: list[int], logprobs: list[float], hf_logprobs: Any, toleranc
 
 
 def _engine_greedy(
-    folder: str, device: str, dtype: str, prompts: list[list[int]], max_tokens: int, cuda_graphs: bool
+    folder: str,
+    device: str,
+    dtype: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    cuda_graphs: bool,
+    adapter: Path | None = None,
+    adapters: list[bool] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
-    from enginekit import Engine, SamplingParams
+    """The engine's greedy tokens and their logprobs; ``adapters``: which prompts run ``adapter``."""
+    from enginekit import Engine, LoRARequest, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     from .gpu_model import engine_options
@@ -111,8 +146,15 @@ def _engine_greedy(
     options = engine_options(
         device, dtype=dtype, max_num_seqs=len(prompts), num_kv_blocks=blocks, cuda_graphs=cuda_graphs
     )
+    lora_requests = None
+    if adapter is not None:
+        options.update(enable_lora=True, max_loras=1, max_lora_rank=ADAPTER_RANK)
+        request = LoRARequest("parity", 1, str(adapter))
+        lora_requests = [request if use else None for use in (adapters or [])]
     with Engine(folder, mode="inproc", **options) as engine:
-        outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, progress=False)
+        outputs = engine.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, lora_request=lora_requests, progress=False
+        )
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
     logprobs = [
         [
@@ -132,3 +174,65 @@ def _hf_logprobs(model: Any, prompt: list[int], tokens: list[int], device: str) 
     with torch.inference_mode():
         logits = model(input_ids=input_ids).logits[0, len(prompt) - 1 :]
     return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def write_adapter(hf_model: Any, folder: Path, seed: int = 1, strength: float = 0.3) -> Path:
+    """A random peft LoRA folder for ``hf_model``'s every projection (rank ``ADAPTER_RANK``), its product about
+    ``strength`` times the size of the base layer's output: enough to change the tokens."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    scale = ADAPTER_ALPHA / ADAPTER_RANK
+    tensors = {}
+    for index, layer in enumerate(hf_model.model.layers):
+        for section, names in ADAPTED.items():
+            for name in names:
+                weight = getattr(getattr(layer, section), name).weight.detach()
+                out_features, in_features = weight.shape
+                a = torch.randn(ADAPTER_RANK, in_features, generator=generator) / in_features**0.5
+                size = float(weight.float().std()) * in_features**0.5  # the base output's size per unit input
+                b = torch.randn(out_features, ADAPTER_RANK, generator=generator) * strength * size
+                b /= scale * ADAPTER_RANK**0.5
+                prefix = f"base_model.model.model.layers.{index}.{section}.{name}"
+                tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
+                tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": ADAPTER_RANK,
+        "lora_alpha": ADAPTER_ALPHA,
+        "target_modules": [name for names in ADAPTED.values() for name in names],
+        "bias": "none",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@contextlib.contextmanager
+def merged(hf_model: Any, adapter: Path) -> Iterator[None]:
+    """``hf_model`` with ``adapter``'s product merged into its weights (``W + scale B A``, in the model's dtype),
+    its own weights put back on the way out."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    scale = ADAPTER_ALPHA / ADAPTER_RANK
+    saved = []
+    with torch.no_grad():
+        for index, layer in enumerate(hf_model.model.layers):
+            for section, names in ADAPTED.items():
+                for name in names:
+                    weight = getattr(getattr(layer, section), name).weight
+                    prefix = f"base_model.model.model.layers.{index}.{section}.{name}"
+                    a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
+                    saved.append((weight, weight.detach().clone()))
+                    delta = (b.float() @ a.float()) * scale
+                    weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for weight, original in saved:
+                weight.copy_(original)

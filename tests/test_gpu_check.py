@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -61,10 +62,12 @@ def test_tiny_check_on_cpu_passes_and_writes_its_json(tmp_path: Path) -> None:
     assert result["model"]["num_params"] == gpu_model.TINY.num_params == _num_weights(workdir / "model")
 
     assert result["limits"]["bandwidth_gb_s"] > 0 and result["limits"]["bf16_tflop_s"] > 0
-    for name in ("float32", "bfloat16", "bfloat16, graphs"):
+    for name in ("float32", "bfloat16", "bfloat16, graphs", "bfloat16, graphs, LoRA"):
         parity = result["parity"][name]
         assert parity["passed"] and parity["tokens"] == parity["prompts"] * parity["tokens_per_prompt"] > 0
         assert parity["max_logprob_diff"] <= parity["tolerance"]
+    lora = result["parity"]["bfloat16, graphs, LoRA"]  # each prompt with the adapter and without
+    assert lora["lora"] and lora["prompts"] == 2 * result["parity"]["bfloat16"]["prompts"]
 
     speed = result["speed"]
     rows = {(row["system"], row["batch"]): row for row in speed["rows"]}
@@ -138,6 +141,32 @@ def test_parity_fails_when_the_engine_computes_another_model(tmp_path: Path) -> 
     prompts = parity_prompts(load_tokenizer(folder), (17, 49152), (40, 100))
     assert check_parity(hf_model, str(folder), "cpu", "float32", prompts, 4)["passed"]
     assert not check_parity(hf_model, str(wrong), "cpu", "float32", prompts, 4)["passed"]
+
+
+@pytest.mark.slow
+@needs_tokenizer
+def test_lora_parity_holds_the_adapters_rows_to_the_merged_model(tmp_path: Path, monkeypatch) -> None:
+    """The LoRA run passes against transformers on the merged weights, with the padded steps graphs record, and
+    fails against the base weights: the adapter changes the tokens past the tolerance."""
+    import contextlib
+
+    from benchmarks import gpu_parity
+
+    folder = tmp_path / "model"
+    gpu_model.build_model_folder(folder, gpu_model.TINY, None, "cpu")
+    hf_model = gpu_model.load_transformers(folder, "bfloat16", "cpu")
+    from enginekit.model.text.tokenizer import load_tokenizer
+
+    prompts = parity_prompts(load_tokenizer(folder), (17, 49152), (5, 17, 40))
+    adapter = gpu_parity.write_adapter(hf_model, tmp_path / "adapter")
+    before = [p.detach().clone() for p in hf_model.parameters()]
+    check = check_parity(
+        hf_model, str(folder), "cpu", "bfloat16", prompts, 8, cuda_graphs=True, adapter=adapter
+    )
+    assert check["passed"] and check["lora"] and check["prompts"] == 2 * len(prompts)
+    assert all(torch.equal(a, b) for a, b in zip(before, hf_model.parameters()))  # merged, then put back
+    monkeypatch.setattr(gpu_parity, "merged", lambda model, adapter: contextlib.nullcontext())
+    assert not check_parity(hf_model, str(folder), "cpu", "bfloat16", prompts, 8, adapter=adapter)["passed"]
 
 
 def _page(results: Path, docs: Path) -> str:
