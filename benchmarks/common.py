@@ -452,8 +452,8 @@ def _staggered_driver(
             unfinished.append(states[index])
         while unfinished and unfinished[0].finished:
             unfinished.popleft()
-        if unfinished:
-            engine._router._pump()
+        if unfinished:  # route a batch, or wait for one (mp) until the oldest request changes
+            engine._router._pump(unfinished[0], unfinished[0].version)
         elif pending:
             time.sleep(min(0.0005, max(0.0, start + arrivals[pending[0]] - now)))
     return [state.output for state in states], time.perf_counter() - start

@@ -328,3 +328,22 @@ def test_the_real_models_llama_cpp_text_says_it_crashed() -> None:
     assert "| concurrent |" not in text
     missing = _llama_cpp_text({**figures, "llama_cpp": {"why_not": "`llama-cpp-python` is not installed"}})
     assert missing.startswith("**llama.cpp was not measured**: `llama-cpp-python` is not installed")
+
+
+@pytest.mark.parametrize(
+    ("mode", "callers"), [("inproc", "driver"), ("mp", "driver"), ("mp", "threads"), ("async", "tasks")]
+)
+def test_staggered_runners_serve_every_arrival(mode: str, callers: str) -> None:
+    # the staggered sections drive the facade's internals (the driver pulls with the router's _pump): a change
+    # there must show here, not only in a bench run
+    from benchmarks.common import engine_staggered_runner, mixed_workload, session
+
+    spec = session().model("builtin")
+    workload = mixed_workload(6, (4, 24), (2, 10), seed=1)
+    from enginekit import Engine
+
+    with Engine("builtin", mode=mode, num_kv_blocks=128) as engine:
+        run = engine_staggered_runner(
+            engine, spec, workload, [0.0, 0.0, 0.01, 0.02, 0.02, 0.05], callers=callers
+        )()
+    assert run.tokens == workload.num_output_tokens and run.elapsed_s > 0
