@@ -185,18 +185,16 @@ def write_adapter(hf_model: Any, folder: Path, seed: int = 1, strength: float = 
     generator = torch.Generator().manual_seed(seed)
     scale = ADAPTER_ALPHA / ADAPTER_RANK
     tensors = {}
-    for index, layer in enumerate(hf_model.model.layers):
-        for section, names in ADAPTED.items():
-            for name in names:
-                weight = getattr(getattr(layer, section), name).weight.detach()
-                out_features, in_features = weight.shape
-                a = torch.randn(ADAPTER_RANK, in_features, generator=generator) / in_features**0.5
-                size = float(weight.float().std()) * in_features**0.5  # the base output's size per unit input
-                b = torch.randn(out_features, ADAPTER_RANK, generator=generator) * strength * size
-                b /= scale * ADAPTER_RANK**0.5
-                prefix = f"base_model.model.model.layers.{index}.{section}.{name}"
-                tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
-                tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
+    for prefix, weight in _adapted(hf_model):
+        out_features, in_features = weight.shape
+        a = torch.randn(ADAPTER_RANK, in_features, generator=generator) / in_features**0.5
+        size = (
+            float(weight.detach().float().std()) * in_features**0.5
+        )  # the base output's size per unit input
+        b = torch.randn(out_features, ADAPTER_RANK, generator=generator) * strength * size
+        b /= scale * ADAPTER_RANK**0.5
+        tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     config = {
@@ -221,18 +219,25 @@ def merged(hf_model: Any, adapter: Path) -> Iterator[None]:
     scale = ADAPTER_ALPHA / ADAPTER_RANK
     saved = []
     with torch.no_grad():
-        for index, layer in enumerate(hf_model.model.layers):
-            for section, names in ADAPTED.items():
-                for name in names:
-                    weight = getattr(getattr(layer, section), name).weight
-                    prefix = f"base_model.model.model.layers.{index}.{section}.{name}"
-                    a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
-                    saved.append((weight, weight.detach().clone()))
-                    delta = (b.float() @ a.float()) * scale
-                    weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+        for prefix, weight in _adapted(hf_model):
+            a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
+            saved.append((weight, weight.detach().clone()))
+            delta = (b.float() @ a.float()) * scale
+            weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
     try:
         yield
     finally:
         with torch.no_grad():
             for weight, original in saved:
                 weight.copy_(original)
+
+
+def _adapted(hf_model: Any) -> Iterator[tuple[str, Any]]:
+    """Each adapted projection of a transformers Llama: its tensors' name prefix in a peft folder, its weight."""
+    for index, layer in enumerate(hf_model.model.layers):
+        for section, names in ADAPTED.items():
+            for name in names:
+                yield (
+                    f"base_model.model.model.layers.{index}.{section}.{name}",
+                    getattr(getattr(layer, section), name).weight,
+                )

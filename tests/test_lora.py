@@ -379,8 +379,14 @@ def test_decode_graphs_run_the_steps_with_adapters(lora_case):
     with Engine(str(lora_case["base"]), mode="inproc", enable_lora=True, cuda_graphs=True, **SMALL) as engine:
         lora = engine.client.core.runner.lora
         static_steps = []
-        begin_static = lora.begin_static
-        lora.begin_static = lambda slots, counts: static_steps.append(slots) or begin_static(slots, counts)
+        begin_step = lora.begin_step
+
+        def spy(slots, counts, *, static=False):
+            if static:
+                static_steps.append(slots)
+            begin_step(slots, counts, static=static)
+
+        lora.begin_step = spy
         assert tokens(engine.generate(lora_case["prompts"], GREEDY)) == lora_case["expected"][None]
         assert static_steps and not any(static_steps)  # padded steps, none with an adapter
         static_steps.clear()

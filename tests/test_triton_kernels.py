@@ -577,10 +577,14 @@ def test_adapters_run_in_the_padded_steps_of_the_triton_path(ops, tmp_path):
         runner = engine.client.core.runner
         runner.model.use_triton(ops)
         static_steps = []
-        begin_static = runner.lora.begin_static
-        runner.lora.begin_static = lambda slots, counts: (
-            static_steps.append((slots, list(counts))) or begin_static(slots, counts)
-        )
+        begin_step = runner.lora.begin_step
+
+        def spy(slots, counts, *, static=False):
+            if static:
+                static_steps.append((slots, list(counts)))
+            begin_step(slots, counts, static=static)
+
+        runner.lora.begin_step = spy
         outputs = engine.generate(
             [{"prompt_token_ids": p} for p in prompts],
             params,

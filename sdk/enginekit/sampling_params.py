@@ -67,7 +67,8 @@ class SamplingParams(
         Per-request seed: the same seed gives the same random draws whatever else is in the batch (the same
         tokens too, unless the model's products depend on the batch's size: GGUF weights kept as stored).
     stop
-        A string or strings that end generation; the text is cut before the stop string. ``None`` (vLLM's default): none.
+        A string or strings that end generation; the text is cut before the stop string. ``None`` (vLLM's
+        default): none.
     stop_token_ids
         Token ids that end generation (the token is kept in ``token_ids``). ``None`` (vLLM's default): none.
     ignore_eos
@@ -107,7 +108,8 @@ class SamplingParams(
         Only these token ids may be sampled.
     bad_words
         Words that must not be generated: each is tokenized as it starts the text and after a space, and the
-        last token of each form is banned whenever the output so far ends with the tokens before it. ``None``: none.
+        last token of each form is banned whenever the output so far ends with the tokens before it.
+        ``None``: none.
     skip_special_tokens
         Leave special tokens (such as ``<|im_end|>``) out of the text (``token_ids`` always has them).
     spaces_between_special_tokens

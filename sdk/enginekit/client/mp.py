@@ -26,7 +26,7 @@ import zmq
 
 from enginekit.client.balancer import LoadBalancer
 from enginekit.client.base import EngineCoreClient
-from enginekit.client.pending import PendingCalls
+from enginekit.client.pending import PendingCalls, answers
 from enginekit.client.ray_ranks import RayCluster, RayRank
 from enginekit.client.receiver import EXIT_DRAIN_S, LoopReceiver, ThreadReceiver, WatchedProcess
 from enginekit.client.remote import RankWatcher, RemoteRank
@@ -261,7 +261,7 @@ class MPClient(EngineCoreClient):
                 calls.append((call_id, future))
                 self._send(self._utility_request(call_id, method_name, args), target)
             with awaiting_with_signal_checks():
-                results = await _answers(loop, [future for _, future in calls], timeout)
+                results = await answers([future for _, future in calls], timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"utility {method_name!r} did not answer within {timeout}s") from None
         finally:
@@ -419,32 +419,3 @@ def _describe_death(reason: str, process: EngineProcess | RemoteRank) -> EngineD
         f"{reason}; {process.describe_exit()}. Call engine.restart() to start a new engine."
         + (f"\nLast engine output:\n{tail}" if tail else "")
     )
-
-
-async def _answers(
-    loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future[Any]], timeout: float | None
-) -> list[Any]:
-    """The futures' results, or ``TimeoutError`` past ``timeout``. One future (one rank) is awaited itself, its
-    deadline a timer that fails it: the answer wakes the caller in the loop's next pass, where ``wait_for`` over
-    ``gather`` takes two passes more (each relays a done callback), a tenth of a round trip to an idle engine."""
-    if len(futures) > 1:
-        gathered = asyncio.gather(*futures)
-        gathered.add_done_callback(_retrieve)  # cancelled with its caller: not "never retrieved"
-        return await asyncio.wait_for(gathered, timeout)
-    future = futures[0]
-    timer = None if timeout is None else loop.call_later(timeout, _time_out, future)
-    try:
-        return [await future]
-    finally:
-        if timer is not None:
-            timer.cancel()
-
-
-def _time_out(future: asyncio.Future[Any]) -> None:
-    if not future.done():
-        future.set_exception(asyncio.TimeoutError())
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()

@@ -1,7 +1,7 @@
 """PendingCalls: the utility calls a client has sent and not yet had answered, each behind a future.
 
-A blocking call waits on a ``concurrent.futures.Future``, an async one on an ``asyncio.Future`` of its loop.
-Answers arrive on whichever thread reads the output socket; resolving is thread-safe either way.
+A blocking call waits on a ``concurrent.futures.Future``, an async one on an ``asyncio.Future`` of its loop
+(``answers``). Answers arrive on whichever thread reads the output socket; resolving is thread-safe either way.
 """
 
 from __future__ import annotations
@@ -78,3 +78,30 @@ def _complete(future: AnyFuture, result: Any, error: BaseException | None) -> No
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+async def answers(futures: list[asyncio.Future[Any]], timeout: float | None) -> list[Any]:
+    """The futures' results in order (one per rank called), or ``TimeoutError`` once ``timeout`` has passed.
+
+    Each future is awaited itself, and a timer fails the ones left at the deadline: an answer wakes its caller in
+    the loop's next pass, where ``wait_for`` over ``gather`` took two passes more (each relays a done callback), a
+    tenth of a round trip to an idle engine.
+    """
+    loop = asyncio.get_running_loop()
+    timer = None if timeout is None else loop.call_later(timeout, _time_out, futures)
+    try:
+        return [await future for future in futures]
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for (
+            future
+        ) in futures:  # answered or failed but never awaited (an earlier one raised): not "never retrieved"
+            if future.done() and not future.cancelled():
+                future.exception()
+
+
+def _time_out(futures: list[asyncio.Future[Any]]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(asyncio.TimeoutError())

@@ -200,10 +200,9 @@ class ThreadReceiver(_Receiver):
         """Until a batch is queued, the engine is gone, ``until()`` holds (checked again at each
         ``wake_waiters``), or ``timeout``."""
         with self._arrived:
-            if until is None:
-                self._arrived.wait_for(lambda: self._batches or self.dead, timeout)
-            else:
-                self._arrived.wait_for(lambda: self._batches or self.dead or until(), timeout)
+            self._arrived.wait_for(
+                lambda: self._batches or self.dead or (until is not None and until()), timeout
+            )
 
     def wake_waiters(self) -> None:
         with self._arrived:

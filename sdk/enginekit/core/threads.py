@@ -17,8 +17,8 @@ most half a second on one thread and the count does not flap. Only working time 
 wait for requests (``pause``), and the first step after it takes the wait out of the window, the other
 processes' CPU during it included. A step that runs no request (it only answers a utility call, such as a
 ping or ``get_stats``, or hands outputs over) is no work and ends no wait: the governor is not called for it
-(two readings of ``/proc/stat`` a call, ~50 µs each, were a fifth of a utility round trip). What other processes do with the cores while the engine has nothing to do
-says nothing about how they share them with its work (a benchmark that alternates engines kept an engine of
+(two readings of ``/proc/stat`` a call, ~50 µs each, were a fifth of a utility round trip). What other
+processes do with the cores while the engine has nothing to do says nothing about how they share them with its work (a benchmark that alternates engines kept an engine of
 short runs on one thread that way: each reading then held the other engines' runs). An engine opens its first
 window before it loads the model (a first ``poll``, then ``pause`` once it is built): loading is work too, and
 its first step then runs on the count that window measured.

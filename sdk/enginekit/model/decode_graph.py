@@ -11,8 +11,8 @@ was (or now gets) captured, and its inputs are copied into static buffers:
   inside the graph from the static context lengths, hides the tail and the padding.
 
 LoRA adapters run in the graphs as a dense product masked per row (``lora/slots.py``). Steps with prefill chunks,
-prompt embeddings or prompt logprobs, and batches larger than the largest size, run eagerly, or, on the Triton path, as padded mixed steps (``mixed_graph.py``). As the engine starts, shapes are
-captured for up to ``cuda_graph_capture_s`` seconds (``capture_at_start``: the shortest contexts first, each at
+prompt embeddings or prompt logprobs, and batches larger than the largest size, run eagerly, or, on the Triton
+path, as padded mixed steps (``mixed_graph.py``). As the engine starts, shapes are captured for up to ``cuda_graph_capture_s`` seconds (``capture_at_start``: the shortest contexts first, each at
 every batch size from the largest, so that the pool is sized by the largest step first); the rest are captured on
 first use. Graphs share one memory pool and one static logits buffer (``graph_pool.py``).
 

@@ -173,11 +173,9 @@ class ModelRunner:
         )
         self._zero_new_blocks(batch.num_used_blocks)
         if self.lora is not None:  # each adapter's rows, laid out as the inputs lay out the chunks' rows
+            # the graphs run the adapters' dense product, masked per row
             slots = [chunk.lora_slot for chunk in chunks] if lora else None
-            if graphs or mixed:  # the graphs run the adapters' dense product, masked per row
-                self.lora.begin_static(slots, inputs.counts)
-            else:
-                self.lora.begin_step(slots, inputs.counts)
+            self.lora.begin_step(slots, inputs.counts, static=graphs or mixed)
         if self.decode_graphs is not None and graphs:
             return self.decode_graphs(inputs, self.inputs.tables), {}
         if self.mixed_graphs is not None and mixed:
@@ -325,7 +323,7 @@ class ModelRunner:
         assert self.decode_graphs is not None and self.mixed_graphs is not None
         started = time.perf_counter()
         if self.lora is not None:  # no row uses an adapter, and the graphs record the adapters' product
-            self.lora.begin_static(None, ())
+            self.lora.begin_step(None, (), static=True)
         if self.model.triton is not None:
             self.mixed_graphs.capture_at_start(budget_s)
         self.decode_graphs.capture_at_start(max(0.0, budget_s - (time.perf_counter() - started)))

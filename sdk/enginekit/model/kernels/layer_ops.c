@@ -199,8 +199,6 @@ AVX2 static inline void score_span(const float *q, const float *k, long stride, 
   }
 }
 
-/* acc = acc * correction + sum_t weights[t] v_t over `count` values `stride` floats apart, 64 columns at a time in
- * eight registers. */
 /* acc[j0 .. j0 + 8 NV) = acc * correction + sum_t weights[t] v_t, NV vectors of 8 columns held in registers. */
 #define ACCUMULATE_COLUMNS(NV)                                                                                  \
   for (; j0 + 8 * (NV) <= d; j0 += 8 * (NV)) {                                                                  \
@@ -214,8 +212,8 @@ AVX2 static inline void score_span(const float *q, const float *k, long stride, 
     for (int i = 0; i < (NV); i++) _mm256_storeu_ps(acc + j0 + 8 * i, r[i]);                                     \
   }
 
-/* acc = acc * correction + sum_t weights[t] v_t over a span of count values: 64 columns at a time, then 32, 16 and
- * 8 (a head of 32 or 40 columns is vectors too), the last d % 8 columns one by one. */
+/* acc = acc * correction + sum_t weights[t] v_t over `count` values `stride` floats apart: 64 columns at a time,
+ * then 32, 16 and 8 (a head of 32 or 40 columns is vectors too), the last d % 8 columns one by one. */
 AVX2 static inline void accumulate_values(float *acc, float correction, const float *v, long stride, long d,
                                           const float *weights, long count) {
   long j0 = 0;

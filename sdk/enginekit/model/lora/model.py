@@ -80,22 +80,23 @@ class LoRAModel:
                 else:
                     slots.clear(slot)
 
-    def begin_step(self, chunk_slots: list[int] | None, counts: Iterable[int]) -> None:
+    def begin_step(
+        self, chunk_slots: list[int] | None, counts: Iterable[int], *, static: bool = False
+    ) -> None:
         """The step's rows: each chunk's slot (``-1`` for none; ``None``: no adapter in the step) and its token
-        count, in the order of the step's inputs. The fused native layers run no adapter, so a step with adapters
-        runs the layers piece by piece."""
-        self.step.begin(chunk_slots, counts, self.device)
+        count, in the order of the step's inputs. ``static``: a step replayed from (or captured into) a CUDA graph,
+        where every projection runs the dense product over all the slots, masked per row on the device, whether or
+        not a row uses an adapter (``allow_static`` first). The fused native layers run no adapter, so a step with
+        adapters runs the layers piece by piece."""
+        if static:
+            self.step.begin_static(chunk_slots, counts)
+        else:
+            self.step.begin(chunk_slots, counts, self.device)
         self.decoder.lora_active = self.step.active
 
     def allow_static(self, max_rows: int) -> None:
-        """Let steps of up to ``max_rows`` rows run with fixed shapes (``begin_static``): the runner's graphs."""
+        """Let steps of up to ``max_rows`` rows run with fixed shapes (``begin_step(static=True)``): the graphs."""
         self.step.allow_static(max_rows, self.spec.max_loras, self.device, self.dtype)
-
-    def begin_static(self, chunk_slots: list[int] | None, counts: Iterable[int]) -> None:
-        """``begin_step`` for a step replayed from (or captured into) a CUDA graph: every projection runs the dense
-        product over all the slots, masked per row on the device, whether or not a row uses an adapter."""
-        self.step.begin_static(chunk_slots, counts)
-        self.decoder.lora_active = True
 
     def release(self) -> None:
         for layer in self.decoder.layers:
